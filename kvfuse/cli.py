@@ -1,0 +1,86 @@
+"""kvfuse: RAG serving over reusable per-chunk KV caches.
+
+Each package registers its own subcommands; nothing heavy is imported until a
+subcommand runs, so `kvfuse --help` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvfuse import __version__
+
+# (module, attribute): each `register(subparsers)` adds that package's subcommands.
+_REGISTRARS = (
+    "kvfuse.service.cli",
+    "kvfuse.store.cli",
+    "kvfuse.bench.cli",
+)
+
+
+def _models_prepare(args: argparse.Namespace) -> int:
+    from kvfuse.config import get_settings
+    from kvfuse.model_files import resolve_embedder, resolve_llm
+
+    s = get_settings()
+    print(f"llm: {resolve_llm(s.model.llm, s.models_dir)}")
+    print(f"embedder: {resolve_embedder(s.model.embedder)}")
+    return 0
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    import json
+
+    from kvfuse.config import get_settings
+
+    print(json.dumps(get_settings().model_dump(mode="json"), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfuse", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"kvfuse {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    models = sub.add_parser("models", help="prepare the configured models for offline use")
+    msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    msub.add_parser("prepare", help="convert/locate the LLM and embedder (one time, idempotent)").set_defaults(
+        func=_models_prepare
+    )
+    config = sub.add_parser("config", help="show the effective configuration")
+    csub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    csub.add_parser("show", help="print every setting after env overrides").set_defaults(func=_config_show)
+
+    import importlib
+
+    for name in _REGISTRARS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    from kvfuse.config import ConfigError, get_settings
+
+    try:
+        level = get_settings().log_level.upper()
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

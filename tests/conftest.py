@@ -1,0 +1,81 @@
+"""Shared fixtures. Everything is real: the default LLM and embedder (prepared offline copies), LMDB in
+temp dirs, the Redis server on 127.0.0.1:6379 (a unique key namespace per test)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+# The model cache is shared by every test (and `make setup` fills it): converting the GGUF is slow.
+MODEL_CACHE = Path(os.environ.get("KVFUSE_TEST_MODEL_CACHE", REPO / "data" / "models"))
+REDIS_URL = os.environ.get("KVFUSE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"evaluation data not found at {SHARED_DATA} (the project expects ../shared beside it)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def essays(shared_data: Path) -> list[tuple[str, str]]:
+    """(name, text) of every Paul Graham essay, sorted by name."""
+    folder = shared_data / "paul_graham_essays"
+    return [(p.stem, p.read_text(encoding="utf-8")) for p in sorted(folder.iterdir()) if p.is_file()]
+
+
+@pytest.fixture(scope="session")
+def default_llm_path() -> str:
+    from kvfuse.model_files import resolve_llm
+
+    return resolve_llm("default", MODEL_CACHE)
+
+
+@pytest.fixture(scope="session")
+def default_embedder_path() -> str:
+    from kvfuse.model_files import resolve_embedder
+
+    return resolve_embedder("default")
+
+
+@pytest.fixture
+def redis_url() -> str:
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except redis.exceptions.ConnectionError as err:
+        pytest.fail(f"no Redis at {REDIS_URL}: {err} (.ci/run starts one)")
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_namespace(redis_url: str):
+    """A unique namespace; every key under it is deleted after the test."""
+    import redis
+
+    ns = f"kvfuse-test-{uuid.uuid4().hex[:12]}"
+    yield ns
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(match=f"{ns}:*", count=1000):
+        client.delete(key)
+
+
+@pytest.fixture
+def settings_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Settings with a temp data dir sharing the prepared model cache; keyword overrides as load_settings."""
+    from kvfuse.config import load_settings
+
+    def make(**overrides):
+        overrides.setdefault("data_dir", tmp_path / "data")
+        return load_settings(**overrides)
+
+    # The model cache must not be re-created per temp data dir.
+    monkeypatch.setenv("KVFUSE_MODEL_CACHE_DIR", str(MODEL_CACHE))
+    return make
