@@ -43,6 +43,19 @@ class ServerSettings(_Section):
     queue_size: int = Field(16, ge=1)
     retry_after_s: int = Field(1, ge=0)
     ingest_wait_timeout_s: float = Field(600.0, gt=0)
+    precompute_batch_chunks: int = Field(4, ge=1)
+    worker_start_timeout_s: float = Field(300.0, gt=0)
+    worker_cancel_grace_s: float = Field(30.0, gt=0)
+    worker_stop_timeout_s: float = Field(10.0, gt=0)
+    url: str = ""
+
+    @property
+    def base_url(self) -> str:
+        """Where clients reach the server: `url`, else http://host:port (a wildcard host means loopback)."""
+        if self.url:
+            return self.url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -78,6 +91,9 @@ class StoreSettings(_Section):
     hot_tier_mb: int = Field(512, ge=0)
     redis_namespace: str = Field("kvfuse", min_length=1)
     rebuild_index_on_empty: bool = True
+    redis_timeout_s: float = Field(5.0, gt=0)
+    verify_checksums: bool = True
+    orphan_grace_s: float = Field(3600.0, ge=0)
 
 
 class RetrieverSettings(_Section):
@@ -88,15 +104,18 @@ class RetrieverSettings(_Section):
     hnsw_m: int = Field(32, ge=4)
     hnsw_ef_construction: int = Field(200, ge=8)
     hnsw_ef_search: int = Field(128, ge=8)
+    hnsw_compact_ratio: float = Field(0.25, gt=0.0, le=1.0)  # removed share of an HNSW index that triggers its rebuild
 
 
 class FusionSettings(_Section):
-    method: FusionMethodName = "a3"
+    method: FusionMethodName = "anchor"  # kvfuse's own method, see docs/default_fusion.md
     recompute_ratio: float = Field(0.15, ge=0.0, le=1.0)
     check_layer: int = Field(1, ge=0)
     smooth_window: int = Field(5, ge=1)
     edge_tokens: int = Field(16, ge=0)
     edge_tokens_end: int = Field(16, ge=0)
+    precompute_batch_tokens: int = Field(4096, ge=1)
+    attention_block_rows: int = Field(64, ge=1)
 
 
 class GenerationSettings(_Section):

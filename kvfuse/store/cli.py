@@ -3,7 +3,67 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+
+
+def _rebuild_index(args: argparse.Namespace) -> int:
+    from kvfuse.config import get_settings
+    from kvfuse.store import KVStore, StoreError
+
+    try:
+        with KVStore.open(get_settings()) as store:
+            print(json.dumps(store.rebuild_index()))
+    except StoreError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from kvfuse.config import get_settings
+    from kvfuse.store import KVStore, StoreError
+    from kvfuse.store.check import check_store
+
+    try:
+        with KVStore.open(get_settings(), readonly=not args.repair) as store:
+            rep = check_store(store, repair=args.repair)
+    except StoreError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=2))
+    else:
+        print(f"{rep.documents} documents, {rep.chunks} chunk blobs")
+        for title, items in (
+            ("orphan blobs", rep.orphans),
+            ("orphan blobs within the grace period (kept)", rep.young_orphans),
+            ("missing blobs (document, chunk)", rep.missing),
+            ("corrupt blobs", rep.corrupt),
+            ("index drift", rep.index_drift),
+            ("repaired", rep.repaired),
+        ):
+            if items:
+                print(f"{title}: {len(items)}")
+                for item in items[:20]:
+                    print(f"  {item}")
+        if rep.ref_drift:
+            print(f"chunk refs disagreeing with documents: {rep.ref_drift}")
+        if rep.kv_bytes_drift:
+            print(f"kv_bytes counter off by {rep.kv_bytes_drift}")
+        print("ok" if not rep.problems else ("repaired" if args.repair else "problems found (--repair fixes them)"))
+    return 0 if (not rep.problems or args.repair) else 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this package's subcommands; import nothing heavy here."""
+    store = sub.add_parser("store", help="KV store maintenance")
+    ssub = store.add_subparsers(dest="store_command", metavar="ACTION", required=True)
+    ssub.add_parser(
+        "rebuild-index", help="rebuild the index (Redis) from LMDB, the source of truth"
+    ).set_defaults(func=_rebuild_index)
+    chk = ssub.add_parser("check", help="find orphan, missing and corrupt blobs and index drift")
+    chk.add_argument("--repair", action="store_true",
+                     help="delete orphans and corrupt blobs, mark affected documents failed, fix the index")
+    chk.add_argument("--json", action="store_true", help="print the report as JSON")
+    chk.set_defaults(func=_check)

@@ -1,0 +1,17 @@
+"""Errors raised by the retriever package."""
+
+from __future__ import annotations
+
+
+class EmptyDocumentError(ValueError):
+    """The document has no text to chunk (empty or whitespace only)."""
+
+
+class EmbedderError(RuntimeError):
+    """The embedding model could not be loaded; the message says what to install or set."""
+
+
+class IndexLoadError(RuntimeError):
+    """The saved vector index cannot be used as it is (torn or corrupt files, another dimension).
+
+    The caller rebuilds it from the stored documents (`VectorIndex.rebuild`)."""

@@ -1,0 +1,249 @@
+"""`kvfuse bench store`: write and read throughput of chunk KV blobs, per dtype at rest.
+
+For each dtype: encode + store N chunks (one LMDB transaction each, fsync'd as in service), then read
+them back: from disk (the LMDB file's pages evicted from the OS page cache first), cold (not in the hot
+tier, but in the page cache: LMDB memory map -> checksum -> one copy into tensors) and hot (RAM tier);
+and copy the same bytes with a plain memcpy in the same run.
+
+"hot read" includes copying k and v out of the hot tier into fresh memory: `load_chunk` itself hands
+out the shared tensors with no copy at all (reported as hot lookup), so the copy is what a caller that
+needs its own buffer pays, and it is what is compared with memcpy. Both copy the same way: a numpy copy
+(one plain memcpy); the torch clone variants are reported too (torch runs large copies on its intra-op
+thread pool, which is slow on a busy host with few cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# The default model (SmolLM2-135M-Instruct): 30 layers, 3 KV heads, head_dim 64 (docs: DESIGN.md).
+DEFAULT_SHAPE = (30, 3, 64)
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _np_copy(t: Any) -> Any:
+    """A plain single-threaded memcpy of a tensor's bytes (numpy; any dtype via a uint8 view)."""
+    import torch
+
+    return t.view(torch.uint8).numpy().copy()
+
+
+def _evict_file_cache(path: Path) -> bool:
+    """Drop one file's pages from the OS page cache (only this file: the host is shared); False where
+    the platform cannot. The file must not be memory-mapped meanwhile (mapped pages stay)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else float("inf")
+
+
+def _median_rate(nbytes: int, times: list[float]) -> float:
+    return _gbps(nbytes, statistics.median(times))
+
+
+def run_store_bench(
+    settings: Any,
+    *,
+    json_out: bool,
+    progress: bool,
+    chunks: int = 16,
+    tokens: int = 512,
+    dtypes: tuple[str, ...] = DTYPES,
+    repeats: int = 3,
+    shape: tuple[int, int, int] = DEFAULT_SHAPE,
+    scratch: Path | None = None,
+) -> dict:
+    """Run the benchmark in a scratch LMDB (removed afterwards); print JSON (json_out) or a table."""
+    import torch
+    from tqdm import tqdm
+
+    from kvfuse import kvblob
+    from kvfuse.store.kvstore import KVStore
+
+    layers, kv_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(0)
+    sources = [
+        (torch.randn(layers, kv_heads, tokens, head_dim, generator=gen),
+         torch.randn(layers, kv_heads, tokens, head_dim, generator=gen),
+         torch.randint(0, 49152, (tokens,), generator=gen).tolist())
+        for _ in range(chunks)
+    ]
+    steps = len(dtypes) * chunks * (1 + 4 * repeats)
+    bar = tqdm(total=steps, desc="bench store", unit="chunk", file=sys.stderr, disable=not progress)
+    results: dict[str, dict] = {}
+    root = Path(tempfile.mkdtemp(prefix="kvfuse-bench-store-", dir=scratch))
+    try:
+        for dtype in dtypes:
+            payload = 2 * layers * kv_heads * tokens * head_dim * kvblob.dtype_size(dtype)
+            total_payload = payload * chunks
+            cfg = settings.model_copy(update={
+                "data_dir": root / dtype,
+                "redis_url": "",  # the blob path is measured, not the index
+                "store": settings.store.model_copy(update={
+                    "hot_tier_mb": (total_payload >> 20) + 64,  # every chunk fits: hot reads all hit
+                    "lmdb_map_size_mb": max(settings.store.lmdb_map_size_mb, (2 * total_payload >> 20) + 64),
+                }),
+            })
+            keys, blob_bytes = [], 0
+            with KVStore.open(cfg) as store:
+                t_encode = t_put = 0.0
+                for k, v, ids in sources:
+                    t0 = time.perf_counter()
+                    key = kvblob.chunk_key("bench-model", dtype, ids)
+                    blob = kvblob.encode(k, v, model_fingerprint="bench-model", token_ids=ids, dtype=dtype)
+                    t1 = time.perf_counter()
+                    store.put_chunk(key, blob)
+                    t_put += time.perf_counter() - t1
+                    t_encode += t1 - t0
+                    keys.append(key)
+                    blob_bytes += len(blob)
+                    bar.update()
+
+            disk = []  # nothing cached: the file's pages are evicted before each pass
+            for _ in range(repeats):
+                evicted = _evict_file_cache(cfg.lmdb_dir / "data.mdb")
+                with KVStore.open(cfg) as store:
+                    t0 = time.perf_counter()
+                    for key in keys:
+                        store.load_chunk(key)
+                    disk.append(time.perf_counter() - t0)
+                bar.update(chunks)
+
+            cold, hot, hot_torch, lookup, memcpy, memcpy_torch = [], [], [], [], [], []
+            with KVStore.open(cfg) as store:
+                for _ in range(repeats):
+                    store.hot.clear()
+                    t0 = time.perf_counter()
+                    for key in keys:
+                        store.load_chunk(key)
+                    cold.append(time.perf_counter() - t0)
+                    bar.update(chunks)
+
+                    t0 = time.perf_counter()
+                    for key in keys:
+                        store.load_chunk(key)
+                    lookup.append(time.perf_counter() - t0)
+
+                    t0 = time.perf_counter()
+                    for key in keys:
+                        k, v, _ = store.load_chunk(key)
+                        _np_copy(k)
+                        _np_copy(v)
+                    hot.append(time.perf_counter() - t0)
+
+                    t0 = time.perf_counter()
+                    for key in keys:
+                        k, v, _ = store.load_chunk(key)
+                        k.clone()
+                        v.clone()
+                    hot_torch.append(time.perf_counter() - t0)
+                    bar.update(chunks)
+                hot_stats = store.hot.stats()
+
+            # memcpy of the same bytes in the same pieces (k-sized, v-sized), from bytearray-backed memory
+            # as in the hot tier
+            bufs = [torch.frombuffer(bytearray(payload // 2), dtype=torch.uint8).random_(generator=gen)
+                    for _ in range(2 * chunks)]
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for b in bufs:
+                    _np_copy(b)
+                memcpy.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for b in bufs:
+                    b.clone()
+                memcpy_torch.append(time.perf_counter() - t0)
+                bar.update(chunks)
+            del bufs
+
+            hot_gbps, memcpy_gbps = _median_rate(total_payload, hot), _median_rate(total_payload, memcpy)
+            results[dtype] = {
+                "chunks": chunks,
+                "tokens_per_chunk": tokens,
+                "blob_bytes": blob_bytes // chunks,
+                "bytes_per_token": round(blob_bytes / chunks / tokens, 1),
+                "payload_bytes_per_token": payload // tokens,
+                "write_gbps": _gbps(blob_bytes, t_encode + t_put),
+                "encode_gbps": _gbps(blob_bytes, t_encode),
+                "lmdb_put_gbps": _gbps(blob_bytes, t_put),
+                "cold_read_gbps": _median_rate(total_payload, cold),
+                "disk_read_gbps": _median_rate(total_payload, disk) if evicted else None,
+                "hot_read_gbps": hot_gbps,
+                "hot_lookup_gbps": _median_rate(total_payload, lookup),
+                "memcpy_gbps": memcpy_gbps,
+                "hot_vs_memcpy": round(hot_gbps / memcpy_gbps, 3),
+                "hot_read_torch_clone_gbps": _median_rate(total_payload, hot_torch),
+                "memcpy_torch_clone_gbps": _median_rate(total_payload, memcpy_torch),
+                "hot_hits": hot_stats["hot_hits"],
+            }
+            shutil.rmtree(root / dtype, ignore_errors=True)
+    finally:
+        bar.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+    out = {
+        "kind": "store",
+        "shape": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim},
+        "repeats": repeats,
+        "verify_checksums": settings.store.verify_checksums,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "goal": {"hot_read_gbps_min": 2.0, "hot_vs_memcpy_min": 0.5},
+        "dtypes": results,
+    }
+    if json_out:
+        print(json.dumps(out, indent=2))
+    else:
+        cols = ("bytes_per_token", "write_gbps", "cold_read_gbps", "hot_read_gbps", "memcpy_gbps", "hot_vs_memcpy")
+        print("dtype     " + "  ".join(f"{c:>15}" for c in cols))
+        for dtype, row in results.items():
+            print(f"{dtype:<10}" + "  ".join(f"{row[c]:>15}" for c in cols))
+    return out
+
+
+def _cli(args: argparse.Namespace) -> int:
+    from kvfuse.config import get_settings
+
+    run_store_bench(
+        get_settings(),
+        json_out=args.json,
+        progress=not args.no_progress,
+        chunks=args.chunks,
+        tokens=args.tokens,
+        dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
+        repeats=args.repeats,
+        scratch=Path(args.dir) if args.dir else None,
+    )
+    return 0
+
+
+def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
+    """Add `kvfuse bench store`; imports nothing heavy."""
+    p = bench_subparsers.add_parser("store", help="KV blob write/read GB/s per dtype (512-token chunks)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--chunks", type=int, default=16, help="chunks per dtype")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per chunk")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated dtypes at rest")
+    p.add_argument("--repeats", type=int, default=3, help="read passes (the median is reported)")
+    p.add_argument("--dir", default=None, help="scratch directory for the LMDB (default: system temp)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cli)

@@ -1,0 +1,76 @@
+"""RAM tier in front of LMDB: decoded chunk KV, least recently used evicted first, bounded in bytes."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from torch import Tensor
+
+from kvfuse.kvblob import KVHeader
+
+Entry = tuple[Tensor, Tensor, KVHeader]
+
+
+class HotTier:
+    """Thread-safe LRU by bytes. Entries are shared with callers, who must not modify them in place."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._items: OrderedDict[str, tuple[Entry, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, key: str) -> Entry | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return item[0]
+
+    def __contains__(self, key: str) -> bool:  # no counter change: a probe, not a read
+        with self._lock:
+            return key in self._items
+
+    def put(self, key: str, entry: Entry) -> bool:
+        """Keep `entry`; False when it alone exceeds the budget (then it is not kept)."""
+        size = entry[0].nbytes + entry[1].nbytes
+        if size > self.budget_bytes:
+            return False
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+            self._items[key] = (entry, size)
+            self._bytes += size
+            while self._bytes > self.budget_bytes:
+                _, (_, evicted) = self._items.popitem(last=False)
+                self._bytes -= evicted
+                self.evictions += 1
+        return True
+
+    def discard(self, key: str) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "hot_budget_bytes": self.budget_bytes,
+                "hot_bytes": self._bytes,
+                "hot_items": len(self._items),
+                "hot_hits": self.hits,
+                "hot_misses": self.misses,
+                "hot_evictions": self.evictions,
+            }

@@ -1,0 +1,57 @@
+"""Records the store keeps about documents and chunks (JSON in LMDB, hashes in Redis)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+STATUSES = ("pending", "processing", "ready", "failed")
+# Error prefix of documents whose stored KV was found missing or corrupt (`kvfuse store check --repair`,
+# or a CorruptBlobError at load): the service re-ingests them from their stored text.
+KV_LOST = "kv_lost"
+
+
+@dataclass
+class DocumentRecord:
+    id: str
+    status: str = "pending"  # pending | processing | ready | failed
+    metadata: dict = field(default_factory=dict)
+    chunk_keys: list[str] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    tokens: int = 0
+    kv_bytes: int = 0
+    created_at: float = 0.0  # 0 = set by the store on first write
+    updated_at: float = 0.0  # set by the store on every write
+    error: str | None = None
+    content_hash: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | memoryview | str) -> DocumentRecord:
+        return cls.from_dict(json.loads(bytes(raw) if isinstance(raw, memoryview) else raw))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DocumentRecord:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+FIELD_NAMES = frozenset(f.name for f in fields(DocumentRecord))
+
+
+@dataclass
+class ChunkInfo:
+    key: str
+    tokens: int
+    bytes: int
+    created_at: float
+
+    def to_json(self) -> bytes:
+        return json.dumps({"tokens": self.tokens, "bytes": self.bytes, "created_at": self.created_at}).encode()
+
+    @classmethod
+    def from_json(cls, key: str, raw: bytes | memoryview) -> ChunkInfo:
+        d = json.loads(bytes(raw))
+        return cls(key=key, tokens=d["tokens"], bytes=d["bytes"], created_at=d["created_at"])
