@@ -1,9 +1,264 @@
-"""`kvfuse` subcommands of the service package (registered by kvfuse.cli)."""
+"""`kvfuse serve`, `kvfuse ingest`, `kvfuse query` (registered by kvfuse.cli; heavy imports stay inside
+the command functions so `kvfuse --help` is instant)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown", ".rst", ".text"})  # files picked up inside folders
+_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:@-]+")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this package's subcommands; import nothing heavy here."""
+    p = sub.add_parser("serve", help="run the HTTP service (API process + model worker)")
+    p.add_argument("--host", help="bind address (default: server.host)")
+    p.add_argument("--port", type=int, help="bind port (default: server.port)")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("ingest", help="ingest text files or folders (into a running server, or --local)")
+    p.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="files, or folders (searched recursively)")
+    _client_args(p)
+    p.add_argument("--local", action="store_true",
+                   help="no server: run the service in this process on the configured data dir for the duration "
+                        "(no other server may be using that data dir)")
+    p.add_argument("--on-conflict", choices=("skip", "overwrite", "fail"), default="skip",
+                   help="when a document id exists already (default: skip)")
+    p.add_argument("--batch", type=int, default=16, help="documents per request (default: 16)")
+    p.add_argument("--no-wait", action="store_true", help="return once queued instead of waiting for ready")
+    p.set_defaults(func=_ingest)
+
+    p = sub.add_parser("query", help="ask a question; the answer streams as it is generated")
+    p.add_argument("question")
+    _client_args(p)
+    p.add_argument("--method", help="fusion method (default: fusion.method)")
+    p.add_argument("--ratio", type=float, help="recompute ratio in [0, 1] (default: fusion.recompute_ratio)")
+    p.add_argument("--doc", action="append", dest="docs", metavar="ID",
+                   help="answer from exactly these documents, in this order (repeatable)")
+    p.add_argument("--top-k", type=int, help="chunks to retrieve (default: retriever.top_k)")
+    p.add_argument("--max-tokens", type=int, help="answer length limit (default: generation.max_tokens)")
+    p.set_defaults(func=_query)
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="server URL (default: server.url, else http://server.host:server.port)")
+    p.add_argument("--api-key", help="API key (default: $KVFUSE_API_KEY, else the first of server.api_keys)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server (default: 600)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvfuse.config import get_settings
+    from kvfuse.service.app import create_app
+    from kvfuse.service.auth import check_bind
+
+    s = get_settings()
+    server = s.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v})
+    try:
+        check_bind(server.host, server)
+    except PermissionError as err:
+        print(f"kvfuse serve: {err}", file=sys.stderr)
+        return 2
+    settings = s.model_copy(update={"server": server})
+    uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=s.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    import logging
+    import os
+
+    import httpx
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the output
+    from kvfuse.config import get_settings
+
+    s = get_settings().server
+    key = args.api_key or os.environ.get("KVFUSE_API_KEY") or (s.api_keys[0] if s.api_keys else None)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=args.url or s.base_url, headers=headers,
+                        timeout=httpx.Timeout(args.timeout, connect=10.0))
+
+
+def _fail(resp: Any) -> str:
+    try:
+        err = resp.json()["error"]
+        return f"HTTP {resp.status_code}: {err['message']}"
+    except Exception:  # noqa: BLE001 - any non-JSON answer
+        return f"HTTP {resp.status_code}: {resp.text[:300]}"
+
+
+def collect_files(paths: list[Path]) -> list[Path]:
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            files.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"no such file or folder: {p}")
+    return files
+
+
+def doc_id_for(path: Path) -> str:
+    """A document id from a file name: its stem with unsafe characters replaced."""
+    stem = _ID_UNSAFE.sub("-", path.stem).strip("-._:@") or "document"
+    return stem[:200]
+
+
+@contextlib.contextmanager
+def local_server(timeout: float) -> Iterator[str]:
+    """The service on a free loopback port in this process (API in a thread, the usual worker process)."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from kvfuse.config import get_settings
+    from kvfuse.service.app import create_app
+
+    s = get_settings()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    settings = s.model_copy(update={"server": s.server.model_copy(update={"host": "127.0.0.1", "port": port})})
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="kvfuse-local-server", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the local service did not become ready")
+            time.sleep(0.5)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    import time
+
+    from tqdm import tqdm
+
+    try:
+        files = collect_files(args.paths)
+    except FileNotFoundError as err:
+        print(f"kvfuse ingest: {err}", file=sys.stderr)
+        return 2
+    if not files:
+        print("kvfuse ingest: no text files found", file=sys.stderr)
+        return 2
+    docs: list[dict] = []
+    for f in files:
+        try:
+            docs.append({"id": doc_id_for(f), "text": f.read_text(encoding="utf-8"), "metadata": {"source": str(f)}})
+        except UnicodeDecodeError:
+            print(f"skipped {f}: not UTF-8 text", file=sys.stderr)
+    ok = 0
+    pending: dict[str, str] = {}  # job id -> document id
+    with contextlib.ExitStack() as stack:
+        if args.local:
+            args.url = stack.enter_context(local_server(args.timeout))
+            args.no_wait = False  # the local service ends with this command: wait for every job
+        http = stack.enter_context(_client(args))
+        bar = stack.enter_context(tqdm(total=len(docs), unit="doc", desc="ingest"))
+        for i in range(0, len(docs), max(1, args.batch)):
+            batch = docs[i : i + args.batch]
+            resp = http.post("/v1/documents", json={"documents": batch, "on_conflict": args.on_conflict})
+            if resp.status_code >= 400:
+                bar.write(f"batch of {len(batch)} refused: {_fail(resp)}")
+                bar.update(len(batch))
+                continue
+            for item in resp.json()["documents"]:
+                if item.get("job_id") and not item.get("skipped") and not args.no_wait:
+                    pending[item["job_id"]] = item["document_id"]
+                else:
+                    ok += 1
+                    bar.update(1)
+        while pending:
+            for job_id in list(pending):
+                resp = http.get(f"/v1/jobs/{job_id}")
+                job = resp.json() if resp.status_code == 200 else {"status": "failed", "error": _fail(resp)}
+                if job["status"] in ("ready", "failed", "cancelled"):
+                    doc_id = pending.pop(job_id)
+                    if job["status"] == "ready":
+                        ok += 1
+                    else:
+                        bar.write(f"{doc_id}: {job['status']}: {job.get('error')}")
+                    bar.update(1)
+            if pending:
+                time.sleep(0.5)
+    print(f"{ok} of {len(files)} documents {'queued' if args.no_wait else 'ingested'}")
+    return 0 if ok == len(files) else 1
+
+
+def _query(args: argparse.Namespace) -> int:
+    import json
+
+    body: dict[str, Any] = {"query": args.question, "stream": True}
+    if args.docs:
+        body["document_ids"] = args.docs
+    if args.top_k is not None:
+        body["top_k"] = args.top_k
+    if args.max_tokens is not None:
+        body["max_tokens"] = args.max_tokens
+    fusion = {k: v for k, v in (("method", args.method), ("recompute_ratio", args.ratio)) if v is not None}
+    if fusion:
+        body["fusion"] = fusion
+    sources: list[dict] = []
+    final: dict = {}
+    with _client(args) as http, http.stream("POST", "/v1/query", json=body) as resp:
+        if resp.status_code >= 400:
+            resp.read()
+            print(f"kvfuse query: {_fail(resp)}", file=sys.stderr)
+            return 1
+        event = None
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                payload = json.loads(data)
+                if event == "sources":
+                    sources = payload["sources"]
+                    if payload.get("warning"):
+                        print(f"warning: {payload['warning']}", file=sys.stderr)
+                elif event == "token":
+                    print(payload["text"], end="", flush=True)
+                elif event == "done":
+                    final = payload
+                elif event == "error":
+                    print(f"\nkvfuse query: {payload['error']['message']}", file=sys.stderr)
+                    return 1
+    print()
+    print("\nsources:")
+    for s in sources:
+        print(f"  {s['document_id']} #{s['chunk_index']}  score {s['score']:.3f}")
+    if final:
+        t, u = final["timings"], final["usage"]
+        print(f"timings: ttft {t['ttft_ms']:.0f} ms, decode {t['decode_ms']:.0f} ms, total {t['total_ms']:.0f} ms "
+              f"(retrieval {t['retrieval_ms']:.0f} ms, kv load {t['kv_load_ms']:.0f} ms)")
+        print(f"tokens: prompt {u['prompt_tokens']} (reused {u['cached_tokens']}, recomputed "
+              f"{u['recomputed_tokens']}), completion {u['completion_tokens']}; fusion {final['fusion']['method']} "
+              f"r={final['fusion']['recompute_ratio']}")
+    return 0

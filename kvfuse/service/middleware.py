@@ -1,0 +1,49 @@
+"""ASGI guard in front of every route: API-key check, then the request body size limit (413)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvfuse.config import ServerSettings
+from kvfuse.service.auth import check_request
+from kvfuse.service.errors import APIError, error_response
+
+
+class GuardMiddleware:
+    def __init__(self, app: ASGIApp, server: ServerSettings) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        limit = self.server.max_body_bytes
+        try:
+            check_request(request, self.server)
+            declared = request.headers.get("content-length")
+            if declared is not None and (not declared.isdigit() or int(declared) > limit):
+                raise _too_large(limit)
+        except APIError as err:
+            await error_response(err)(scope, receive, send)
+            return
+
+        received = 0
+
+        async def limited_receive() -> Message:
+            # Chunked uploads declare no length: count as the body arrives and stop at the limit.
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _too_large(limit)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body exceeds {limit} bytes (server.max_body_bytes)", code="body_too_large")

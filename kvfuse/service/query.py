@@ -1,0 +1,323 @@
+"""The query pipeline shared by /v1/query and /v1/chat/completions.
+
+prepare(): validate knobs, retrieve (embed + vector search) or take the caller's documents in order, and
+gather each chunk's store key and token ids (split from the document's tokens by the stored chunk sizes,
+so chunking settings may change later without invalidating stored KV). start(): queue the job and wait
+for the worker's plan (which chunks fit the context), so errors still get a proper HTTP status. Then
+`events()` streams the deltas and the final result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from kvfuse.service.errors import APIError
+from kvfuse.service.schemas import FusionIn, GenerationIn
+from kvfuse.service.supervisor import QueueFull, WorkerCrashed, WorkerJobError, WorkerUnavailable
+from kvfuse.service.worker import ERR_CONTEXT_OVERFLOW, ERR_INVALID, ERR_MAX_TOKENS
+
+log = logging.getLogger(__name__)
+
+_DOC_TOKEN_CACHE = 256  # documents whose chunk token ids are kept (re-tokenizing an essay costs ~10 ms)
+_DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer started."""
+
+
+@dataclass
+class SourceChunk:
+    document_id: str
+    chunk_index: int
+    score: float
+    key: str
+    token_ids: list[int]
+
+    def public(self) -> dict[str, Any]:
+        return {"document_id": self.document_id, "chunk_index": self.chunk_index, "score": round(self.score, 6),
+                "tokens": len(self.token_ids)}
+
+
+@dataclass
+class QueryPlan:
+    question: str
+    system_prompt: str | None
+    chunks: list[SourceChunk]
+    explicit: bool
+    fusion: dict[str, Any]
+    generation: dict[str, Any]
+    retrieval_s: float
+    arrived: float
+    deadline: float
+
+
+@dataclass
+class QueryRun:
+    plan: QueryPlan
+    job: Any
+    events: AsyncIterator[tuple[str, dict]]
+    sources: list[SourceChunk]
+    dropped: list[SourceChunk]
+    plan_info: dict
+
+    @property
+    def warning(self) -> str | None:
+        if not self.dropped:
+            return None
+        return (f"{len(self.dropped)} retrieved chunk(s) did not fit the model context beside the question and "
+                "max_tokens and were left out (lowest score first)")
+
+
+class QueryService:
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self._doc_tokens: OrderedDict[tuple[str, str], list[list[int]]] = OrderedDict()
+
+    # -- preparation ---------------------------------------------------------------------------------------
+    async def prepare(self, *, question: str, system_prompt: str | None, top_k: int | None,
+                      document_ids: list[str] | None, filters: dict | None, fusion: FusionIn | None,
+                      gen: GenerationIn, arrived: float) -> QueryPlan:
+        st = self.state
+        s = st.settings
+        st.require_components()
+        if not question.strip():
+            raise APIError(422, "the question is empty or whitespace only", code="empty_query", param="query")
+        if top_k is not None and top_k > s.retriever.max_top_k:
+            raise APIError(422, f"top_k {top_k} exceeds the limit of {s.retriever.max_top_k}", code="invalid_value",
+                           param="top_k")
+        fusion_opts = self.fusion_options(fusion)
+        gen_opts = self.generation_options(gen)
+        t0 = time.perf_counter()
+        if document_ids is not None:
+            chunks = await asyncio.to_thread(self._explicit_chunks, document_ids)
+        else:
+            chunks = await self._retrieve(question, top_k or s.retriever.top_k, filters)
+        retrieval_s = time.perf_counter() - t0
+        if document_ids is None:
+            st.metrics.retrieval.observe(retrieval_s)
+        return QueryPlan(question=question, system_prompt=system_prompt if system_prompt is not None
+                         else s.model.system_prompt, chunks=chunks, explicit=document_ids is not None,
+                         fusion=fusion_opts, generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
+                         deadline=arrived + s.server.request_timeout_s)
+
+    def fusion_options(self, fusion: FusionIn | None) -> dict[str, Any]:
+        from kvfuse.fusion import FusionOptions, available_methods
+
+        # Only the per-request knobs: config.fusion also holds engine-wide settings.
+        names = {f.name for f in dataclasses.fields(FusionOptions)}
+        opts = {k: v for k, v in self.state.settings.fusion.model_dump().items() if k in names}
+        if fusion is not None:
+            opts.update(fusion.model_dump(exclude_none=True))
+        methods = available_methods()
+        if opts["method"] not in methods:
+            raise APIError(422, f"unknown fusion method {opts['method']!r}; available: {', '.join(methods)}",
+                           code="unknown_fusion_method", param="fusion.method")
+        layers = self.state.supervisor.info.get("num_layers")
+        if layers is not None and opts["check_layer"] >= layers:
+            raise APIError(422, f"fusion.check_layer must be below the model's {layers} layers",
+                           code="invalid_value", param="fusion.check_layer")
+        return opts
+
+    def generation_options(self, gen: GenerationIn) -> dict[str, Any]:
+        g = self.state.settings.generation
+        max_tokens = gen.max_tokens if gen.max_tokens is not None else g.max_tokens
+        if max_tokens > g.max_tokens_limit:
+            raise APIError(422, f"max_tokens {max_tokens} exceeds the limit of {g.max_tokens_limit}",
+                           code="invalid_value", param="max_tokens")
+        stop = [gen.stop] if isinstance(gen.stop, str) else list(gen.stop or [])
+        if any(not s for s in stop):
+            raise APIError(422, "stop strings must not be empty", code="invalid_value", param="stop")
+        return {"max_tokens": max_tokens, "temperature": g.temperature if gen.temperature is None else gen.temperature,
+                "top_p": g.top_p if gen.top_p is None else gen.top_p, "seed": gen.seed, "stop": stop}
+
+    def _chunk_token_ids(self, rec: Any) -> list[list[int]]:
+        """A ready document's chunk token ids: its tokens split by the chunk sizes stored at ingest."""
+        cache_key = (rec.id, rec.content_hash)
+        if cache_key in self._doc_tokens:
+            self._doc_tokens.move_to_end(cache_key)
+            return self._doc_tokens[cache_key]
+        text = self.state.store.get_text(rec.id)
+        if text is None:
+            raise APIError(404, f"document {rec.id!r} has no stored text", code="document_not_found")
+        ids = self.state.chunker.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        if len(ids) != sum(rec.chunk_tokens):
+            raise APIError(500, f"document {rec.id!r} no longer tokenizes as it did at ingestion: re-ingest it",
+                           code="tokenizer_changed")
+        out, pos = [], 0
+        for n in rec.chunk_tokens:
+            out.append(list(ids[pos : pos + n]))
+            pos += n
+        self._doc_tokens[cache_key] = out
+        while len(self._doc_tokens) > _DOC_TOKEN_CACHE:
+            self._doc_tokens.popitem(last=False)
+        return out
+
+    def _explicit_chunks(self, document_ids: list[str]) -> list[SourceChunk]:
+        if len(set(document_ids)) != len(document_ids):
+            raise APIError(422, "document_ids contains duplicates", code="invalid_value", param="document_ids")
+        chunks: list[SourceChunk] = []
+        for doc_id in document_ids:
+            rec = self.state.store.get_document(doc_id)
+            if rec is None:
+                raise APIError(404, f"document {doc_id!r} not found", code="document_not_found",
+                               param="document_ids")
+            if rec.status != "ready":
+                raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
+                               param="document_ids")
+            for i, ids in enumerate(self._chunk_token_ids(rec)):
+                chunks.append(SourceChunk(doc_id, i, 1.0, rec.chunk_keys[i], ids))
+        return chunks
+
+    async def _retrieve(self, question: str, top_k: int, filters: dict | None) -> list[SourceChunk]:
+        st = self.state
+        vec = await asyncio.to_thread(st.embedder.embed, [question])
+        hits = await asyncio.to_thread(st.index.search, vec[0], top_k, filters=filters)
+        return await asyncio.to_thread(self._hits_to_chunks, hits)
+
+    def _hits_to_chunks(self, hits: list[Any]) -> list[SourceChunk]:
+        chunks = []
+        records: dict[str, Any] = {}
+        for h in hits:
+            if h.document_id not in records:
+                records[h.document_id] = self.state.store.get_document(h.document_id)
+            rec = records[h.document_id]
+            if rec is None or rec.status != "ready" or h.chunk_index >= len(rec.chunk_keys):
+                continue  # deleted or re-ingested since the search
+            ids = self._chunk_token_ids(rec)[h.chunk_index]
+            chunks.append(SourceChunk(h.document_id, h.chunk_index, h.score, rec.chunk_keys[h.chunk_index], ids))
+        if not chunks:
+            raise APIError(404, "no ready document matches the query (ingest documents first, or relax filters)",
+                           code="no_documents")
+        return chunks
+
+    # -- running -------------------------------------------------------------------------------------------
+    async def start(self, plan: QueryPlan, request: Request | None) -> QueryRun:
+        st = self.state
+        payload = {"question": plan.question, "system_prompt": plan.system_prompt, "explicit": plan.explicit,
+                   "fusion": plan.fusion, "generation": plan.generation,
+                   "chunks": [{"key": c.key, "token_ids": c.token_ids, "score": c.score} for c in plan.chunks]}
+        try:
+            job = st.supervisor.submit("query", payload)
+        except QueueFull as err:
+            st.metrics.requests.labels("rejected").inc()
+            raise APIError(429, f"the query queue is full ({err}); retry later", code="queue_full",
+                           headers={"Retry-After": str(st.settings.server.retry_after_s)}) from None
+        except WorkerUnavailable as err:
+            raise APIError(503, str(err), code="shutting_down") from None
+        events = st.supervisor.events(job, plan.deadline)
+        try:
+            kind, info = await self._first(events, request)
+        except BaseException as err:
+            st.supervisor.cancel(job)
+            raise self.api_error(err) from None
+        if kind != "plan":
+            raise APIError(500, f"unexpected worker message {kind!r}", code="internal_error")
+        kept = [plan.chunks[i] for i in info["kept"]]
+        dropped = [plan.chunks[i] for i in info["dropped"]]
+        return QueryRun(plan=plan, job=job, events=events, sources=kept, dropped=dropped, plan_info=info)
+
+    async def _first(self, events: AsyncIterator[tuple[str, dict]], request: Request | None) -> tuple[str, dict]:
+        """The first message, watching for a client that leaves while its query waits in the queue."""
+        nxt = asyncio.ensure_future(anext(events))
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return nxt.result()
+            if request is not None and await request.is_disconnected():
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+                raise ClientGone()
+
+    def api_error(self, err: BaseException) -> BaseException:
+        """The HTTP error for a failure of a running query (other exceptions pass through)."""
+        st = self.state
+        if isinstance(err, WorkerJobError):
+            st.metrics.requests.labels("refused").inc()
+            if err.kind in (ERR_CONTEXT_OVERFLOW, ERR_MAX_TOKENS):
+                return APIError(400, err.message, code=err.kind,
+                                param="max_tokens" if err.kind == ERR_MAX_TOKENS else "document_ids")
+            if err.kind == ERR_INVALID:
+                return APIError(422, err.message, code="invalid_value")
+            return APIError(500, f"generation failed: {err.message}", code="generation_failed")
+        if isinstance(err, WorkerCrashed):
+            st.metrics.requests.labels("worker_crashed").inc()
+            return APIError(503, f"{err}; it is being restarted, retry the request", code="worker_crashed",
+                            headers={"Retry-After": str(max(1, st.settings.server.retry_after_s))})
+        if isinstance(err, TimeoutError):
+            st.metrics.requests.labels("timeout").inc()
+            return APIError(504, f"the query did not finish within {st.settings.server.request_timeout_s} s",
+                            code="timeout")
+        if isinstance(err, ClientGone | asyncio.CancelledError):
+            st.metrics.requests.labels("cancelled").inc()
+        return err
+
+    async def stream(self, run: QueryRun) -> AsyncIterator[tuple[str, dict]]:
+        """("delta", {"text"}) messages, then ("result", summary). Raises the mapped APIError on failure;
+        cancels the job if the consumer stops early (client gone, timeout)."""
+        st = self.state
+        m = st.metrics
+        first_at: float | None = None
+        last_at = None
+        finished = False
+        try:
+            async for kind, p in run.events:
+                now = time.monotonic()
+                if kind == "delta":
+                    if first_at is None:
+                        first_at = now
+                        m.ttft.observe(now - run.plan.arrived)
+                    else:
+                        m.itl.observe(now - last_at)
+                    last_at = now
+                    yield kind, p
+                elif kind == "result":
+                    finished = True
+                    summary = self.summarize(run, p, first_at)
+                    m.e2e.observe(now - run.plan.arrived)
+                    m.kv_load.observe(p["timings"].get("kv_load_s", 0.0))
+                    m.hit_tokens.inc(summary["usage"]["cached_tokens"])
+                    m.query_tokens.inc(summary["usage"]["prompt_tokens"])
+                    m.rebuilt_chunks.inc(p.get("rebuilt_chunks", 0))
+                    m.requests.labels(p["finish_reason"] if p["finish_reason"] == "cancelled" else "ok").inc()
+                    yield kind, summary
+                elif kind == "cancelled":
+                    finished = True
+                    return
+        except BaseException as err:
+            raise self.api_error(err) from None
+        finally:
+            if not finished:
+                st.supervisor.cancel(run.job)
+
+    def summarize(self, run: QueryRun, result: dict, first_at: float | None) -> dict[str, Any]:
+        u = result["usage"]
+        t = result["timings"]
+        prefix, context, question = u.get("prefix_tokens", 0), u.get("context_tokens", 0), u.get("question_tokens", 0)
+        recomputed = u.get("recomputed_tokens", 0)
+        vanilla = run.plan.fusion["method"] == "vanilla"
+        # Reused = prompt tokens whose stored KV went into the answer unchanged (vanilla reuses nothing).
+        cached = 0 if vanilla else max(0, prefix + context - recomputed)
+        now = time.monotonic()
+        ms = lambda s: round(1000.0 * s, 2)  # noqa: E731
+        return {
+            "answer": result["text"],
+            "finish_reason": result["finish_reason"],
+            "usage": {"prompt_tokens": prefix + context + question, "completion_tokens": u.get("generated_tokens", 0),
+                      "cached_tokens": cached, "recomputed_tokens": recomputed},
+            "timings": {"retrieval_ms": ms(run.plan.retrieval_s), "queue_ms": ms((run.job.started_at or now) - run.job.enqueued_at),
+                        "kv_load_ms": ms(t.get("kv_load_s", 0.0)),
+                        "ttft_ms": ms((first_at or now) - run.plan.arrived), "decode_ms": ms(t.get("decode_s", 0.0)),
+                        "total_ms": ms(now - run.plan.arrived), "assemble_ms": ms(t.get("assemble_s", 0.0)),
+                        "select_ms": ms(t.get("select_s", 0.0)), "recompute_ms": ms(t.get("recompute_s", 0.0))},
+            "fusion": {"method": run.plan.fusion["method"], "recompute_ratio": run.plan.fusion["recompute_ratio"]},
+        }

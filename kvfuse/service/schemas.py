@@ -1,0 +1,136 @@
+"""Request bodies of the HTTP API (strict: wrong JSON types and unknown fields are refused with 422).
+
+Limits that come from settings (document size, top_k, max_tokens) are checked by the handlers, which
+know the settings; the models here hold only what is fixed by the contract.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+
+from kvfuse.service.errors import APIError
+
+# Document ids travel in URL paths: no slashes, no spaces.
+DOC_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}$"
+MetaValue = StrictStr | StrictInt | StrictFloat | StrictBool | None
+OnConflict = Literal["skip", "overwrite", "fail"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class DocumentIn(Strict):
+    id: str | None = Field(None, pattern=DOC_ID_PATTERN)
+    text: str
+    metadata: dict[str, MetaValue] = {}
+    on_conflict: OnConflict | None = None
+
+
+class DocumentBatchIn(Strict):
+    documents: list[DocumentIn] = Field(min_length=1)
+    on_conflict: OnConflict | None = None
+
+
+class FusionIn(Strict):
+    method: str | None = None
+    recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    check_layer: int | None = Field(None, ge=0)
+    smooth_window: int | None = Field(None, ge=1)
+    edge_tokens: int | None = Field(None, ge=0)
+    edge_tokens_end: int | None = Field(None, ge=0)
+
+
+class GenerationIn(Strict):
+    """Sampling knobs shared by /v1/query and /v1/chat/completions."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=5.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+class RetrievalIn(Strict):
+    top_k: int | None = Field(None, ge=1)
+    document_ids: list[str] | None = Field(None, min_length=1)
+    filters: dict[str, MetaValue] | None = None
+    fusion: FusionIn | None = None
+
+
+class QueryIn(GenerationIn, RetrievalIn):
+    query: str = Field(min_length=1)
+    stream: bool = False
+    system_prompt: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        # Content parts: only text parts carry meaning here.
+        return "".join(str(p.get("text", "")) for p in self.content or [] if p.get("type") == "text")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class ChatIn(GenerationIn, RetrievalIn):
+    # OpenAI clients send fields this service ignores (presence_penalty, user, ...): allowed, not strict.
+    model_config = ConfigDict(extra="allow", strict=False)
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=1)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def decode_utf8(raw: bytes, what: str = "request body") -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"{what} is not valid UTF-8 (byte {err.start})", code="invalid_encoding") from None
+
+
+def parse_json(raw: bytes) -> Any:
+    text = decode_utf8(raw)
+    if not text.strip():
+        raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
+
+
+def validate(model: type[M], payload: Any) -> M:
+    if not isinstance(payload, dict):
+        raise APIError(422, f"request body must be a JSON object, got {type(payload).__name__}", code="invalid_type")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as err:
+        errors = err.errors()
+        param = ".".join(str(p) for p in errors[0]["loc"]) or None
+        msg = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors[:5])
+        raise APIError(422, msg, code="invalid_value", param=param) from None

@@ -1,0 +1,17 @@
+"""Server-sent events framing. Data is one line of JSON (JSON never holds a raw newline), so an event is
+always `event: name\\ndata: {...}\\n\\n`; the stream ends with `data: [DONE]` as OpenAI streams do."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DONE = b"data: [DONE]\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
+MEDIA_TYPE = "text/event-stream"
+
+
+def event(data: Any, name: str | None = None) -> bytes:
+    line = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {name}\n" if name else ""
+    return f"{head}data: {line}\n\n".encode()

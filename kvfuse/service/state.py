@@ -1,0 +1,167 @@
+"""Everything the API process holds: store, vector index, embedder, tokenizer-only chunker, the worker
+supervisor, metrics and the ingestion manager. Loaded in the background so `/health` answers at once and
+`/ready` says 503 until every piece is up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from kvfuse.config import Settings
+from kvfuse.service.errors import APIError
+from kvfuse.service.ingest import IngestManager
+from kvfuse.service.metrics import Metrics
+from kvfuse.service.supervisor import WorkerSupervisor
+
+log = logging.getLogger(__name__)
+
+
+class ServiceState:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.supervisor = WorkerSupervisor(settings, self.metrics)
+        self.ingest = IngestManager(self)
+        self.store: Any = None
+        self.index: Any = None
+        self.embedder: Any = None
+        self.chunker: Any = None
+        self.startup_error: str | None = None
+        self._loader: asyncio.Task | None = None
+        self._components = asyncio.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        # The worker starts first: loading the LLM is the slowest part and runs in its own process.
+        await self.supervisor.start()
+        self._loader = asyncio.create_task(self._load(), name="kvfuse-load")
+
+    async def _load(self) -> None:
+        try:
+            await asyncio.to_thread(self._load_components)
+            self.ingest.start()
+            self._components.set()
+            self.refresh_document_gauge()
+            log.info("store, index and embedder ready")
+        except Exception as err:  # noqa: BLE001 - surfaced by /ready and every request
+            self.startup_error = f"{type(err).__name__}: {err}"
+            log.exception("service failed to start")
+
+    def _load_components(self) -> None:
+        from kvfuse.model_files import resolve_embedder, resolve_llm
+        from kvfuse.retriever import Chunker, Embedder
+        from kvfuse.store import KVStore
+
+        s = self.settings
+        # The hot tier of decoded KV lives in the worker, which reads KV; here it would only waste RAM.
+        api_settings = s.model_copy(update={"store": s.store.model_copy(update={"hot_tier_mb": 0})})
+        self.store = KVStore.open(api_settings)
+        self.chunker = Chunker.from_pretrained(resolve_llm(s.model.llm, s.models_dir), s.retriever.chunk_tokens)
+        self.embedder = Embedder(resolve_embedder(s.model.embedder), device="cpu",
+                                 batch_size=s.model.embed_batch_size)
+        self.index = self._open_index()
+        self._reconcile()
+
+    def _open_index(self) -> Any:
+        from kvfuse.retriever import VectorIndex
+        from kvfuse.retriever.errors import IndexLoadError
+
+        s = self.settings
+        try:
+            return VectorIndex.open(s.faiss_dir, self.embedder.dim, s.retriever)
+        except IndexLoadError as err:
+            log.warning("vector index unusable (%s): rebuilding it from the stored documents", err)
+            index = VectorIndex(s.faiss_dir, self.embedder.dim, s.retriever)
+            index.rebuild(self._embedded_documents())
+            index.save()
+            return index
+
+    def _all_documents(self) -> list[Any]:
+        docs, offset = [], 0
+        while True:
+            page, total = self.store.list_documents(offset=offset, limit=500)
+            docs.extend(page)
+            offset += len(page)
+            if not page or offset >= total:
+                return docs
+
+    def _embedded_documents(self) -> Iterator[tuple[str, Any, dict]]:
+        """(id, chunk vectors, metadata) of every ready document, re-embedded from its stored text."""
+        for rec in self._all_documents():
+            if rec.status != "ready":
+                continue
+            text = self.store.get_text(rec.id)
+            if text is None:
+                continue
+            chunks = self.chunker.chunk(text)
+            yield rec.id, self.embedder.embed([c.text for c in chunks]), rec.metadata
+
+    def _reconcile(self) -> None:
+        """After a crash: documents caught mid-ingestion are failed (and rolled back), and the index holds
+        exactly the ready documents."""
+        docs = self._all_documents()
+        for rec in docs:
+            if rec.status in ("pending", "processing"):
+                log.warning("document %s was interrupted during ingestion: marking it failed", rec.id)
+                text = self.store.get_text(rec.id) or ""
+                self.store.delete_document(rec.id)
+                rec.status, rec.error = "failed", "ingestion was interrupted by a restart; send it again"
+                rec.chunk_keys, rec.chunk_tokens, rec.tokens, rec.kv_bytes = [], [], 0, 0
+                self.store.put_document(rec, text)
+        ready = {r.id: len(r.chunk_keys) for r in docs if r.status == "ready"}
+        report = self.index.check(ready)
+        if not report.ok:
+            for doc_id in report.extra:
+                self.index.remove(doc_id)
+            if report.missing or report.mismatched:
+                self.index.rebuild(self._embedded_documents())
+            self.index.save()
+
+    async def stop(self) -> None:
+        await self.ingest.stop()
+        if self._loader is not None:
+            self._loader.cancel()
+        await self.supervisor.stop()
+        if self.index is not None:
+            await asyncio.to_thread(self.index.save)
+        if self.store is not None:
+            self.store.close()
+
+    # -- readiness -----------------------------------------------------------------------------------------
+    def readiness(self) -> dict[str, bool]:
+        return {"store": self.store is not None, "index": self.index is not None and self._components.is_set(),
+                "embedder": self.embedder is not None, "model": self.supervisor.ready}
+
+    def require_components(self) -> None:
+        """Raise 503 until store, index and embedder are loaded."""
+        if self.startup_error:
+            raise APIError(503, f"the service failed to start: {self.startup_error}", code="startup_failed")
+        if not self._components.is_set():
+            raise APIError(503, "the service is starting", code="not_ready",
+                           headers={"Retry-After": str(max(1, self.settings.server.retry_after_s))})
+
+    async def supervisor_ready(self) -> None:
+        if not await self.supervisor.wait_ready(self.settings.server.worker_start_timeout_s):
+            raise APIError(503, f"the model worker is not ready: {self.supervisor.last_error or 'starting'}",
+                           code="worker_unavailable")
+
+    # -- index writes (always saved: the index on disk must match the store after any commit) --------------
+    def index_add(self, doc_id: str, vectors: Any, metadata: dict) -> None:
+        self.index.add(doc_id, vectors, metadata)
+        self.index.save()
+
+    def index_remove(self, doc_id: str) -> None:
+        if self.index.remove(doc_id):
+            self.index.save()
+
+    def refresh_document_gauge(self) -> None:
+        if self.store is not None:
+            try:
+                stats = self.store.stats()
+                self.metrics.documents.set(stats["documents"])
+                self.metrics.kv_chunks.set(stats["chunks"])
+                self.metrics.kv_bytes.set(stats["kv_bytes"])
+            except Exception:  # noqa: BLE001 - a gauge must never fail a request
+                log.debug("store stats unavailable", exc_info=True)

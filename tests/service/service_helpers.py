@@ -1,0 +1,126 @@
+"""Helpers for HTTP tests. A real kvfuse server: `kvfuse serve` in a subprocess on a free loopback port, with a temp
+data dir, the real worker process and the default model. One server per test module (startup loads the
+LLM in the worker and the embedder in the API process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+# Same model cache as tests/conftest.py (a fresh cache would re-convert the GGUF per server).
+MODEL_CACHE = Path(os.environ.get("KVFUSE_TEST_MODEL_CACHE", REPO / "data" / "models"))
+API_KEY = "test-key-0123456789"
+START_TIMEOUT_S = 300  # the worker loads the LLM; on a busy 2-core machine this can take a while
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m kvfuse.cli serve` with settings passed as KVFUSE_* environment variables."""
+
+    def __init__(self, data_dir: Path, log_path: Path, **env: str) -> None:
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.env = env
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerProcess:
+        self.port = free_port()
+        env = {**os.environ, "KVFUSE_DATA_DIR": str(self.data_dir), "KVFUSE_MODEL_CACHE_DIR": str(MODEL_CACHE),
+               "KVFUSE_SERVER__PORT": str(self.port), "KVFUSE_SERVER__HOST": "127.0.0.1",
+               "KVFUSE_LOG_LEVEL": "info", **self.env}
+        env.pop("KVFUSE_CONFIG", None)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvfuse.cli", "serve"], cwd=REPO, env=env,
+                                     stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_tail()}")
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+
+def make_client(server: ServerProcess, key: str | None = API_KEY, timeout: float = 180.0) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=server.url, headers=headers, timeout=timeout)
+
+
+def sse_events(resp: httpx.Response) -> Iterator[tuple[str | None, str]]:
+    """(event name or None, data) per server-sent event of a streaming response."""
+    event = None
+    for line in resp.iter_lines():
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            yield event, line[6:]
+            event = None
+
+
+def read_stream(resp: httpx.Response) -> list[tuple[str | None, object]]:
+    """Every event of a /v1/query stream, data parsed (the final `[DONE]` kept as a string)."""
+    out: list[tuple[str | None, object]] = []
+    for event, data in sse_events(resp):
+        out.append((event, data if data == "[DONE]" else json.loads(data)))
+        if data == "[DONE]":
+            break
+    return out
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    """The value of an unlabelled Prometheus sample (0 if absent)."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def ingest(client: httpx.Client, docs: list[dict]) -> dict:
+    resp = client.post("/v1/documents?wait=true", json={"documents": docs})
+    assert resp.status_code in (200, 201), resp.text
+    return resp.json()

@@ -1,0 +1,94 @@
+"""Service pieces that need no server: bind policy, API-key checks, SSE framing, error bodies, CLI helpers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from service_helpers import REPO
+
+from kvfuse.config import ServerSettings
+from kvfuse.service import sse
+from kvfuse.service.auth import check_bind, is_loopback, key_is_valid
+from kvfuse.service.cli import collect_files, doc_id_for
+from kvfuse.service.errors import APIError
+from kvfuse.service.schemas import DOC_ID_PATTERN, QueryIn, decode_utf8, parse_json, validate
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.5"])
+def test_loopback_hosts_need_no_key(host: str) -> None:
+    assert is_loopback(host)
+    check_bind(host, ServerSettings())
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "example.com"])
+def test_public_hosts_need_a_key_or_an_explicit_allowance(host: str) -> None:
+    with pytest.raises(PermissionError, match="api_keys"):
+        check_bind(host, ServerSettings())
+    check_bind(host, ServerSettings(api_keys=["k"]))
+    check_bind(host, ServerSettings(allow_unauthenticated_public=True))
+
+
+def test_serve_refuses_a_public_bind_without_a_key(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "KVFUSE_DATA_DIR": str(tmp_path), "KVFUSE_SERVER__API_KEYS": ""}
+    out = subprocess.run([sys.executable, "-m", "kvfuse.cli", "serve", "--host", "0.0.0.0"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "refusing to bind 0.0.0.0" in out.stderr
+
+
+def test_api_keys_compare_exactly() -> None:
+    keys = ["alpha-key", "beta-key"]
+    assert key_is_valid("beta-key", keys)
+    assert not key_is_valid("beta-ke", keys) and not key_is_valid("beta-key ", keys)
+    assert not key_is_valid(None, keys) and not key_is_valid("x", [])
+    assert ServerSettings(api_keys="a, b,,c").api_keys == ["a", "b", "c"]  # env style: comma separated
+
+
+def test_sse_events_are_single_line_json() -> None:
+    raw = sse.event({"text": "line one\nline two"}, "token")
+    assert raw == b'event: token\ndata: {"text":"line one\\nline two"}\n\n'
+    assert sse.event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert sse.DONE == b"data: [DONE]\n\n"
+
+
+def test_error_body_shape() -> None:
+    err = APIError(429, "slow down", code="queue_full", headers={"Retry-After": "1"})
+    assert err.body() == {"error": {"message": "slow down", "type": "rate_limit_error", "param": None,
+                                    "code": "queue_full"}}
+
+
+def test_body_parsing_errors() -> None:
+    with pytest.raises(APIError) as e:
+        decode_utf8(b"\xff")
+    assert e.value.status == 400 and e.value.code == "invalid_encoding"
+    with pytest.raises(APIError) as e:
+        parse_json(b"{")
+    assert e.value.status == 400 and e.value.code == "invalid_json"
+    with pytest.raises(APIError) as e:
+        validate(QueryIn, {"query": "q", "top_k": "3"})  # strict: no string-to-int coercion
+    assert e.value.status == 422 and e.value.param == "top_k"
+    assert validate(QueryIn, json.loads('{"query": "q", "fusion": {"recompute_ratio": 1}}')).fusion.recompute_ratio == 1
+
+
+def test_cli_file_collection_and_ids(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a essay.txt").write_text("a")
+    (tmp_path / "sub" / "b.md").write_text("b")
+    (tmp_path / "sub" / "image.png").write_bytes(b"\x89PNG")
+    files = collect_files([tmp_path])
+    assert [f.name for f in files] == ["a essay.txt", "b.md"]
+    import re
+
+    assert doc_id_for(files[0]) == "a-essay" and re.match(DOC_ID_PATTERN, doc_id_for(Path("/x/(weird) name!.txt")))
+    with pytest.raises(FileNotFoundError):
+        collect_files([tmp_path / "missing"])
+
+
+def test_cli_help_lists_the_service_commands() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvfuse.cli", "query", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "--method" in out.stdout and "--doc" in out.stdout
