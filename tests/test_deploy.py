@@ -84,5 +84,5 @@ def test_healthcheck_path_is_a_route(compose: dict):
     test = " ".join(compose["services"]["kvfuse"]["healthcheck"]["test"])
     path = re.search(r"http://127\.0\.0\.1:8000(/[a-z]+)", test).group(1)
     app = create_app(load_settings())
-    assert path in {route.path for route in app.routes}
+    assert path in app.openapi()["paths"]
     assert path == "/ready"

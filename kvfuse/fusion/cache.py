@@ -1,0 +1,74 @@
+"""The fused cache: one preallocated buffer per K and V holding prompt and generated tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Layout:
+    """Where each part of the prompt sits (global positions)."""
+
+    prefix_len: int
+    chunk_lens: list[int]
+    question_len: int
+
+    @property
+    def context_start(self) -> int:
+        return self.prefix_len
+
+    @property
+    def context_len(self) -> int:
+        return sum(self.chunk_lens)
+
+    @property
+    def question_start(self) -> int:
+        return self.prefix_len + self.context_len
+
+    @property
+    def total(self) -> int:
+        return self.question_start + self.question_len
+
+    def chunk_starts(self) -> list[int]:
+        """Global start of each chunk."""
+        starts, pos = [], self.prefix_len
+        for n in self.chunk_lens:
+            starts.append(pos)
+            pos += n
+        return starts
+
+
+class FusedCache:
+    """K/V of every layer, [L, Hkv, capacity, D], filled up to `length`.
+
+    Sized for the prompt plus the tokens to generate, so prefill writes and decode appends never copy it.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def keys(self, layer: int, upto: int | None = None) -> torch.Tensor:
+        """[1, Hkv, upto, D] view (no copy)."""
+        return self.k[layer, :, : self.length if upto is None else upto].unsqueeze(0)
+
+    def values(self, layer: int, upto: int | None = None) -> torch.Tensor:
+        return self.v[layer, :, : self.length if upto is None else upto].unsqueeze(0)
+
+    def place(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy (and cast) a [L, Hkv, n, D] slab into positions start..start+n-1 of every layer."""
+        n = k.shape[2]
+        self.k[:, :, start : start + n].copy_(k)
+        self.v[:, :, start : start + n].copy_(v)
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2

@@ -1,0 +1,304 @@
+"""FusionEngine: load a model, precompute chunk caches, fuse them at query time, and decode."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from kvfuse.config import FusionSettings
+from kvfuse.fusion import model_loading
+from kvfuse.fusion.cache import FusedCache, Layout
+from kvfuse.fusion.decode import IncrementalDetokenizer, Sampler, StopMatcher
+from kvfuse.fusion.errors import ContextOverflowError, FusionError
+from kvfuse.fusion.methods import get_method
+from kvfuse.fusion.rope import Rope
+from kvfuse.fusion.selection import SelectionContext
+from kvfuse.fusion.transformer import Rows, Transformer
+from kvfuse.fusion.types import (
+    ChunkKV,
+    FusedPrefill,
+    FusionOptions,
+    GenerationOptions,
+    GenerationResult,
+    TokenDelta,
+)
+
+_DEFAULTS = FusionSettings()
+_SENTINEL = "\u2063KVFUSE-DOCUMENTS\u2063"  # placed in the user turn to find where documents go
+QUESTION_TEMPLATE = "\n\nQuestion: {question}"  # the question part, before the template's turn end
+
+
+class FusionEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer, *, dtype: str, max_context_tokens: int = 0,
+                 precompute_batch_tokens: int = _DEFAULTS.precompute_batch_tokens,
+                 attention_block_rows: int = _DEFAULTS.attention_block_rows) -> None:
+        model_loading.check_supported(model.config)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.dtype_name = dtype
+        self.dtype = model_loading.torch_dtype(dtype)
+        self.device = next(model.parameters()).device
+        self.tf = Transformer(model)
+        self.rope = Rope(model.model.rotary_emb, model.config, self.device)
+        self.num_layers = self.tf.num_layers
+        self.num_kv_heads = self.tf.num_kv_heads
+        self.head_dim = self.tf.head_dim
+        self.max_context_tokens = model_loading.context_limit(model.config, max_context_tokens)
+        self.precompute_batch_tokens = precompute_batch_tokens
+        self.attention_block_rows = attention_block_rows
+        self.fingerprint = model_loading.fingerprint(model, tokenizer, dtype)
+        self.stop_token_ids = self._stop_token_ids()
+
+    @classmethod
+    def load(cls, model: str, *, device: str = "cpu", dtype: str = "float32", threads: int = 0,
+             max_context_tokens: int = 0, **kwargs) -> FusionEngine:
+        """model: a local directory or hub id of a Llama/Mistral/Qwen2-family causal LM."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        model_loading.check_supported(AutoConfig.from_pretrained(model))
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        lm = AutoModelForCausalLM.from_pretrained(
+            model, dtype=model_loading.torch_dtype(dtype), attn_implementation="sdpa"
+        ).to(device)
+        return cls(lm, tokenizer, dtype=dtype, max_context_tokens=max_context_tokens, **kwargs)
+
+    # -- prompt ---------------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _template_halves(self, system_prompt: str | None) -> tuple[str, str]:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": _SENTINEL})
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if text.count(_SENTINEL) != 1:
+            raise FusionError("the chat template does not render the user message verbatim")
+        before, after = text.split(_SENTINEL)
+        return before, after
+
+    def prompt_parts(self, question: str, system_prompt: str | None) -> tuple[list[int], list[int]]:
+        """(prefix_ids, question_ids): the template up to the user's content, and the question text plus
+        the template from the end of the user turn through the assistant header. Documents go between."""
+        before, after = self._template_halves(system_prompt)
+        return self.tokenize(before), self.tokenize(QUESTION_TEMPLATE.format(question=question) + after)
+
+    def _stop_token_ids(self) -> set[int]:
+        ids = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        if getattr(self.tokenizer, "chat_template", None):
+            # The template's end-of-turn token: the first special token after the user's content.
+            special = set(self.tokenizer.all_special_ids)
+            tail = [i for i in self.tokenize(self._template_halves(None)[1]) if i in special]
+            if tail:
+                ids.add(tail[0])
+        return ids
+
+    # -- chunk caches -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def precompute(self, chunks: list[list[int]]) -> list[ChunkKV]:
+        """Each chunk alone at positions 0..n-1; chunks of similar length batched, right-padded (with a
+        causal mask, padding after a chunk cannot change it)."""
+        out: list[ChunkKV | None] = [None] * len(chunks)
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i]))
+        batch: list[int] = []
+        for i in order + [-1]:
+            full = batch and (i < 0 or (len(batch) + 1) * len(chunks[i]) > self.precompute_batch_tokens)
+            if full:
+                for j, kv in zip(batch, self._precompute_batch([chunks[j] for j in batch]), strict=True):
+                    out[j] = kv
+                batch = []
+            if i >= 0:
+                batch.append(i)
+        return [kv for kv in out if kv is not None]
+
+    def _precompute_batch(self, chunks: list[list[int]]) -> list[ChunkKV]:
+        width = max(len(c) for c in chunks)
+        if width == 0:
+            return [self._empty_chunk() for _ in chunks]
+        ids = torch.zeros(len(chunks), width, dtype=torch.long, device=self.device)
+        for row, c in enumerate(chunks):
+            ids[row, : len(c)] = torch.tensor(c, dtype=torch.long)
+        cache = self.model.model(input_ids=ids, use_cache=True).past_key_values
+        layers = cache.layers
+        return [
+            ChunkKV(list(c), torch.stack([layer.keys[row, :, : len(c)] for layer in layers]),
+                    torch.stack([layer.values[row, :, : len(c)] for layer in layers]))
+            for row, c in enumerate(chunks)
+        ]
+
+    def _empty_chunk(self) -> ChunkKV:
+        shape = (self.num_layers, self.num_kv_heads, 0, self.head_dim)
+        return ChunkKV([], torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
+
+    # -- fusion -------------------------------------------------------------------------------------------
+    def _check_chunk(self, kv: ChunkKV, what: str) -> None:
+        expected = (self.num_layers, self.num_kv_heads, len(kv.token_ids), self.head_dim)
+        if tuple(kv.k.shape) != expected or tuple(kv.v.shape) != expected:
+            raise ValueError(f"{what}: KV shape {tuple(kv.k.shape)} does not match {expected}")
+
+    def check_context(self, total_tokens: int, max_tokens: int = 0) -> None:
+        excess = total_tokens + max_tokens - self.max_context_tokens
+        if excess > 0:
+            raise ContextOverflowError(
+                f"prompt ({total_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model context "
+                f"({self.max_context_tokens}) by {excess} tokens", excess_tokens=excess)
+
+    @torch.inference_mode()
+    def fuse(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
+             options: FusionOptions | None = None, *, max_tokens: int = 0) -> FusedPrefill:
+        """Assemble the cache of prefix + chunks + question and prefill it with `options.method`.
+
+        The returned cache has room for `max_tokens` generated tokens; the prompt must fit with them.
+        """
+        options = options or FusionOptions()
+        method = get_method(options.method)
+        prefix = prefix if prefix is not None else self._empty_chunk()
+        if not question_ids:
+            raise ValueError("question_ids must not be empty")
+        for i, kv in enumerate([prefix, *chunks]):
+            self._check_chunk(kv, "prefix" if i == 0 else f"chunk {i - 1}")
+        layout = Layout(len(prefix), [len(c) for c in chunks], len(question_ids))
+        self.check_context(layout.total, max_tokens)
+        ids = torch.tensor(prefix.token_ids + [t for c in chunks for t in c.token_ids] + list(question_ids),
+                           dtype=torch.long, device=self.device)
+        cache = FusedCache(self.num_layers, self.num_kv_heads, self.head_dim, layout.total + max_tokens,
+                           self.dtype, self.device)
+        timings = {"assemble_s": 0.0, "select_s": 0.0, "recompute_s": 0.0}
+        n, p = layout.context_len, layout.prefix_len
+
+        t = time.perf_counter()
+        if method.full_prefill:
+            rows = Rows(torch.arange(layout.total, device=self.device), self.rope, self.dtype,
+                        self.attention_block_rows)
+            h = self.tf.run(cache, self.tf.embed(ids), rows, range(self.num_layers))
+            selected_ctx = torch.arange(n, device=self.device)
+            timings["recompute_s"] = time.perf_counter() - t
+            full_layers = self.num_layers
+        else:
+            self._assemble(cache, prefix, chunks, layout, method.recover_positions)
+            timings["assemble_s"] = time.perf_counter() - t
+            full_layers = method.full_layers(options, self.num_layers)
+            if not 0 <= full_layers < self.num_layers:
+                raise ValueError(f"check_layer must be in [0, {self.num_layers - 1}], got {full_layers}")
+            ctx = SelectionContext(self.tf, self.rope, cache, layout, ids, options, full_layers,
+                                   self.attention_block_rows)
+            t = time.perf_counter()
+            if full_layers > 0:
+                ctx.hidden = self.tf.run(cache, self.tf.embed(ids[p:]), ctx.rows_all(), range(full_layers))
+            t_full = time.perf_counter() - t
+            t = time.perf_counter()
+            if n == 0:  # nothing to select from
+                selected_ctx = torch.empty(0, dtype=torch.long, device=self.device)
+            else:
+                selected_ctx = torch.unique(method.select(ctx).to(self.device))  # sorted, unique
+            if selected_ctx.numel() and (int(selected_ctx[0]) < 0 or int(selected_ctx[-1]) >= n):
+                raise ValueError(f"{options.method}: selected indices outside the context [0, {n})")
+            timings["select_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            h = self._recompute(cache, ctx, selected_ctx, ids)
+            timings["recompute_s"] = t_full + time.perf_counter() - t
+        cache.length = layout.total
+        logits = self.tf.logits(h[:, -1])
+        stats = {
+            "prefix_tokens": p, "context_tokens": n, "question_tokens": layout.question_len,
+            "recomputed_tokens": int(selected_ctx.numel()), "full_layers": full_layers,
+        }
+        return FusedPrefill(cache, logits, selected_ctx + p, stats, timings)
+
+    def _assemble(self, cache: FusedCache, prefix: ChunkKV, chunks: list[ChunkKV], layout: Layout,
+                  recover: bool) -> None:
+        """Copy every cache into place (the one copy, casting to the compute dtype), then rotate each
+        chunk's keys in place to its global positions."""
+        cache.place(0, prefix.k, prefix.v)
+        for kv, start in zip(chunks, layout.chunk_starts(), strict=True):
+            cache.place(start, kv.k, kv.v)
+            if recover:
+                self.rope.shift_keys_(cache.k[:, :, start : start + len(kv)], start)
+
+    def _recompute(self, cache: FusedCache, ctx: SelectionContext, selected_ctx: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+        """Recompute selected context rows + question rows from the check layer on; returns their hidden."""
+        layout = ctx.layout
+        p, n = layout.prefix_len, layout.context_len
+        local = torch.cat([selected_ctx, torch.arange(n, n + layout.question_len, device=self.device)])
+        rows = Rows(local + p, self.rope, self.dtype, self.attention_block_rows)
+        start = ctx.check_layer
+        if ctx.projections is not None:
+            # The check layer's q/k/v of every row are exact and already computed: keep all K/V (A³ Eq. 4),
+            # and continue only the recomputed rows.
+            q, k, v = ctx.projections
+            self.tf.write_kv(cache, start, ctx.rows_all(), k, v)
+            h = ctx.hidden[:, local]
+            h = self.tf.finish(start, h, self.tf.attend(cache, start, rows, q[:, :, local]))
+            start += 1
+        elif ctx.hidden is not None:
+            h = ctx.hidden[:, local]
+        else:
+            h = self.tf.embed(ids[local + p])
+        return self.tf.run(cache, h, rows, range(start, self.num_layers))
+
+    # -- decoding -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode_step(self, cache: FusedCache, token_id: int) -> torch.Tensor:
+        """Append one token at the next position; returns the next-token logits [vocab] (fp32)."""
+        pos = cache.length
+        if pos >= cache.capacity:
+            raise FusionError("the fused cache is full")
+        rows = Rows(torch.tensor([pos], device=self.device), self.rope, self.dtype, 1)
+        h = self.tf.run(cache, self.tf.embed(torch.tensor([token_id], device=self.device)), rows,
+                        range(self.num_layers))
+        cache.length = pos + 1
+        return self.tf.logits(h[:, -1])
+
+    def generate(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
+                 fusion: FusionOptions | None = None, gen: GenerationOptions | None = None,
+                 cancel: Callable[[], bool] | None = None) -> Iterator[TokenDelta | GenerationResult]:
+        """Yields TokenDelta as text becomes printable, then one GenerationResult."""
+        gen = gen or GenerationOptions()
+        if gen.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        start = time.perf_counter()
+        fused = self.fuse(prefix, chunks, question_ids, fusion, max_tokens=gen.max_tokens)
+        sampler = Sampler(gen.temperature, gen.top_p, gen.seed, self.device)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopMatcher(list(gen.stop))
+        generated: list[int] = []
+        token = sampler(fused.logits)
+        ttft = time.perf_counter() - start
+        finish = "length"
+        stopped = False
+        while True:
+            if cancel is not None and cancel():
+                finish = "cancelled"
+                break
+            if token in self.stop_token_ids:
+                finish = "stop"
+                break
+            generated.append(token)
+            text, stopped = stops.feed(detok.push(token))
+            if text:
+                yield TokenDelta(text)
+            if stopped:
+                finish = "stop"
+                break
+            if len(generated) >= gen.max_tokens:
+                break
+            token = sampler(self.decode_step(fused.cache, token))
+        if not stopped:  # text held back as a possible stop-string start is final now
+            tail = stops.flush()
+            if tail:
+                yield TokenDelta(tail)
+        timings = dict(fused.timings, ttft_s=ttft, decode_s=time.perf_counter() - start - ttft)
+        usage = {
+            "prefix_tokens": fused.stats["prefix_tokens"], "context_tokens": fused.stats["context_tokens"],
+            "question_tokens": fused.stats["question_tokens"],
+            "recomputed_tokens": fused.stats["recomputed_tokens"], "generated_tokens": len(generated),
+        }
+        yield GenerationResult(stops.text[: stops.emitted], finish, usage, timings, generated)

@@ -1,0 +1,23 @@
+"""Errors raised by the fusion engine."""
+
+from __future__ import annotations
+
+
+class FusionError(Exception):
+    """Base class of every fusion engine error."""
+
+
+class UnknownMethodError(FusionError, ValueError):
+    """The requested fusion method is not registered."""
+
+
+class ContextOverflowError(FusionError, ValueError):
+    """prefix + chunks + question (+ max_tokens) exceed the model's context."""
+
+    def __init__(self, message: str, *, excess_tokens: int) -> None:
+        super().__init__(message)
+        self.excess_tokens = excess_tokens
+
+
+class UnsupportedModelError(FusionError):
+    """The model's architecture or position encoding cannot be fused exactly."""

@@ -1,0 +1,78 @@
+"""Scoring primitives that token selectors are built from. Pure tensor functions, no model state.
+
+Attention probes compute Q·K^T for the question rows only, in fp32: [H, Rq, T] is small (Rq is tens of
+tokens) where a full attention matrix would be T x T.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def budget(ratio: float, n: int) -> int:
+    """Selection size round(ratio * n), rounding halves up, within [0, n]."""
+    return max(0, min(n, int(math.floor(ratio * n + 0.5))))
+
+
+def attention_probs(q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of query rows over keys at positions 0..T-1, causal by position; fp32.
+
+    q: [1, H, R, D]; keys: [1, Hkv, T, D] with query head h reading kv head h // (H / Hkv).
+    Returns [H, R, T] probabilities (each row sums to 1 over the keys it may see).
+    """
+    _, h, r, d = q.shape
+    hkv, t = keys.shape[1], keys.shape[2]
+    qf = q[0].float().reshape(hkv, (h // hkv) * r, d)
+    scores = torch.matmul(qf, keys[0].float().transpose(1, 2)).mul_(scale)  # [Hkv, g*R, T]
+    scores = scores.view(h, r, t)
+    hidden = torch.arange(t, device=q.device)[None, :] > q_positions[:, None]  # [R, T]
+    if bool(hidden.any()):
+        scores.masked_fill_(hidden[None], float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def apply_probs(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[H, R, T] probabilities x values [1, Hkv, T, D] -> attention output [1, H, R, D] in fp32."""
+    h, r, t = probs.shape
+    hkv = values.shape[1]
+    out = torch.matmul(probs.view(hkv, (h // hkv) * r, t), values[0].float())  # [Hkv, g*R, D]
+    return out.view(1, h, r, -1)
+
+
+def value_deviation(v_new: torch.Tensor, v_cached: torch.Tensor) -> torch.Tensor:
+    """Per-token ||V_new - V_cached|| over heads and head dims: [1, Hkv, N, D] x 2 -> [N] fp32."""
+    diff = v_new[0].float() - v_cached[0].float()
+    return diff.pow(2).sum(dim=(0, 2)).sqrt()
+
+
+def smooth(scores: torch.Tensor, window: int) -> torch.Tensor:
+    """Width-`window` average pooling along the tokens (stride 1, same length; zero padding counted)."""
+    if window <= 1:
+        return scores
+    pad = window // 2
+    out = F.avg_pool1d(scores.view(1, 1, -1), kernel_size=window, stride=1, padding=pad)
+    return out.view(-1)[: scores.numel()]
+
+
+def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k highest scores, sorted ascending (ties broken by the sort, deterministic)."""
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=scores.device)
+    if k >= scores.numel():
+        return torch.arange(scores.numel(), device=scores.device)
+    return torch.sort(torch.topk(scores, k, sorted=False).indices).values
+
+
+def chunk_edges(chunk_lens: list[int], first: int, last: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Context-relative indices of the first `first` and last `last` tokens of each chunk, sorted."""
+    mask = torch.zeros(sum(chunk_lens), dtype=torch.bool, device=device)
+    start = 0
+    for n in chunk_lens:
+        mask[start : start + min(first, n)] = True
+        if last > 0:
+            mask[start + max(0, n - last) : start + n] = True
+        start += n
+    return mask.nonzero().view(-1)

@@ -1,0 +1,106 @@
+"""What a token selector sees: the assembled cache, the prompt layout and lazily computed signals.
+
+Signals are computed on demand and memoised, so a selector pays only for what it asks for:
+- `check_projections()`: q/k/v of every context and question row at the check layer, from exact
+  hidden states (the engine has run the layers before it in full); the engine reuses them;
+- `question_attention()`: the question rows' attention onto each context token at the check layer;
+- `value_deviation()`: ||V_new - V_cached|| per context token at the check layer;
+- `probe_question_attention()`: a question-only pass through every layer over the cache as assembled,
+  returning each layer's attention onto the context;
+- `chunk_edges(first, last)`.
+All scores are over context tokens, indexed 0..N-1 (the prefix is exact and never selected).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfuse.fusion import scoring
+from kvfuse.fusion.cache import FusedCache, Layout
+from kvfuse.fusion.rope import Rope
+from kvfuse.fusion.transformer import Rows, Transformer
+from kvfuse.fusion.types import FusionOptions
+
+
+class SelectionContext:
+    def __init__(self, tf: Transformer, rope: Rope, cache: FusedCache, layout: Layout, ids: torch.Tensor,
+                 options: FusionOptions, check_layer: int, block_rows: int) -> None:
+        self.tf = tf
+        self.rope = rope
+        self.cache = cache
+        self.layout = layout
+        self.ids = ids  # every prompt token id, [T]
+        self.options = options
+        self.check_layer = check_layer
+        self.block_rows = block_rows
+        self.budget = scoring.budget(options.recompute_ratio, layout.context_len)
+        device = ids.device
+        self.context = slice(layout.context_start, layout.question_start)
+        self.question_positions = torch.arange(layout.question_start, layout.total, device=device)
+        self._rows_all: Rows | None = None
+        self.hidden: torch.Tensor | None = None  # [1, N + Qn, hidden] at the check layer's input
+        self.projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def num_context(self) -> int:
+        return self.layout.context_len
+
+    def rows_all(self) -> Rows:
+        """Every context and question row (positions prefix_len..T-1)."""
+        if self._rows_all is None:
+            positions = torch.arange(self.layout.context_start, self.layout.total, device=self.ids.device)
+            self._rows_all = Rows(positions, self.rope, self.cache.k.dtype, self.block_rows)
+        return self._rows_all
+
+    # -- signals at the check layer ----------------------------------------------------------------
+    def check_projections(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [1,H,N+Qn,D], k/v [1,Hkv,N+Qn,D] of all context + question rows at the check layer."""
+        if self.projections is None:
+            if self.hidden is None:  # check layer 0: its input is the embeddings
+                self.hidden = self.tf.embed(self.ids[self.layout.context_start :])
+            self.projections = self.tf.project(self.check_layer, self.hidden, self.rows_all())
+        return self.projections
+
+    def question_attention(self) -> torch.Tensor:
+        """[H, Qn, N] fp32: each question row's softmax attention onto the context at the check layer.
+
+        Keys are exact at the check layer: the cached prefix plus the freshly projected context and
+        question rows (the softmax runs over all keys each question row may see).
+        """
+        q, k, _ = self.check_projections()
+        p = self.layout.prefix_len
+        keys = torch.cat([self.cache.keys(self.check_layer, p), k.to(self.cache.k.dtype)], dim=2)
+        qn = self.layout.question_len
+        probs = scoring.attention_probs(q[:, :, -qn:], self.question_positions, keys, self.tf.scale)
+        return probs[:, :, self.context]
+
+    def value_deviation(self) -> torch.Tensor:
+        """[N] fp32: ||V_new - V_cached|| per context token at the check layer."""
+        _, _, v = self.check_projections()
+        n = self.num_context
+        cached = self.cache.v[self.check_layer, :, self.context].unsqueeze(0)
+        return scoring.value_deviation(v[:, :, :n], cached)
+
+    # -- signals from a question-only pass -----------------------------------------------------------
+    def probe_question_attention(self) -> torch.Tensor:
+        """[L, N] fp32: per layer, the question rows' attention onto each context token, averaged over
+        question rows and heads, from a pass of the question alone over the cache as assembled.
+
+        The pass writes the question's K/V into the cache; the recompute that follows overwrites them.
+        """
+        rows = Rows(self.question_positions, self.rope, self.cache.k.dtype, self.block_rows)
+        h = self.tf.embed(self.ids[self.question_positions])
+        total = self.layout.total
+        per_layer = []
+        for layer in range(self.tf.num_layers):
+            q, k, v = self.tf.project(layer, h, rows)
+            self.tf.write_kv(self.cache, layer, rows, k, v)
+            probs = scoring.attention_probs(q, self.question_positions, self.cache.keys(layer, total), self.tf.scale)
+            per_layer.append(probs[:, :, self.context].mean(dim=(0, 1)))
+            out = scoring.apply_probs(probs, self.cache.values(layer, total)).to(h.dtype)
+            h = self.tf.finish(layer, h, out.transpose(1, 2).reshape(1, rows.count, -1))
+        return torch.stack(per_layer)
+
+    # -- structure -----------------------------------------------------------------------------------
+    def chunk_edges(self, first: int, last: int) -> torch.Tensor:
+        return scoring.chunk_edges(self.layout.chunk_lens, first, last, self.ids.device)

@@ -1,0 +1,24 @@
+"""Fixtures of the fusion tests: the real default model (session-scoped engine) and a small prompt."""
+
+from __future__ import annotations
+
+import pytest
+from fusion_helpers import Prompt, make_prompt
+
+from kvfuse.fusion import FusionEngine
+
+
+@pytest.fixture(scope="session")
+def engine(default_llm_path: str) -> FusionEngine:
+    return FusionEngine.load(default_llm_path, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def essay_text(essays) -> str:
+    return dict(essays)["apple"]
+
+
+@pytest.fixture(scope="session")
+def prompt(engine: FusionEngine, essay_text: str) -> Prompt:
+    """A system prefix, three chunks of 48-64 tokens and a question (~200 tokens in all)."""
+    return make_prompt(engine, essay_text, "What does the author think of the App Store?", [64, 48, 56])

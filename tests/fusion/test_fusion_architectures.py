@@ -1,0 +1,102 @@
+"""Architecture coverage with tiny random-weight models built in-test: Llama with llama3 rope scaling,
+Mistral, Qwen2 (qkv bias). r = 1 must reproduce the model's own forward; pie on one chunk its cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions, UnsupportedModelError
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_llm_path):
+    return AutoTokenizer.from_pretrained(default_llm_path)
+
+
+def build(kind: str, vocab: int):
+    torch.manual_seed(0)
+    if kind == "llama3-rope":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, rope_parameters=LLAMA3_ROPE, **SMALL))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(vocab_size=vocab, sliding_window=None, **SMALL))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, **SMALL))
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["llama3-rope", "mistral", "qwen2"])
+def tiny(request, tokenizer):
+    return FusionEngine(build(request.param, len(tokenizer)), tokenizer, dtype="float32")
+
+
+def chunks_of(engine, sizes):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(10, 40000, (n,), generator=g).tolist() for n in sizes]
+
+
+@pytest.mark.parametrize("method", ["a3", "cacheblend", "prophetkv", "epic"])
+def test_full_ratio_matches_the_model(tiny, method):
+    prefix_ids, *chunk_ids, question_ids = chunks_of(tiny, [5, 40, 33, 47, 9])
+    kvs = tiny.precompute([prefix_ids, *chunk_ids])
+    all_ids = prefix_ids + sum(chunk_ids, []) + question_ids
+    with torch.inference_mode():
+        ref = tiny.model(torch.tensor([all_ids]), logits_to_keep=1).logits[0, -1]
+        hf_tokens = tiny.model.generate(torch.tensor([all_ids]), max_new_tokens=6, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)[0, len(all_ids):].tolist()
+    options = FusionOptions(method=method, recompute_ratio=1.0, edge_tokens=1000, edge_tokens_end=1000)
+    fused = tiny.fuse(kvs[0], kvs[1:], question_ids, options)
+    torch.testing.assert_close(fused.logits, ref.float(), atol=1e-5, rtol=0)
+    tiny.stop_token_ids = set()  # random weights: compare raw continuations
+    *_, result = tiny.generate(kvs[0], kvs[1:], question_ids, options, GenerationOptions(max_tokens=6))
+    assert result.token_ids == hf_tokens
+
+
+def test_pie_one_chunk_reproduces_the_cache(tiny):
+    chunk, question = chunks_of(tiny, [60, 7])
+    [kv] = tiny.precompute([chunk])
+    fused = tiny.fuse(None, [kv], question, FusionOptions(method="pie"))
+    with torch.inference_mode():
+        ref = tiny.model(torch.tensor([chunk + question]), use_cache=True).past_key_values
+    for layer, ref_layer in enumerate(ref.layers):
+        torch.testing.assert_close(fused.cache.k[layer, :, :67], ref_layer.keys[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fused.cache.v[layer, :, :67], ref_layer.values[0], atol=1e-5, rtol=1e-5)
+
+
+def test_llama3_rope_recovery_is_exact_at_layer0(tokenizer):
+    """Scaled rope: moving a chunk by an offset equals computing it there (layer-0 keys are position-only)."""
+    engine = FusionEngine(build("llama3-rope", len(tokenizer)), tokenizer, dtype="float32")
+    pre, chunk, question = chunks_of(engine, [300, 50, 4])
+    kvs = engine.precompute([pre, chunk])
+    fused = engine.fuse(kvs[0], kvs[1:], question, FusionOptions(method="pie"))
+    with torch.inference_mode():
+        ref = engine.model(torch.tensor([pre + chunk + question]), use_cache=True).past_key_values
+    torch.testing.assert_close(fused.cache.k[0, :, 300:350], ref.layers[0].keys[0, :, 300:350], atol=1e-5, rtol=1e-4)
+
+
+def test_length_dependent_rope_is_refused(tokenizer):
+    dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), rope_parameters=dynamic, **SMALL))
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        FusionEngine(model, tokenizer, dtype="float32")
+
+
+def test_sliding_window_bounds_the_context(tokenizer):
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), sliding_window=256, **SMALL))
+    assert FusionEngine(model, tokenizer, dtype="float32").max_context_tokens == 256
