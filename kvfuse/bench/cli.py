@@ -1,9 +1,210 @@
-"""`kvfuse` subcommands of the bench package (registered by kvfuse.cli)."""
+"""`kvfuse bench ...`: fidelity, speed, report, and the store/retriever benches of those packages.
+
+Nothing heavy is imported until a subcommand runs, so `kvfuse --help` stays instant."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RATIOS = "0.05,0.15,0.3,1.0"
+DEFAULT_CONTEXTS = "1024,2048,4096,8192"
+# Other packages' benches, each `register_bench(bench_subparsers)` adding its own subcommand.
+_PACKAGE_BENCHES = ("kvfuse.store.bench", "kvfuse.retriever.bench")
+
+
+def _csv(kind: type) -> object:
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s: {text!r}") from err
+
+    return parse
+
+
+def _flat(values: list[list] | None) -> list:
+    return [x for group in values or [] for x in group]
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    from kvfuse.bench import fidelity, report, tasks
+    from kvfuse.bench.data import resolve_data_dir
+    from kvfuse.bench.machine import command_line, load_info, machine_info
+    from kvfuse.config import get_settings
+
+    settings = get_settings()
+    data_dir = resolve_data_dir(args.data_dir)
+    task_names = _flat(args.task) or list(tasks.TASKS)
+    unknown = [t for t in task_names if t not in tasks.TASKS]
+    if unknown:
+        print(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(tasks.TASKS)}", file=sys.stderr)
+        return 2
+    if args.url:
+        from transformers import AutoTokenizer
+
+        from kvfuse.model_files import resolve_llm
+
+        tok = AutoTokenizer.from_pretrained(resolve_llm(settings.model.llm, settings.models_dir))
+        backend = fidelity.HttpBackend(args.url, max_tokens=args.max_tokens, api_key=args.api_key,
+                                       tokenizer=tok, timeout_s=settings.server.request_timeout_s)
+    else:
+        backend = fidelity.EngineBackend(settings, max_tokens=args.max_tokens)
+    methods = args.methods or backend.methods()
+    plan = fidelity.method_plan(methods, args.ratios)
+    cfg = tasks.TaskConfig(n=args.n, docs=args.docs, doc_tokens=args.doc_tokens, seed=args.seed)
+    params = {"tasks": task_names, "n": args.n, "docs": args.docs, "doc_tokens": args.doc_tokens,
+              "methods": methods, "ratios": args.ratios, "seed": args.seed, "max_tokens": args.max_tokens,
+              "url": args.url, "model": settings.model.llm, "fusion": settings.fusion.model_dump()}
+    command, machine = command_line("kvfuse bench fidelity", args.parser, args), machine_info()
+    json_path = Path(args.json)
+    done: list = []
+
+    def save(outcomes: list, *, partial: bool) -> list[dict]:
+        rows = report.sort_fidelity(fidelity.aggregate(outcomes))
+        payload = {"kind": "fidelity", "command": command, "machine": {**machine, **load_info()},
+                   "params": params, "partial": partial, "rows": rows,
+                   "outcomes": fidelity.outcome_dicts(outcomes)}
+        report.write_result(payload, json_path)
+        return rows
+
+    hay = None
+    for task in task_names:
+        if task != "musique" and hay is None:
+            hay = tasks.Haystack(backend.tokenizer, data_dir)
+        examples = tasks.build_examples(task, backend.tokenizer, data_dir, cfg, hay)
+        print(f"{task}: {len(examples)} examples × {len(plan)} method/ratio runs", file=sys.stderr)
+        # checkpoint after every example: a long run interrupted still leaves its results
+        done += fidelity.run_examples(backend, examples, plan,
+                                      on_example=lambda outs, prev=list(done): save(prev + outs, partial=True))
+    rows = save(done, partial=False)
+    md, png = json_path.with_suffix(".md"), json_path.with_suffix(".png")
+    print(report.fidelity_summary(rows))
+    print()
+    print(report.markdown_table(rows, report.FIDELITY_TABLE))
+    print(f"\nwrote {args.json}, {md}, {png}", file=sys.stderr)
+    return 0
+
+
+def _speed(args: argparse.Namespace) -> int:
+    from kvfuse.bench import report, speed, tasks
+    from kvfuse.bench.data import resolve_data_dir
+    from kvfuse.bench.fidelity import EngineBackend
+    from kvfuse.bench.machine import command_line, load_info, machine_info
+    from kvfuse.config import get_settings
+
+    settings = get_settings()
+    data_dir = resolve_data_dir(args.data_dir)
+    load_at_start = load_info()
+    backend = EngineBackend(settings, max_tokens=args.max_tokens)
+    machine = {**machine_info(), **{f"{k}_at_start": v for k, v in load_at_start.items()}}  # threads as loaded
+    methods = args.methods or backend.methods()
+    hay = tasks.Haystack(backend.tokenizer, data_dir)
+    params = {"contexts": args.contexts, "methods": methods, "ratio": args.ratio, "repeats": args.repeats,
+              "doc_tokens": args.doc_tokens, "max_tokens": args.max_tokens, "seed": args.seed,
+              "cold": not args.no_cold, "kv_dtype": settings.store.kv_dtype, "model": settings.model.llm,
+              "fusion": settings.fusion.model_dump()}
+    command, json_path = command_line("kvfuse bench speed", args.parser, args), Path(args.json)
+
+    def save(rows: list[dict], raw: list[dict], *, partial: bool) -> list[dict]:
+        rows = report.sort_speed(rows)
+        report.write_result({"kind": "speed", "command": command, "machine": {**machine, **load_info()},
+                             "params": params, "partial": partial, "rows": rows, "samples": raw}, json_path)
+        return rows
+
+    rows, raw = speed.run_speed(backend, hay, contexts=args.contexts, methods=methods, ratio=args.ratio,
+                                repeats=args.repeats, doc_tokens=args.doc_tokens, seed=args.seed,
+                                cold=not args.no_cold,
+                                on_context=lambda r, w: save(r, w, partial=True))  # a context at a time
+    rows = save(rows, raw, partial=False)
+    md, png = json_path.with_suffix(".md"), json_path.with_suffix(".png")
+    print(report.markdown_table(rows, report.SPEED_TABLE))
+    print(f"\nwrote {args.json}, {md}, {png}", file=sys.stderr)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from kvfuse.bench import report
+
+    results = Path(args.results_dir)
+    if not report.result_files(results):
+        print(f"no fidelity*.json or speed*.json in {results}", file=sys.stderr)
+        return 1
+    readme = None if args.no_readme else Path(args.readme)
+    written = report.regenerate(results, readme)
+    for path in written:
+        print(path)
+    if readme is not None and readme not in written:
+        print(f"note: {readme} has no {report.README_START} ... {report.README_END} block (or is missing): "
+              "not updated", file=sys.stderr)
+    return 0
+
+
+def _add_common(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:
+    p.add_argument("--methods", type=_csv(str), default=None,
+                   help="comma-separated fusion methods (default: every registered method); vanilla always runs")
+    p.add_argument("--seed", type=int, default=0, help="example generation seed")
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="greedy answer length limit" + (f" (default {max_tokens})" if max_tokens else
+                                                        " (default: per task, tasks.ANSWER_TOKENS)"))
+    p.add_argument("--data-dir", default=None, help="evaluation data (default: ../shared/data beside the repo)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add this package's subcommands; import nothing heavy here."""
+    """Add `kvfuse bench ...`; import nothing heavy here."""
+    from kvfuse.bench.report import DEFAULT_RESULTS_DIR, REPO_ROOT, SCRATCH_DIR
+
+    bench = sub.add_parser("bench", help="fidelity and speed benchmarks, reports and plots")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+
+    fid = bsub.add_parser("fidelity", help="answer quality of every fusion method vs vanilla")
+    fid.add_argument("--task", type=_csv(str), action="append",
+                     help="needle, multikey, multivalue, vartrack, musique (repeatable or comma list; default all)")
+    fid.add_argument("--n", type=int, default=20, help="examples per task")
+    fid.add_argument("--docs", type=int, default=8, help="chunks per synthetic example (musique: its 10 passages)")
+    fid.add_argument("--doc-tokens", type=int, default=512, help="tokens per chunk (musique: passages cut to this)")
+    fid.add_argument("--ratios", type=_csv(float), default=_csv(float)(DEFAULT_RATIOS),
+                     help=f"recompute ratios of the selective methods (default {DEFAULT_RATIOS})")
+    fid.add_argument("--json", default=str(SCRATCH_DIR / "fidelity.json"),
+                     help="result file; the .md table and .png plot are written beside it")
+    fid.add_argument("--url", default=None, help="run through a live server's REST API instead (no KL)")
+    fid.add_argument("--api-key", default=None, help="API key for --url")
+    _add_common(fid, max_tokens=None)
+    fid.set_defaults(func=_fidelity, parser=fid)
+
+    spd = bsub.add_parser("speed", help="TTFT (warm and from LMDB), KV load, decode speed, peak memory")
+    spd.add_argument("--contexts", type=_csv(int), default=_csv(int)(DEFAULT_CONTEXTS),
+                     help=f"context sizes in tokens (default {DEFAULT_CONTEXTS})")
+    spd.add_argument("--ratio", type=float, default=0.15, help="recompute ratio of the selective methods")
+    spd.add_argument("--repeats", type=int, default=3, help="timed repeats per figure (median; warmup first)")
+    spd.add_argument("--doc-tokens", type=int, default=512, help="tokens per chunk")
+    spd.add_argument("--no-cold", action="store_true", help="skip the LMDB (cold) measurements")
+    spd.add_argument("--json", default=str(SCRATCH_DIR / "speed.json"),
+                     help="result file; the .md table and .png plot are written beside it")
+    _add_common(spd, max_tokens=32)
+    spd.set_defaults(func=_speed, parser=spd)
+
+    rep = bsub.add_parser("report", help="re-render tables, plots and the README results block from JSON")
+    rep.add_argument("--results-dir", default=str(DEFAULT_RESULTS_DIR), help="folder of fidelity*/speed*.json")
+    rep.add_argument("--readme", default=str(REPO_ROOT / "README.md"),
+                     help="README whose block between <!-- results:start/end --> is replaced")
+    rep.add_argument("--no-readme", action="store_true", help="leave the README alone")
+    rep.set_defaults(func=_report)
+
+    for name in _PACKAGE_BENCHES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name and name.startswith(err.name):  # that bench does not exist: the rest still works
+                continue
+            log.warning("%s is broken, `kvfuse bench` goes on without it: %s", name, err)
+            continue
+        except ImportError as err:
+            log.warning("%s is broken, `kvfuse bench` goes on without it: %s", name, err)
+            continue
+        module.register_bench(bsub)

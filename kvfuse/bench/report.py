@@ -1,0 +1,343 @@
+"""Result files, markdown tables, plots and the README results block.
+
+A run writes `<name>.json` (rows, per-example outcomes, command, machine) and renders it; `kvfuse bench
+report` re-renders every `fidelity*.json` / `speed*.json` of a results folder into `<name>.md` and
+`<name>.png`, an `index.md`, and the README block between the markers below. Every number shown comes
+from those JSON files."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvfuse.bench.data import REPO_ROOT
+
+README_START = "<!-- results:start -->"
+README_END = "<!-- results:end -->"
+DEFAULT_RESULTS_DIR = REPO_ROOT / "docs" / "results"
+SCRATCH_DIR = REPO_ROOT / "bench-results"  # git-ignored default output of a run
+
+FIDELITY_TABLE = (
+    ("task", "task"), ("method", "method"), ("ratio", "ratio"), ("n", "n"), ("score", "score"),
+    ("score_vs_vanilla", "score / vanilla"), ("same_answer_vs_vanilla", "same answer as vanilla"),
+    ("kl_vs_vanilla", "KL vs vanilla (nats)"), ("ttft_s_median", "TTFT (s)"),
+    ("ttft_vs_vanilla", "TTFT / vanilla"), ("context_tokens_mean", "context tokens"),
+)
+SPEED_TABLE = (
+    ("context_tokens", "context tokens"), ("method", "method"), ("ratio", "ratio"),
+    ("ttft_s_median", "TTFT warm (s)"), ("ttft_vs_vanilla", "warm / vanilla"),
+    ("ttft_cold_s_median", "TTFT cold (s)"), ("ttft_cold_vs_vanilla", "cold / vanilla"),
+    ("kv_load_s", "KV load (s)"), ("decode_tok_s", "decode tok/s"), ("decode_vs_vanilla", "decode / vanilla"),
+    ("peak_rss_mb", "peak RSS Δ (MB)"), ("peak_rss_vs_vanilla", "RSS / vanilla"),
+)
+PARTIAL_NOTE = ("_Partial run: it was stopped before every example (or context) was done; `n` says how "
+                "many each row has._")
+# Drawing order and colours: one per method, stable across plots.
+METHOD_ORDER = ("vanilla", "full_reuse", "pie", "epic", "cacheblend", "a3", "prophetkv", "samkv", "kvlink")
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        if abs(value) >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3f}" if abs(value) >= 0.001 else f"{value:.1e}"
+    return str(value)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+    head = "| " + " | ".join(title for _, title in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    body = ["| " + " | ".join(_fmt(r.get(key)) for key, _ in columns) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def _method_key(method: str) -> tuple[int, str]:
+    return (METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), method)
+
+
+def sort_fidelity(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(rows, key=lambda r: (r["task"], _method_key(r["method"]), r["ratio"]))
+
+
+def sort_speed(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(rows, key=lambda r: (r.get("target_context_tokens", r["context_tokens"]),
+                                       _method_key(r["method"]), r["ratio"]))
+
+
+def fidelity_summary(rows: Sequence[dict[str, Any]]) -> str:
+    """Score per task (columns) for each method@ratio (rows): the table to read first."""
+    from kvfuse.bench.fidelity import FIXED_RATIO
+
+    tasks = sorted({r["task"] for r in rows})
+    cells: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        # a method whose share is set by the chunks (epic) is one line, at its mean measured share
+        measured = r["method"] in FIXED_RATIO and FIXED_RATIO[r["method"]] is None
+        cells.setdefault((r["method"], -1.0 if measured else r["ratio"]), {})[r["task"]] = r
+    head = "| method | ratio | " + " | ".join(tasks) + " | mean score / vanilla | mean TTFT / vanilla |"
+    sep = "|---|---|" + "---|" * (len(tasks) + 2)
+    lines = [head, sep]
+    for method, key in sorted(cells, key=lambda mr: (_method_key(mr[0]), mr[1])):
+        by_task = cells[(method, key)]
+        ratios = [r["ratio"] for r in by_task.values()]
+        ratio = sum(ratios) / len(ratios)
+        vs = [by_task[t]["score_vs_vanilla"] for t in tasks if t in by_task and by_task[t]["score_vs_vanilla"]
+              is not None]
+        tt = [by_task[t]["ttft_vs_vanilla"] for t in tasks if t in by_task and by_task[t]["ttft_vs_vanilla"]
+              is not None]
+        scores = " | ".join(_fmt(by_task[t]["score"]) if t in by_task else "–" for t in tasks)
+        lines.append(f"| {method} | {'≈' if key < 0 else ''}{_fmt(ratio)} | {scores} | {_fmt(sum(vs) / len(vs) if vs else None)} | "
+                     f"{_fmt(sum(tt) / len(tt) if tt else None)} |")
+    return "\n".join(lines)
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def matplotlib_ticker() -> Any:
+    import matplotlib.ticker
+
+    return matplotlib.ticker
+
+
+def _colors(methods: Sequence[str]) -> dict[str, Any]:
+    plt = _plt()
+    cmap = plt.get_cmap("tab10")
+    return {m: cmap(_method_key(m)[0] % 10) for m in methods}
+
+
+def plot_fidelity(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """Score vs recompute ratio, one line per method, one panel per task; fixed-ratio methods (vanilla,
+    no recompute) are drawn as horizontal dashed lines across the panel."""
+    plt = _plt()
+    tasks = sorted({r["task"] for r in rows})
+    methods = sorted({r["method"] for r in rows}, key=_method_key)
+    colors = _colors(methods)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(max(3.6 * len(tasks), 8.0), 3.8), squeeze=False,
+                             sharey=True)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for m in methods:
+            pts = sorted((r["ratio"], r["score"]) for r in rows if r["task"] == task and r["method"] == m)
+            if not pts:
+                continue
+            if len(pts) == 1:
+                ax.axhline(pts[0][1], color=colors[m], ls="--", lw=1.2, label=f"{m} (r={pts[0][0]:g})")
+            else:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[m], label=m)
+        n = max((r["n"] for r in rows if r["task"] == task), default=0)
+        ax.set_title(f"{task} (n={n})")
+        ax.set_xlabel("recompute ratio")
+        ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("score (exact match / F1)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    ncol = min(len(labels), 5)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    legend_rows = -(-len(labels) // ncol) if labels else 0
+    fig.tight_layout(rect=(0, 0.06 * legend_rows + 0.02, 1, 0.95 if title else 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_speed(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """TTFT vs context length per method (log-y): KV warm in memory, and cold from LMDB."""
+    plt = _plt()
+    methods = sorted({r["method"] for r in rows}, key=_method_key)
+    colors = _colors(methods)
+    panels = [("ttft_s_median", "TTFT, KV in memory (s)")]
+    if any(r.get("ttft_cold_s_median") is not None for r in rows):
+        panels.append(("ttft_cold_s_median", "TTFT, KV from LMDB (s)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False, sharey=True)
+    for ax, (key, label) in zip(axes[0], panels, strict=True):
+        for m in methods:
+            pts = sorted((r["context_tokens"], r[key]) for r in rows if r["method"] == m and r.get(key))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[m], label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = sorted({r["context_tokens"] for r in rows})
+        ax.set_xticks(ticks, [f"{t / 1024:.1f}k" for t in ticks])
+        ax.xaxis.set_minor_locator(matplotlib_ticker().NullLocator())
+        ax.set_xlabel("context tokens")
+        ax.set_title(label)
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("seconds")
+    axes[0][-1].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    return (f"{machine.get('cpu_model')}, {machine.get('cpu_cores')} cores "
+            f"({machine.get('torch_threads')} torch threads), torch {machine.get('torch')}, "
+            f"transformers {machine.get('transformers')}, Python {machine.get('python')}"
+            + (f", commit {machine['git_commit']}" if machine.get("git_commit") else "")
+            + (f"; load average {machine['load_avg_1m_at_start']} at start, {machine['load_avg_1m']} at end"
+               if "load_avg_1m" in machine and "load_avg_1m_at_start" in machine else ""))
+
+
+def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
+    """Write `<stem>.md` and `<stem>.png` beside the JSON file; returns their paths."""
+    stem = json_path.with_suffix("")
+    png = stem.with_suffix(".png")
+    md = stem.with_suffix(".md")
+    kind, rows = payload["kind"], payload["rows"]
+    head = [
+        f"# {kind.capitalize()} benchmark: `{json_path.stem}`", "",
+        f"Command: `{payload['command']}`  ", f"Machine: {machine_line(payload['machine'])}  ",
+        f"Date: {payload.get('created', '?')}", "",
+    ]
+    if payload.get("partial"):
+        head += [PARTIAL_NOTE, ""]
+    if kind == "fidelity":
+        plot_fidelity(rows, png)
+        body = [
+            "Score per task (exact match for needle/multikey, share of values found for multivalue/vartrack,"
+            " token F1 for musique), greedy decoding, every method on the same examples as vanilla; the "
+            "synthetic tasks give RULER's answer prefix after the assistant header. `ratio` of epic is its "
+            "measured share (its edge tokens are fixed per chunk).", "",
+            fidelity_summary(rows), "", f"![fidelity]({png.name})", "", "## All figures", "",
+            markdown_table(sort_fidelity(rows), FIDELITY_TABLE), "",
+            "`score / vanilla`: mean score over mean vanilla score on the same examples; `same answer`: "
+            "share of examples whose answer text equals vanilla's; `KL`: mean KL(P_vanilla ‖ P_method) of "
+            "the first-token distribution; TTFT: median over examples.",
+        ]
+    elif kind == "speed":
+        plot_speed(rows, png)
+        body = [
+            markdown_table(sort_speed(rows), SPEED_TABLE), "", f"![speed]({png.name})", "",
+            "TTFT warm: chunk KV already in memory; cold: chunk blobs read back from a real LMDB `KVStore` "
+            "(hot tier off, OS page cache warm) and decoded before fusing; KV load is that read. Medians "
+            f"over {payload.get('params', {}).get('repeats', '?')} repeats (one warmup per method first). Peak RSS Δ: "
+            "peak VmRSS (sampled every 5 ms) during one generation minus VmRSS before it, after freeing "
+            "unused heap (malloc_trim). Decode tok/s: tokens after the first over the time after the first.",
+        ]
+    else:
+        raise ValueError(f"unknown result kind {kind!r} in {json_path}")
+    md.write_text("\n".join(head + body) + "\n", encoding="utf-8")
+    return md, png
+
+
+def write_result(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
+    payload.setdefault("created", _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, json_path)
+    return render(payload, json_path)
+
+
+def result_files(results_dir: Path) -> list[Path]:
+    return sorted(results_dir.glob("fidelity*.json")) + sorted(results_dir.glob("speed*.json"))
+
+
+def readme_block(results_dir: Path, readme: Path) -> str:
+    """Markdown for the README's results section: per result file, its command, machine, table, plot."""
+    rel = os.path.relpath(results_dir, readme.parent)
+    parts = [README_START, "", "_Generated by `kvfuse bench report` from the JSON files in "
+             f"[`{rel}/`]({rel}/); do not edit by hand._", ""]
+    for path in result_files(results_dir):
+        payload = json.loads(path.read_text(encoding="utf-8"))
+        kind, rows = payload["kind"], payload["rows"]
+        parts += [f"#### {kind.capitalize()}: `{path.stem}`", "",
+                  f"`{payload['command']}` — {machine_line(payload['machine'])}, {payload.get('created', '')}",
+                  ""]
+        if payload.get("partial"):
+            parts += [PARTIAL_NOTE, ""]
+        if kind == "fidelity":
+            parts.append(fidelity_summary(rows))
+        else:
+            cols = [c for c in SPEED_TABLE if c[0] in ("context_tokens", "method", "ratio", "ttft_s_median",
+                                                        "ttft_vs_vanilla", "ttft_cold_s_median",
+                                                        "kv_load_s", "decode_tok_s", "peak_rss_mb")]
+            parts.append(markdown_table(sort_speed(rows), cols))
+        parts += ["", f"![{path.stem}]({rel}/{path.stem}.png) · [all figures]({rel}/{path.stem}.md)", ""]
+    parts.append(README_END)
+    return "\n".join(parts)
+
+
+def update_readme(results_dir: Path, readme: Path) -> bool:
+    """Replace the block between the markers; False (README untouched) when the markers are absent."""
+    if not readme.is_file():
+        return False
+    text = readme.read_text(encoding="utf-8")
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        return False
+    new = text[:start] + readme_block(results_dir, readme) + text[end + len(README_END):]
+    if new != text:
+        readme.write_text(new, encoding="utf-8")
+    return True
+
+
+METHODOLOGY = """\
+How these numbers are made (`kvfuse/bench/`):
+
+- **Tasks.** `needle`, `multikey`, `multivalue`, `vartrack` follow RULER's NIAH single / multi-key /
+  multi-value and variable tracking, over Paul Graham essays cut into `docs` chunks of about `doc_tokens`
+  tokens (one cached chunk each), the facts hidden at random sentence boundaries; the model gets RULER's
+  answer prefix after the assistant header. `musique` is real multi-hop QA (the CacheBlend sample of
+  MuSiQue): its 10 passages are the chunks (cut to `doc_tokens`), with LongBench's instruction.
+- **Scores.** Exact match of the value (whole word, case-insensitive) for needle/multikey; share of the
+  values (variables) found for multivalue/vartrack; LongBench token F1 against the best reference for
+  musique. Greedy decoding.
+- **Same examples, same run.** The engine is loaded once; each example's prefix and chunks are precomputed
+  once and that KV is reused by every method; vanilla (full prefill of the whole prompt) runs on every
+  example, and every `*_vs_vanilla` figure compares with it on the same examples. KL is
+  KL(P_vanilla ‖ P_method) of the first-token distribution from the fused prefill's logits.
+- **Ratio.** The share of context tokens recomputed (question tokens always are). vanilla is 1,
+  full_reuse and pie 0; epic's edge tokens are fixed per chunk, so its ratio is the measured share.
+- **TTFT** is the time from the start of the fused prefill to the first token chosen, with the chunk KV
+  already in memory (speed: also read back from LMDB first). Timings come from a CPU machine shared with
+  other work: its load average is recorded with every result; compare ratios to vanilla from the same
+  run rather than absolute seconds.
+"""
+
+
+def regenerate(results_dir: Path, readme: Path | None) -> list[Path]:
+    """Re-render every result file of `results_dir`, its index.md, and the README block."""
+    written: list[Path] = []
+    files = result_files(results_dir)
+    for path in files:
+        written += render(json.loads(path.read_text(encoding="utf-8")), path)
+    index = results_dir / "index.md"
+    block = readme_block(results_dir, index).replace(README_START, "").replace(README_END, "").strip()
+    index.write_text(f"# Benchmark results\n\n{METHODOLOGY}\n{block}\n", encoding="utf-8")
+    written.append(index)
+    if readme is not None and update_readme(results_dir, readme):
+        written.append(readme)
+    return written

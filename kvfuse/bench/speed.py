@@ -1,0 +1,183 @@
+"""The speed benchmark: time to first token per method at growing context, with the chunk KV already
+in memory ("warm") and read back from a real LMDB store ("cold"), plus KV load time, decode speed and
+peak memory. Every figure is also given relative to vanilla from the same run.
+
+"Cold" means: the chunk blobs were written with `kvfuse.kvblob.encode` into a `KVStore` in a temp
+data dir with its RAM hot tier off, and each repeat reads and decodes them with `load_chunk` before
+fusing. The OS page cache still holds the LMDB file (dropping it needs root), so this is the cost of
+the store's read path, not of a cold disk.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvfuse.bench.fidelity import EngineBackend, method_plan
+from kvfuse.bench.memory import PeakRSS
+from kvfuse.bench.tasks import Haystack, TaskConfig, needle
+
+SPEED_COLUMNS = (
+    "method", "ratio", "context_tokens", "ttft_s_median", "ttft_vs_vanilla", "ttft_cold_s_median",
+    "ttft_cold_vs_vanilla", "kv_load_s", "kv_load_vs_vanilla_ttft", "decode_tok_s", "decode_vs_vanilla",
+    "peak_rss_mb", "peak_rss_vs_vanilla", "recomputed_tokens",
+)
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    decode_tok_s: float | None
+    peak_rss_mb: float
+    recomputed_tokens: int
+    kv_load_s: float = 0.0
+
+
+def _generate(backend: EngineBackend, prefix: Any, chunks: Any, question_ids: Any, opts: Any) -> Sample:
+    from kvfuse.fusion import GenerationResult
+
+    result = None
+    with PeakRSS() as mem:
+        for item in backend.engine.generate(prefix, chunks, question_ids, opts, backend.gen):
+            if isinstance(item, GenerationResult):
+                result = item
+    assert result is not None, "generate() ended without a result"
+    # tokens after the first, over the time after the first token
+    n_dec = int(result.usage["generated_tokens"]) - 1
+    dec_s = float(result.timings.get("decode_s") or 0.0)
+    return Sample(
+        ttft_s=float(result.timings["ttft_s"]),
+        decode_tok_s=n_dec / dec_s if n_dec > 0 and dec_s > 0 else None,
+        peak_rss_mb=mem.delta_mb,
+        recomputed_tokens=int(result.usage.get("recomputed_tokens", 0)),
+    )
+
+
+class ColdStore:
+    """The example's chunk blobs in a real KVStore (temp data dir, embedded index, hot tier off)."""
+
+    def __init__(self, backend: EngineBackend, chunks: list[Any], root: Path):
+        from kvfuse import kvblob
+        from kvfuse.store import KVStore
+
+        s = backend.settings
+        self.kv_dtype = s.store.kv_dtype
+        settings = s.model_copy(update={
+            "data_dir": root, "redis_url": "", "store": s.store.model_copy(update={"hot_tier_mb": 0}),
+        })
+        self.store = KVStore.open(settings)
+        fp = backend.engine.fingerprint
+        self.keys = []
+        self.kv_bytes = 0
+        for c in chunks:
+            key = kvblob.chunk_key(fp, self.kv_dtype, c.token_ids)
+            blob = kvblob.encode(c.k, c.v, model_fingerprint=fp, token_ids=c.token_ids, dtype=self.kv_dtype)
+            self.store.put_chunk(key, blob)
+            self.keys.append((key, c.token_ids))
+            self.kv_bytes += len(blob)
+
+    def load(self) -> list[Any]:
+        from kvfuse.fusion import ChunkKV
+
+        out = []
+        for key, token_ids in self.keys:
+            got = self.store.load_chunk(key)
+            if got is None:
+                raise RuntimeError(f"chunk {key} missing from the store it was just written to")
+            k, v, _header = got
+            out.append(ChunkKV(token_ids=list(token_ids), k=k, v=v))
+        return out
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _median(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def run_speed(
+    backend: EngineBackend, hay: Haystack, *, contexts: list[int], methods: list[str], ratio: float,
+    repeats: int, doc_tokens: int, seed: int, cold: bool = True,
+    on_context: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows (one per method × context) and the raw samples; `on_context(rows, raw)` after each context
+    (the CLI checkpoints its JSON there)."""
+    from tqdm import tqdm
+
+    plan = method_plan(methods, [ratio])
+    warmed: set[str] = set()
+    rows: list[dict[str, Any]] = []
+    raw: list[dict[str, Any]] = []
+    bar = tqdm(total=len(contexts) * len(plan), file=sys.stderr, unit="method", dynamic_ncols=True)
+    try:
+        for ctx in contexts:
+            ex = needle(hay, TaskConfig(n=1, docs=max(1, round(ctx / doc_tokens)), doc_tokens=doc_tokens,
+                                        seed=seed), 0)
+            prefix, chunks, question_ids = backend.prepare(ex)
+            n_ctx = sum(len(c.token_ids) for c in chunks)
+            with tempfile.TemporaryDirectory(prefix="kvfuse-bench-") as tmp:
+                store = ColdStore(backend, [prefix, *chunks], Path(tmp)) if cold else None
+                per_method: dict[str, dict[str, Any]] = {}
+                for method, r in plan:
+                    bar.set_description(f"{ctx} tokens {method}")
+                    opts = backend.options(method, r)
+                    if method not in warmed:  # first-call costs (allocator, kernels) once per method
+                        _generate(backend, prefix, chunks, question_ids, opts)
+                        warmed.add(method)
+                    warm = [_generate(backend, prefix, chunks, question_ids, opts) for _ in range(repeats)]
+                    cold_samples: list[Sample] = []
+                    if store is not None and method == "vanilla":
+                        cold_samples = warm  # vanilla prefills from tokens: it loads nothing, cold = warm
+                    elif store is not None:
+                        for _ in range(repeats):
+                            t0 = time.perf_counter()
+                            loaded = store.load()
+                            load_s = time.perf_counter() - t0
+                            s = _generate(backend, loaded[0], loaded[1:], question_ids, opts)
+                            s.kv_load_s = load_s
+                            cold_samples.append(s)
+                    if r is None:  # fixed by the method (epic): report the measured share
+                        r = round(warm[0].recomputed_tokens / n_ctx, 3)
+                    for mode, samples in (("warm", warm), ("cold", cold_samples if method != "vanilla" else [])):
+                        raw += [{"method": method, "ratio": r, "context_tokens": n_ctx, "mode": mode,
+                                 **s.__dict__} for s in samples]
+                    per_method[method] = {
+                        "method": method, "ratio": r, "context_tokens": n_ctx, "target_context_tokens": ctx,
+                        "chunks": len(chunks),
+                        "ttft_s_median": _median([s.ttft_s for s in warm]),
+                        "ttft_cold_s_median": _median([s.kv_load_s + s.ttft_s for s in cold_samples]),
+                        "kv_load_s": _median([s.kv_load_s for s in cold_samples]),
+                        "decode_tok_s": _median([s.decode_tok_s for s in warm]),
+                        "peak_rss_mb": max(s.peak_rss_mb for s in warm),
+                        "peak_rss_cold_mb": max((s.peak_rss_mb for s in cold_samples), default=None),
+                        "recomputed_tokens": warm[0].recomputed_tokens,
+                        "kv_bytes": store.kv_bytes if store is not None else None,
+                    }
+                    bar.update(1)
+                if store is not None:
+                    store.close()
+            van = per_method["vanilla"]
+            for row in per_method.values():
+                row["ttft_vs_vanilla"] = _ratio(row["ttft_s_median"], van["ttft_s_median"])
+                row["ttft_cold_vs_vanilla"] = _ratio(row["ttft_cold_s_median"], van["ttft_cold_s_median"])
+                row["kv_load_vs_vanilla_ttft"] = _ratio(row["kv_load_s"], van["ttft_s_median"])
+                row["decode_vs_vanilla"] = _ratio(row["decode_tok_s"], van["decode_tok_s"])
+                row["peak_rss_vs_vanilla"] = _ratio(row["peak_rss_mb"], van["peak_rss_mb"])
+                rows.append(row)
+            if on_context is not None:
+                on_context(rows, raw)
+    finally:
+        bar.close()
+    return rows, raw

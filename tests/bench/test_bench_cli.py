@@ -1,0 +1,54 @@
+"""`kvfuse bench` wiring: subcommands, other packages' benches guarded, the recorded command line."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvfuse.bench import cli as bench_cli
+from kvfuse.bench.machine import command_line, machine_info
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfuse")
+    bench_cli.register(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_bench_subcommands_parse():
+    args = _parser().parse_args(["bench", "fidelity", "--task", "needle,musique", "--task", "vartrack",
+                                 "--ratios", "0.1,1", "--methods", "vanilla,a3"])
+    assert args.task == [["needle", "musique"], ["vartrack"]] and args.ratios == [0.1, 1.0]
+    assert args.methods == ["vanilla", "a3"] and args.max_tokens is None
+    args = _parser().parse_args(["bench", "speed", "--contexts", "1024,2048"])
+    assert args.contexts == [1024, 2048] and args.repeats == 3
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["bench", "speed", "--contexts", "1k"])
+
+
+def test_a_missing_package_bench_does_not_break_the_cli(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(bench_cli, "_PACKAGE_BENCHES", ("kvfuse.not_a_package.bench", "kvfuse.store.nope"))
+    args = _parser().parse_args(["bench", "report", "--no-readme"])
+    assert args.func is bench_cli._report
+
+
+def test_command_line_spells_out_every_effective_option(monkeypatch: pytest.MonkeyPatch):
+    for k in [k for k in __import__("os").environ if k.startswith("KVFUSE_")]:
+        monkeypatch.delenv(k)
+    args = _parser().parse_args(["bench", "fidelity", "--task", "needle", "--n", "2"])
+    cmd = command_line("kvfuse bench fidelity", args.parser, args)
+    assert cmd.startswith("kvfuse bench fidelity --task needle --n 2 --docs 8 --doc-tokens 512 ")
+    assert "--ratios 0.05,0.15,0.3,1 " in cmd and "--json bench-results/fidelity.json" in cmd
+    assert "--url" not in cmd and "--max-tokens" not in cmd  # unset options are not invented
+    args = _parser().parse_args(["bench", "speed", "--no-cold"])
+    assert " --no-cold " in command_line("kvfuse bench speed", args.parser, args)
+    monkeypatch.setenv("KVFUSE_MODEL__THREADS", "1")
+    monkeypatch.setenv("KVFUSE_SERVER__API_KEYS", "secret")
+    cmd = command_line("kvfuse bench speed", args.parser, args)
+    assert cmd.startswith("KVFUSE_MODEL__THREADS=1 kvfuse bench speed ") and "secret" not in cmd
+
+
+def test_machine_info_names_cpu_cores_and_torch():
+    info = machine_info()
+    assert info["cpu_model"] and info["cpu_cores"] >= 1 and info["torch"]

@@ -1,0 +1,113 @@
+"""Aggregation, tables, plots and the README block, from hand-built outcomes (no model needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfuse.bench import report
+from kvfuse.bench.fidelity import FIDELITY_COLUMNS, Outcome, aggregate, kl_divergence, method_plan
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _outcome(task: str, ex: str, method: str, ratio: float, pred: str, score: float, ttft: float,
+             kl: float | None = 0.0) -> Outcome:
+    return Outcome(task=task, example_id=ex, method=method, ratio=ratio, prediction=pred, score=score,
+                   ttft_s=ttft, context_tokens=1000, recomputed_tokens=int(1000 * ratio), kl_vs_vanilla=kl)
+
+
+OUTCOMES = [
+    _outcome("needle", "e0", "vanilla", 1.0, "42", 1.0, 2.0),
+    _outcome("needle", "e1", "vanilla", 1.0, "7", 0.0, 4.0),
+    _outcome("needle", "e0", "a3", 0.15, "42", 1.0, 0.5, 0.1),
+    _outcome("needle", "e1", "a3", 0.15, "8", 0.0, 1.0, 0.3),
+    _outcome("needle", "e0", "a3", 1.0, "42", 1.0, 2.0, 0.0),
+    _outcome("needle", "e1", "a3", 1.0, "7", 0.0, 4.0, 0.0),
+    _outcome("musique", "m0", "vanilla", 1.0, "x", 0.0, 1.0),
+    _outcome("musique", "m0", "pie", 0.0, "y", 0.5, 0.2, 2.0),
+    Outcome(task="musique", example_id="m0", method="epic", ratio=None, prediction="x", score=0.0,
+            ttft_s=0.3, context_tokens=1000, recomputed_tokens=64),
+]
+
+
+def test_method_plan_runs_vanilla_first_and_fixed_methods_once():
+    plan = method_plan(["a3", "pie", "vanilla", "epic"], [0.1, 1.0])
+    assert plan == [("vanilla", 1.0), ("a3", 0.1), ("a3", 1.0), ("pie", 0.0), ("epic", None)]
+
+
+def test_aggregate_compares_with_vanilla_on_the_same_examples():
+    rows = {(r["task"], r["method"], r["ratio"]): r for r in aggregate(OUTCOMES)}
+    assert all(set(FIDELITY_COLUMNS) <= set(r) for r in rows.values())
+    van = rows[("needle", "vanilla", 1.0)]
+    assert van["score"] == 0.5 and van["score_vs_vanilla"] == 1.0 and van["ttft_s_median"] == 3.0
+    a3 = rows[("needle", "a3", 0.15)]
+    assert a3["n"] == 2 and a3["score_vs_vanilla"] == 1.0 and a3["same_answer_vs_vanilla"] == 0.5
+    assert a3["ttft_vs_vanilla"] == pytest.approx(0.75 / 3.0)
+    assert a3["kl_vs_vanilla"] == pytest.approx(0.2) and a3["recomputed_share"] == pytest.approx(0.15)
+    assert rows[("needle", "a3", 1.0)]["same_answer_vs_vanilla"] == 1.0
+    # vanilla scored 0: no ratio to it, rather than a division by zero or a made-up number
+    assert rows[("musique", "pie", 0.0)]["score_vs_vanilla"] is None
+    # a method whose share is fixed by its chunk edges is reported at its measured share
+    assert rows[("musique", "epic", 0.064)]["recomputed_share"] == pytest.approx(0.064)
+
+
+def test_kl_is_zero_for_equal_logits_and_positive_otherwise():
+    import torch
+
+    a = torch.tensor([1.0, 2.0, 3.0])
+    assert kl_divergence(a, a) == pytest.approx(0.0, abs=1e-12)
+    assert kl_divergence(a, torch.tensor([3.0, 2.0, 1.0])) > 0.5
+
+
+def _speed_rows():
+    rows = []
+    for ctx in (1024, 2048):
+        for m, r, t in (("vanilla", 1.0, 1.0), ("a3", 0.15, 0.3)):
+            rows.append({"method": m, "ratio": r, "context_tokens": ctx - 10, "target_context_tokens": ctx,
+                         "ttft_s_median": t * ctx / 1024, "ttft_vs_vanilla": t, "ttft_cold_s_median": t * 1.1,
+                         "ttft_cold_vs_vanilla": t, "kv_load_s": 0.01, "decode_tok_s": 30.0,
+                         "decode_vs_vanilla": 1.0, "peak_rss_mb": 50.0, "peak_rss_vs_vanilla": 1.0})
+    return rows
+
+
+def _payload(kind: str, rows: list[dict]) -> dict:
+    return {"kind": kind, "command": f"kvfuse bench {kind} --n 2", "rows": rows, "params": {"repeats": 3},
+            "machine": {"cpu_model": "Test CPU", "cpu_cores": 2, "torch_threads": 2, "torch": "2.x",
+                        "transformers": "5.x", "python": "3.11"}}
+
+
+def test_results_render_to_markdown_png_and_readme_block(tmp_path: Path):
+    results = tmp_path / "docs" / "results"
+    md, png = report.write_result(_payload("fidelity", aggregate(OUTCOMES)), results / "fidelity.json")
+    smd, spng = report.write_result(_payload("speed", _speed_rows()), results / "speed.json")
+    for p in (png, spng):
+        assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000
+    text = md.read_text()
+    assert "| needle | a3 | 0.150 | 2 | 0.500 |" in text and "kvfuse bench fidelity --n 2" in text
+    assert "Test CPU, 2 cores" in text and "![fidelity](fidelity.png)" in text
+    assert "| 1014 | vanilla |" in smd.read_text()
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Results\n{report.README_START}\nold numbers\n{report.README_END}\ntail\n")
+    written = report.regenerate(results, readme)
+    assert readme in written and results / "index.md" in written
+    new = readme.read_text()
+    assert "old numbers" not in new and new.endswith(f"{report.README_END}\ntail\n")
+    assert "![fidelity](docs/results/fidelity.png)" in new and "![speed](docs/results/speed.png)" in new
+    assert "`kvfuse bench speed --n 2`" in new
+    # idempotent: a second run changes nothing
+    report.regenerate(results, readme)
+    assert readme.read_text() == new
+    assert json.loads((results / "fidelity.json").read_text())["created"]
+
+
+def test_readme_without_markers_is_left_alone(tmp_path: Path):
+    results = tmp_path / "results"
+    report.write_result(_payload("speed", _speed_rows()), results / "speed.json")
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    assert readme not in report.regenerate(results, readme)
+    assert readme.read_text() == "# no markers\n"

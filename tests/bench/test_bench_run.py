@@ -1,0 +1,89 @@
+"""The harness end to end on a tiny subset with the real model, so it cannot rot: the CLI runs, the
+JSON rows have their schema, vanilla is the reference, a selective method at ratio 1.0 answers as
+vanilla, and the plots are real PNGs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfuse.bench.fidelity import FIDELITY_COLUMNS
+from kvfuse.bench.speed import SPEED_COLUMNS
+from kvfuse.cli import main
+
+pytestmark = pytest.mark.slow
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def model_env(default_llm_path: str):
+    """Point the CLI's settings at the shared prepared model cache (the model is loaded by the CLI)."""
+    from kvfuse.config import get_settings
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVFUSE_MODEL_CACHE_DIR", str(Path(default_llm_path).parent))
+    get_settings.cache_clear()
+    yield
+    mp.undo()
+    get_settings.cache_clear()
+
+
+def test_fidelity_fast_subset(model_env, tmp_path: Path, capsys):
+    out = tmp_path / "fidelity.json"
+    # 48-token chunks: musique's 10 passages stay a ~500-token context (the test's cost is its prefills)
+    rc = main(["bench", "fidelity", "--task", "needle,musique", "--n", "2", "--docs", "2", "--doc-tokens", "48",
+               "--methods", "vanilla,a3", "--ratios", "1.0", "--max-tokens", "16", "--json", str(out)])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    rows = payload["rows"]
+    assert {(r["task"], r["method"], r["ratio"]) for r in rows} == {
+        (t, m, 1.0) for t in ("needle", "musique") for m in ("vanilla", "a3")}
+    for r in rows:
+        assert set(FIDELITY_COLUMNS) <= set(r)
+        assert r["n"] == 2 and 0.0 <= r["score"] <= 1.0 and r["ttft_s_median"] > 0
+    for r in (r for r in rows if r["method"] == "vanilla"):
+        assert r["score_vs_vanilla"] == 1.0 and r["ttft_vs_vanilla"] == 1.0
+        assert r["kl_vs_vanilla"] == pytest.approx(0.0, abs=1e-9)
+    # ratio 1.0 recomputes everything: the same answers as vanilla, the same first-token distribution
+    by_example = {}
+    for o in payload["outcomes"]:
+        by_example.setdefault((o["task"], o["example_id"]), {})[o["method"]] = o
+    assert len(by_example) == 4
+    for runs in by_example.values():
+        assert runs["a3"]["prediction"] == runs["vanilla"]["prediction"]
+        assert runs["a3"]["recomputed_tokens"] == runs["a3"]["context_tokens"]
+        assert runs["a3"]["kl_vs_vanilla"] < 1e-3
+    for r in (r for r in rows if r["method"] == "a3"):
+        assert r["same_answer_vs_vanilla"] == 1.0 and r["score"] == pytest.approx(
+            next(v["score"] for v in rows if v["method"] == "vanilla" and v["task"] == r["task"]))
+    assert "kvfuse bench fidelity --task needle,musique --n 2 --docs 2" in payload["command"]
+    assert payload["command"].startswith("KVFUSE_MODEL_CACHE_DIR=")  # the environment override is recorded
+    assert "--methods vanilla,a3 " in payload["command"] and "--ratios 1 " in payload["command"]
+    assert payload["machine"]["torch"]
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+    assert "| needle | a3 |" in out.with_suffix(".md").read_text()
+    assert "| vanilla |" in capsys.readouterr().out
+
+
+def test_speed_fast_subset(model_env, tmp_path: Path):
+    out = tmp_path / "speed.json"
+    rc = main(["bench", "speed", "--contexts", "256,512", "--doc-tokens", "128", "--methods", "vanilla,a3",
+               "--ratio", "0.15", "--repeats", "1", "--max-tokens", "8", "--json", str(out)])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    rows = payload["rows"]
+    assert [(r["target_context_tokens"], r["method"]) for r in rows] == [
+        (256, "vanilla"), (256, "a3"), (512, "vanilla"), (512, "a3")]
+    for r in rows:
+        assert set(SPEED_COLUMNS) <= set(r)
+        assert r["ttft_s_median"] > 0 and r["ttft_cold_s_median"] > 0 and r["peak_rss_mb"] >= 0
+        assert 0.5 * r["target_context_tokens"] <= r["context_tokens"] <= 1.2 * r["target_context_tokens"]
+    for r in rows:
+        if r["method"] == "vanilla":
+            assert r["ttft_vs_vanilla"] == 1.0 and r["kv_load_s"] == 0
+        else:
+            assert r["kv_load_s"] > 0 and r["kv_bytes"] > 0 and r["ratio"] == 0.15
+            assert 0 < r["recomputed_tokens"] < r["context_tokens"]
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
