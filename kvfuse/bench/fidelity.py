@@ -161,7 +161,10 @@ class HttpBackend:
         self.tokenizer = tokenizer
 
     def methods(self) -> list[str]:
-        return ["vanilla", "full_reuse", "pie", "epic", "cacheblend", "a3", "prophetkv"]
+        # The server validates names against the same registry; a method it lacks answers 422.
+        from kvfuse.fusion import available_methods
+
+        return list(available_methods())
 
     def _check(self, resp: Any) -> Any:
         if resp.status_code >= 400:

@@ -37,7 +37,7 @@ SPEED_TABLE = (
 PARTIAL_NOTE = ("_Partial run: it was stopped before every example (or context) was done; `n` says how "
                 "many each row has._")
 # Drawing order and colours: one per method, stable across plots.
-METHOD_ORDER = ("vanilla", "full_reuse", "pie", "epic", "cacheblend", "a3", "prophetkv", "samkv", "kvlink")
+METHOD_ORDER = ("vanilla", "full_reuse", "pie", "epic", "cacheblend", "a3", "prophetkv", "anchor")
 
 
 def _fmt(value: Any) -> str:
