@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvfuse.service import sse
 from kvfuse.service.errors import APIError
 from kvfuse.service.query import ClientGone, QueryRun, QueryService
-from kvfuse.service.query_api import CLIENT_CLOSED, start_query, watch_disconnect
+from kvfuse.service.query_api import CLIENT_CLOSED, collect_result, start_query
 from kvfuse.service.schemas import ChatIn, parse_json, validate
 
 router = APIRouter()
@@ -77,15 +77,9 @@ async def chat_completions(request: Request) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(qs, run, cid, created, name, include_usage), media_type=sse.MEDIA_TYPE,
                                  headers=sse.HEADERS)
-    summary: dict[str, Any] = {}
-    try:
-        async for kind, p in watch_disconnect(qs.stream(run), request):
-            if kind == "result":
-                summary = p
-    except ClientGone:
+    summary = await collect_result(qs, run, request, what="request")
+    if summary is None:
         return Response(status_code=CLIENT_CLOSED)
-    if not summary:
-        raise APIError(503, "the request was cancelled", code="cancelled")
     return JSONResponse({
         "id": cid, "object": "chat.completion", "created": created, "model": name,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": summary["answer"]},

@@ -64,16 +64,24 @@ async def query(request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED)
     if body.stream:
         return StreamingResponse(_sse(qs, run), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+    result = await collect_result(qs, run, request, what="query")
+    if result is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse({**sources_payload(run), **result})
+
+
+async def collect_result(qs: QueryService, run: QueryRun, request: Request, *, what: str) -> dict[str, Any] | None:
+    """A non-streamed run's final result; None if the client left (nobody to answer)."""
     result: dict[str, Any] = {}
     try:
         async for kind, p in watch_disconnect(qs.stream(run), request):
             if kind == "result":
                 result = p
     except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
+        return None
     if not result:
-        raise APIError(503, "the query was cancelled", code="cancelled")
-    return JSONResponse({**sources_payload(run), **result})
+        raise APIError(503, f"the {what} was cancelled", code="cancelled")
+    return result
 
 
 async def _sse(qs: QueryService, run: QueryRun) -> AsyncIterator[bytes]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from fusion_helpers import Prompt, make_prompt
 
 from kvfuse.fusion import FusionEngine
@@ -22,3 +23,11 @@ def essay_text(essays) -> str:
 def prompt(engine: FusionEngine, essay_text: str) -> Prompt:
     """A system prefix, three chunks of 48-64 tokens and a question (~200 tokens in all)."""
     return make_prompt(engine, essay_text, "What does the author think of the App Store?", [64, 48, 56])
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(engine: FusionEngine, prompt: Prompt) -> list[int]:
+    with torch.inference_mode():
+        out = engine.model.generate(torch.tensor([prompt.ids]), max_new_tokens=8, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt.ids):].tolist()

@@ -40,14 +40,6 @@ def test_spread_lifts_neighbours_to_the_peak():
 pytest_slow = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(engine, prompt) -> list[int]:
-    with torch.inference_mode():
-        out = engine.model.generate(torch.tensor([prompt.ids]), max_new_tokens=8, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt.ids):].tolist()
-
-
 @pytest_slow
 def test_full_ratio_gives_vanilla_logits_and_continuation(engine, prompt, hf_greedy):
     ref = hf_forward(engine, prompt.ids, logits_to_keep=1).logits[0, -1].float()

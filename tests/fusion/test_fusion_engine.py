@@ -33,14 +33,6 @@ def vanilla_ref(engine, prompt):
     return out.logits[0, -1].float(), k, v
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(engine, prompt) -> list[int]:
-    with torch.inference_mode():
-        out = engine.model.generate(torch.tensor([prompt.ids]), max_new_tokens=8, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt.ids):].tolist()
-
-
 def test_registry_lists_every_method():
     assert set(available_methods()) >= {"vanilla", "full_reuse", "pie", "epic", "cacheblend", "a3", "prophetkv"}
 
