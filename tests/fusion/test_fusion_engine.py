@@ -187,8 +187,10 @@ def test_precompute_batches_equal_chunks_alone(engine, essay_text):
     assert [kv.token_ids for kv in kvs] == chunks
     for chunk, kv in zip(chunks[:3], kvs[:3], strict=True):
         ref = hf_forward(engine, chunk, logits_to_keep=1).past_key_values
-        torch.testing.assert_close(kv.k, torch.stack([la.keys[0] for la in ref.layers]), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(kv.v, torch.stack([la.values[0] for la in ref.layers]), atol=1e-5, rtol=1e-5)
+        # A batch of padded rows runs other GEMM shapes than one chunk: fp32 rounding differs by ~1e-5
+        # after 30 layers (seen: one element in 172,800 off by 2.4e-5).
+        torch.testing.assert_close(kv.k, torch.stack([la.keys[0] for la in ref.layers]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kv.v, torch.stack([la.values[0] for la in ref.layers]), atol=1e-4, rtol=1e-4)
     assert kvs[3].k.shape == (engine.num_layers, engine.num_kv_heads, 0, engine.head_dim)
 
 
