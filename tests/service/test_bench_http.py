@@ -1,0 +1,58 @@
+"""`kvfuse bench fidelity --url` against a real server: documents go in over REST, every method's answer
+comes back over REST, and the benchmark's documents are deleted afterwards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from service_helpers import API_KEY, ServerProcess, make_client
+
+from kvfuse.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("bench-http")
+    srv = ServerProcess(root / "data", root / "server.log", KVFUSE_SERVER__API_KEYS=API_KEY,
+                        KVFUSE_MODEL__MAX_CONTEXT_TOKENS="1024").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_fidelity_over_http(server: ServerProcess, default_llm_path: str, tmp_path: Path,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfuse.config import get_settings
+
+    monkeypatch.setenv("KVFUSE_MODEL_CACHE_DIR", str(Path(default_llm_path).parent))  # the CLI's tokenizer
+    get_settings.cache_clear()
+    out = tmp_path / "fidelity-http.json"
+    try:
+        rc = main(["bench", "fidelity", "--url", server.url, "--api-key", API_KEY, "--task", "needle",
+                   "--n", "2", "--docs", "2", "--doc-tokens", "64", "--methods", "vanilla,a3,anchor",
+                   "--ratios", "1.0,0.15", "--max-tokens", "12", "--json", str(out)])
+    finally:
+        get_settings.cache_clear()
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    assert {(r["method"], r["ratio"]) for r in payload["rows"]} >= {("vanilla", 1.0), ("a3", 1.0), ("anchor", 0.15)}
+    by_example: dict[str, dict] = {}
+    for o in payload["outcomes"]:
+        assert o["ttft_s"] > 0 and o["context_tokens"] > 0
+        by_example.setdefault(o["example_id"], {})[(o["method"], o["ratio"])] = o
+    assert len(by_example) == 2
+    for runs in by_example.values():
+        # ratio 1.0 recomputes every context token on the server: vanilla's answer, token for token
+        vanilla = next(o for (m, _), o in runs.items() if m == "vanilla")
+        a3 = runs[("a3", 1.0)]
+        assert a3["prediction"] == vanilla["prediction"]
+        assert a3["recomputed_tokens"] == a3["context_tokens"]
+        assert 0 < runs[("anchor", 0.15)]["recomputed_tokens"] < runs[("anchor", 0.15)]["context_tokens"]
+    with make_client(server) as c:  # the benchmark cleaned up after itself
+        listing = c.get("/v1/documents").json()
+    assert listing["total"] == 0, listing
