@@ -50,10 +50,17 @@ class Block:
     tail_mask: torch.Tensor | None  # additive [rows, key_len - visible] (0 or -inf); None: causal tail
     no_tail: torch.Tensor | None  # bool [rows]: rows that see none of the tail (their partial is empty)
     _full_mask: torch.Tensor | None = None
+    _folded: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def has_tail(self) -> bool:
         return self.key_len > self.visible
+
+    def folded(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tail_mask, no_tail) repeated for `group` query heads folded into the rows (built once)."""
+        if self._folded is None or self._folded[0] != group:
+            self._folded = (group, self.tail_mask.repeat(group, 1), self.no_tail.repeat(group))
+        return self._folded[1], self._folded[2]
 
     def full_mask(self) -> torch.Tensor:
         """Additive [rows, key_len] mask for a single call (built once, on first use)."""
@@ -65,6 +72,12 @@ class Block:
             head = torch.zeros(rows, self.visible, dtype=tail.dtype, device=tail.device)
             self._full_mask = torch.cat([head, tail.to(head.device)], dim=1)
         return self._full_mask
+
+
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over two key sets from each set's output [..., R, D] and log-sum-exp [..., R]."""
+    lse = torch.logaddexp(l1, l2)
+    return o1 * torch.exp(l1 - lse).unsqueeze(-1) + o2 * torch.exp(l2 - lse).unsqueeze(-1)
 
 
 class Rows:
@@ -176,14 +189,20 @@ class Transformer:
             b._full_mask = mask
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
         vis = b.visible
-        o1, l1 = _LSE_ATTENTION(q, k[:, :, :vis], v[:, :, :vis], scale=self.scale)
-        o2, l2 = _LSE_ATTENTION(q, k[:, :, vis:], v[:, :, vis:], is_causal=b.tail_mask is None,
-                                attn_mask=b.tail_mask, scale=self.scale)
-        if b.no_tail is not None:  # the kernel reports an all-masked row as lse 0, output 0: weight it 0
-            l2 = l2.masked_fill(b.no_tail, float("-inf"))
-        lse = torch.logaddexp(l1, l2)
-        w1, w2 = torch.exp(l1 - lse).unsqueeze(-1), torch.exp(l2 - lse).unsqueeze(-1)
-        return (o1 * w1 + o2 * w2).to(q.dtype)
+        h, hkv = q.shape[1], k.shape[1]
+        if b.tail_mask is None:  # causal tail: row i of the square sees tail keys 0..i (heads unfolded)
+            o1, l1 = _LSE_ATTENTION(q, k[:, :, :vis], v[:, :, :vis], scale=self.scale)
+            o2, l2 = _LSE_ATTENTION(q, k[:, :, vis:], v[:, :, vis:], is_causal=True, scale=self.scale)
+            return _merge(o1, l1, o2, l2).to(q.dtype)
+        # Query heads of one KV head folded into rows: each key is read once per KV head, and the
+        # kernel's query tiles grow with the rows (it tiles 32 rows below 192, 64 below 768, then 256).
+        g, r, d = h // hkv, q.shape[2], q.shape[3]
+        qf = q.reshape(1, hkv, g * r, d)
+        tail_mask, no_tail = b.folded(g)
+        o1, l1 = _LSE_ATTENTION(qf, k[:, :, :vis], v[:, :, :vis], scale=self.scale)
+        o2, l2 = _LSE_ATTENTION(qf, k[:, :, vis:], v[:, :, vis:], attn_mask=tail_mask, scale=self.scale)
+        l2 = l2.masked_fill(no_tail, float("-inf"))  # the kernel reports an all-masked row as lse 0, output 0
+        return _merge(o1, l1, o2, l2).to(q.dtype).view(1, h, r, d)
 
     def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Rows q [1, H, R, D] that all see every key of k/v [1, Hkv, T, D]: [1, H, R, D].
