@@ -70,13 +70,10 @@ class EngineBackend:
     def __init__(self, settings: Any, *, max_tokens: int | None):
         """max_tokens: answer budget for every example (None: each example's own)."""
         from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
-        from kvfuse.model_files import resolve_llm
 
         m = settings.model
         self.settings = settings
-        self.engine = FusionEngine.load(
-            resolve_llm(m.llm, settings.models_dir), device=m.device, dtype=m.dtype, threads=m.threads
-        )
+        self.engine = FusionEngine.from_settings(settings, max_context_tokens=0)
         self._options_cls = FusionOptions
         self.max_tokens = max_tokens
         self.gen = GenerationOptions(max_tokens=max_tokens or 32, temperature=0.0, top_p=1.0)

@@ -66,6 +66,22 @@ class FusionEngine:
         ).to(device)
         return cls(lm, tokenizer, dtype=dtype, max_context_tokens=max_context_tokens, **kwargs)
 
+    @classmethod
+    def from_settings(cls, settings, **overrides) -> FusionEngine:
+        """The engine that `settings` (kvfuse.config.Settings) describe: model, device, dtype, threads,
+        context limit and the fusion section's engine knobs."""
+        from kvfuse.model_files import resolve_llm
+
+        m, f = settings.model, settings.fusion
+        kwargs = dict(device=m.device, dtype=m.dtype, threads=m.threads, max_context_tokens=m.max_context_tokens,
+                      precompute_batch_tokens=f.precompute_batch_tokens,
+                      attention_block_rows=f.attention_block_rows)
+        return cls.load(resolve_llm(m.llm, settings.models_dir), **{**kwargs, **overrides})
+
+    def rows(self, positions: torch.Tensor) -> Rows:
+        """Query rows at sorted positions, with this engine's attention plan sizes."""
+        return Rows(positions, self.rope, self.dtype, self.attention_block_rows)
+
     # -- prompt ---------------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -175,8 +191,7 @@ class FusionEngine:
 
         t = time.perf_counter()
         if method.full_prefill:
-            rows = Rows(torch.arange(layout.total, device=self.device), self.rope, self.dtype,
-                        self.attention_block_rows)
+            rows = self.rows(torch.arange(layout.total, device=self.device))
             h = self.tf.run(cache, self.tf.embed(ids), rows, range(self.num_layers))
             selected_ctx = torch.arange(n, device=self.device)
             timings["recompute_s"] = time.perf_counter() - t
@@ -187,8 +202,7 @@ class FusionEngine:
             full_layers = method.full_layers(options, self.num_layers)
             if not 0 <= full_layers < self.num_layers:
                 raise ValueError(f"check_layer must be in [0, {self.num_layers - 1}], got {full_layers}")
-            ctx = SelectionContext(self.tf, self.rope, cache, layout, ids, options, full_layers,
-                                   self.attention_block_rows)
+            ctx = SelectionContext(self.tf, cache, layout, ids, options, full_layers, self.rows)
             t = time.perf_counter()
             if full_layers > 0:
                 ctx.hidden = self.tf.run(cache, self.tf.embed(ids[p:]), ctx.rows_all(), range(full_layers))
@@ -228,7 +242,7 @@ class FusionEngine:
         layout = ctx.layout
         p, n = layout.prefix_len, layout.context_len
         local = torch.cat([selected_ctx, torch.arange(n, n + layout.question_len, device=self.device)])
-        rows = Rows(local + p, self.rope, self.dtype, self.attention_block_rows)
+        rows = self.rows(local + p)
         start = ctx.check_layer
         if ctx.projections is not None:
             # The check layer's q/k/v of every row are exact and already computed: keep all K/V (A³ Eq. 4),

@@ -13,26 +13,26 @@ All scores are over context tokens, indexed 0..N-1 (the prefix is exact and neve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvfuse.fusion import scoring
 from kvfuse.fusion.cache import FusedCache, Layout
-from kvfuse.fusion.rope import Rope
 from kvfuse.fusion.transformer import Rows, Transformer
 from kvfuse.fusion.types import FusionOptions
 
 
 class SelectionContext:
-    def __init__(self, tf: Transformer, rope: Rope, cache: FusedCache, layout: Layout, ids: torch.Tensor,
-                 options: FusionOptions, check_layer: int, block_rows: int) -> None:
+    def __init__(self, tf: Transformer, cache: FusedCache, layout: Layout, ids: torch.Tensor,
+                 options: FusionOptions, check_layer: int, make_rows: Callable[[torch.Tensor], Rows]) -> None:
         self.tf = tf
-        self.rope = rope
         self.cache = cache
         self.layout = layout
         self.ids = ids  # every prompt token id, [T]
         self.options = options
         self.check_layer = check_layer
-        self.block_rows = block_rows
+        self.make_rows = make_rows  # positions -> Rows with the engine's attention plan sizes
         self.budget = scoring.budget(options.recompute_ratio, layout.context_len)
         device = ids.device
         self.context = slice(layout.context_start, layout.question_start)
@@ -49,7 +49,7 @@ class SelectionContext:
         """Every context and question row (positions prefix_len..T-1)."""
         if self._rows_all is None:
             positions = torch.arange(self.layout.context_start, self.layout.total, device=self.ids.device)
-            self._rows_all = Rows(positions, self.rope, self.cache.k.dtype, self.block_rows)
+            self._rows_all = self.make_rows(positions)
         return self._rows_all
 
     # -- signals at the check layer ----------------------------------------------------------------
@@ -88,7 +88,7 @@ class SelectionContext:
 
         The pass writes the question's K/V into the cache; the recompute that follows overwrites them.
         """
-        rows = Rows(self.question_positions, self.rope, self.cache.k.dtype, self.block_rows)
+        rows = self.make_rows(self.question_positions)
         h = self.tf.embed(self.ids[self.question_positions])
         total = self.layout.total
         per_layer = []

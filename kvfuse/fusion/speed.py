@@ -62,7 +62,9 @@ def main() -> None:
     from kvfuse.config import get_settings
     from kvfuse.model_files import resolve_llm
 
-    engine = FusionEngine.load(resolve_llm(args.model, get_settings().models_dir), threads=args.threads)
+    settings = get_settings()
+    engine = FusionEngine.from_settings(settings, threads=args.threads) if args.model == "default" else \
+        FusionEngine.load(resolve_llm(args.model, settings.models_dir), threads=args.threads)
     text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(Path(args.essays).iterdir()))
     ids = engine.tokenize(text[:2_000_000])
     prefix_ids, question_ids = engine.prompt_parts("What does the author say about startups and money?",

@@ -5,13 +5,14 @@ recomputation runs the decoder layers here: norms, projections, MLP and the rota
 model's; attention is `scaled_dot_product_attention` over the fused cache (GQA via `enable_gqa`).
 
 `Rows` holds what every layer shares for one set of query rows: positions, cos/sin and the attention
-blocks with their masks, built once per phase and never per layer. Rows are processed in blocks sorted
-by position, and each block's keys split in two: keys every row of the block may see (all keys before
-its first row) run through the kernel with no mask, and only the short tail up to its last row is
-masked. The two partial softmaxes are merged by their log-sum-exp. A masked kernel call over all keys
-costs ~18 % more on CPU (the mask is read and added for every head and key), and the tail is a few
-hundred keys where the visible part is thousands. Devices without the CPU kernel that returns the
-log-sum-exp use one masked call per block.
+blocks with their masks, built once per phase and never per layer. Rows are sorted by position and go
+in blocks; a block's keys are covered by two kernel calls merged by their log-sum-exp: one unmasked
+call over the keys every row of the block sees (all keys before its first row), and one masked call
+over the short tail up to its last row. A single masked call over all the keys costs ~18 % more on CPU
+(the kernel reads and adds the mask for every head and key). Query heads that share a KV head are
+folded into the rows of a call: each key is read once per KV head, and the kernel tiles taller query
+blocks (it uses 32-row tiles below 192 rows). Devices without the CPU kernel that returns the
+log-sum-exp take one masked call per block.
 """
 
 from __future__ import annotations
@@ -37,11 +38,9 @@ _LSE_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_fo
 
 @dataclass
 class Block:
-    """Query rows [start, stop) of a Rows; they read keys [0, key_len).
-
-    Keys [0, visible) are seen by every row of the block; the tail [visible, key_len) is either causal
-    (the rows are exactly those positions) or masked by `tail_mask`.
-    """
+    """Query rows [start, stop) of a Rows; they read keys [0, key_len): [0, visible) are seen by every
+    row of the block, the tail [visible, key_len) is causal (the rows are exactly those positions) or
+    masked by `tail_mask`."""
 
     start: int
     stop: int
@@ -52,30 +51,26 @@ class Block:
     _full_mask: torch.Tensor | None = None
     _folded: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
-    @property
-    def has_tail(self) -> bool:
-        return self.key_len > self.visible
-
     def folded(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tail_mask, no_tail) repeated for `group` query heads folded into the rows (built once)."""
         if self._folded is None or self._folded[0] != group:
             self._folded = (group, self.tail_mask.repeat(group, 1), self.no_tail.repeat(group))
         return self._folded[1], self._folded[2]
 
-    def full_mask(self) -> torch.Tensor:
-        """Additive [rows, key_len] mask for a single call (built once, on first use)."""
+    def full_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive [rows, key_len] mask for one call over all the block's keys (built once)."""
         if self._full_mask is None:
             rows = self.stop - self.start
             tail = self.tail_mask
             if tail is None:  # causal tail over exactly these rows
-                tail = torch.full((rows, rows), float("-inf"), dtype=torch.float32).triu_(1)
-            head = torch.zeros(rows, self.visible, dtype=tail.dtype, device=tail.device)
-            self._full_mask = torch.cat([head, tail.to(head.device)], dim=1)
+                tail = torch.full((rows, rows), float("-inf"), dtype=dtype).triu_(1)
+            head = torch.zeros(rows, self.visible, dtype=dtype, device=tail.device)
+            self._full_mask = torch.cat([head, tail.to(dtype)], dim=1)
         return self._full_mask
 
 
 def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
-    """Softmax attention over two key sets from each set's output [..., R, D] and log-sum-exp [..., R]."""
+    """Attention over two key sets from each set's output [..., R, D] and log-sum-exp [..., R]."""
     lse = torch.logaddexp(l1, l2)
     return o1 * torch.exp(l1 - lse).unsqueeze(-1) + o2 * torch.exp(l2 - lse).unsqueeze(-1)
 
@@ -90,22 +85,22 @@ class Rows:
         first, last = int(positions[0]), int(positions[-1])
         self.contiguous = last - first + 1 == self.count
         self.start = first
+        self.stop = last + 1  # keys [0, stop) are all any row reads
         self.blocks = self._blocks(block_rows, dtype)
 
     def _blocks(self, block_rows: int, dtype: torch.dtype) -> list[Block]:
         pos = self.positions
         if self.count == 1:  # one row (a decode step): it sees every key up to its position
-            return [Block(0, 1, self.start + 1, self.start + 1, None, None)]
-        if self.contiguous:  # one block: keys before the rows, then the rows' own causal square
-            return [Block(0, self.count, self.start, self.start + self.count, None, None)]
+            return [Block(0, 1, self.stop, self.stop, None, None)]
+        if self.contiguous:  # keys before the rows, then the rows' own causal square
+            return [Block(0, self.count, self.start, self.stop, None, None)]
         blocks = []
         for a in range(0, self.count, block_rows):
             b = min(a + block_rows, self.count)
             visible, key_len = int(pos[a]) + 1, int(pos[b - 1]) + 1
             tail_mask = no_tail = None
             if key_len > visible:
-                keys = torch.arange(visible, key_len, device=pos.device)
-                hidden = pos[a:b, None] < keys[None, :]
+                hidden = pos[a:b, None] < torch.arange(visible, key_len, device=pos.device)[None, :]
                 # additive, in the compute dtype: the kernel would convert a bool mask on every call
                 tail_mask = torch.zeros(hidden.shape, dtype=dtype, device=pos.device).masked_fill_(hidden, float("-inf"))
                 no_tail = hidden.all(dim=1)
@@ -172,33 +167,28 @@ class Transformer:
 
     def attend(self, cache: FusedCache, layer: int, rows: Rows, q: torch.Tensor) -> torch.Tensor:
         """Attention of the rows over the fused cache, each row causally by global position: [1, R, H*D]."""
-        outs = [self._attend_block(cache, layer, b, q[:, :, b.start : b.stop]) for b in rows.blocks]
+        k, v = cache.keys(layer, rows.stop), cache.values(layer, rows.stop)
+        outs = [self._attend_block(k, v, b, q[:, :, b.start : b.stop]) for b in rows.blocks]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.transpose(1, 2).reshape(1, rows.count, self.num_heads * self.head_dim)
 
-    def _attend_block(self, cache: FusedCache, layer: int, b: Block, q: torch.Tensor) -> torch.Tensor:
-        k, v = cache.keys(layer, b.key_len), cache.values(layer, b.key_len)
-        if not b.has_tail:
+    def _attend_block(self, k: torch.Tensor, v: torch.Tensor, b: Block, q: torch.Tensor) -> torch.Tensor:
+        k, v = k[:, :, : b.key_len], v[:, :, : b.key_len]
+        if b.key_len == b.visible:  # every row sees every key
             return self.attend_all(q, k, v)
-        if b.visible == 0:  # nothing to split off
-            if b.tail_mask is None:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=b.tail_mask, scale=self.scale, enable_gqa=True)
-        if _LSE_ATTENTION is None or q.device.type != "cpu":
-            mask = b.full_mask().to(device=q.device, dtype=q.dtype)
-            b._full_mask = mask
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        if b.visible == 0 and b.tail_mask is None:  # rows 0..n-1: the kernel's own causal mask
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        if _LSE_ATTENTION is None or q.device.type != "cpu" or b.visible == 0:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=b.full_mask(q.dtype), scale=self.scale,
+                                                  enable_gqa=True)
         vis = b.visible
-        h, hkv = q.shape[1], k.shape[1]
         if b.tail_mask is None:  # causal tail: row i of the square sees tail keys 0..i (heads unfolded)
             o1, l1 = _LSE_ATTENTION(q, k[:, :, :vis], v[:, :, :vis], scale=self.scale)
             o2, l2 = _LSE_ATTENTION(q, k[:, :, vis:], v[:, :, vis:], is_causal=True, scale=self.scale)
             return _merge(o1, l1, o2, l2).to(q.dtype)
-        # Query heads of one KV head folded into rows: each key is read once per KV head, and the
-        # kernel's query tiles grow with the rows (it tiles 32 rows below 192, 64 below 768, then 256).
-        g, r, d = h // hkv, q.shape[2], q.shape[3]
-        qf = q.reshape(1, hkv, g * r, d)
-        tail_mask, no_tail = b.folded(g)
+        h, hkv, r, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+        qf = q.reshape(1, hkv, (h // hkv) * r, d)
+        tail_mask, no_tail = b.folded(h // hkv)
         o1, l1 = _LSE_ATTENTION(qf, k[:, :, :vis], v[:, :, :vis], scale=self.scale)
         o2, l2 = _LSE_ATTENTION(qf, k[:, :, vis:], v[:, :, vis:], attn_mask=tail_mask, scale=self.scale)
         l2 = l2.masked_fill(no_tail, float("-inf"))  # the kernel reports an all-masked row as lse 0, output 0

@@ -49,15 +49,12 @@ def kv_nbytes(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int
 class Worker:
     def __init__(self, settings: Settings, conn: Connection, cancel_flag: Any) -> None:
         from kvfuse.fusion import FusionEngine
-        from kvfuse.model_files import resolve_llm
         from kvfuse.store import KVStore
 
         self.settings = settings
         self.conn = conn
         self.cancel_flag = cancel_flag
-        m = settings.model
-        self.engine = FusionEngine.load(resolve_llm(m.llm, settings.models_dir), device=m.device, dtype=m.dtype,
-                                        threads=m.threads, max_context_tokens=m.max_context_tokens)
+        self.engine = FusionEngine.from_settings(settings)
         self.store = KVStore.open(settings)
         self.kv_dtype = settings.store.kv_dtype
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting

@@ -10,7 +10,14 @@ import pytest
 import torch
 from fusion_helpers import hf_forward, to_dynamic_cache
 
-from kvfuse.fusion import ContextOverflowError, FusionOptions, GenerationOptions, UnknownMethodError, scoring
+from kvfuse.fusion import (
+    ContextOverflowError,
+    FusionEngine,
+    FusionOptions,
+    GenerationOptions,
+    UnknownMethodError,
+    scoring,
+)
 from kvfuse.fusion.methods import available_methods
 
 pytestmark = pytest.mark.slow
@@ -230,3 +237,19 @@ def test_fingerprint_identifies_model_and_dtype(engine):
 
     assert fingerprint(engine.model, engine.tokenizer, "float32") == engine.fingerprint
     assert fingerprint(engine.model, engine.tokenizer, "bfloat16") != engine.fingerprint
+
+
+def test_engine_from_settings_takes_the_fusion_knobs(default_llm_path: str, monkeypatch):
+    from pathlib import Path
+
+    from kvfuse.config import load_settings
+
+    monkeypatch.setenv("KVFUSE_FUSION__ATTENTION_BLOCK_ROWS", "24")
+    settings = load_settings(model_cache_dir=str(Path(default_llm_path).parent),
+                             fusion={"precompute_batch_tokens": 1000},
+                             model={"max_context_tokens": 2048})
+    engine = FusionEngine.from_settings(settings)
+    assert (engine.attention_block_rows, engine.precompute_batch_tokens) == (24, 1000)
+    assert engine.max_context_tokens == 2048
+    rows = engine.rows(torch.arange(0, 600, 3))  # 200 scattered rows in blocks of 24
+    assert [b.stop - b.start for b in rows.blocks] == [24] * 8 + [8]

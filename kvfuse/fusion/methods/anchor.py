@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from kvfuse.fusion import scoring
 from kvfuse.fusion.methods.base import FusionMethod, register
 from kvfuse.fusion.selection import SelectionContext
-from kvfuse.fusion.transformer import Rows
 
 
 def layer_window(num_layers: int, start_frac: float, end_frac: float) -> range:
@@ -56,7 +55,7 @@ def probe_head_attention(ctx: SelectionContext, layers: range) -> torch.Tensor:
     question's K/V into the cache; the recompute that follows overwrites them.
     """
     tf, layout = ctx.tf, ctx.layout
-    rows = Rows(ctx.question_positions, ctx.rope, ctx.cache.k.dtype, ctx.block_rows)
+    rows = ctx.make_rows(ctx.question_positions)
     h = tf.embed(ctx.ids[ctx.question_positions])
     total = layout.total
     out = []
