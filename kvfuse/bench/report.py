@@ -244,7 +244,7 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
             "(hot tier off, OS page cache warm) and decoded before fusing; KV load is that read. Medians "
             f"over {payload.get('params', {}).get('repeats', '?')} repeats (one warmup per method first). Peak RSS Δ: "
             "peak VmRSS (sampled every 5 ms) during one generation minus VmRSS before it, after freeing "
-            "unused heap (malloc_trim). Decode tok/s: tokens after the first over the time after the first.",
+            "unused heap (malloc_trim). Decode tok/s: forward steps after the first token over their time (the step that produced EOS included).",
         ]
     else:
         raise ValueError(f"unknown result kind {kind!r} in {json_path}")

@@ -48,8 +48,8 @@ def _generate(backend: EngineBackend, prefix: Any, chunks: Any, question_ids: An
             if isinstance(item, GenerationResult):
                 result = item
     assert result is not None, "generate() ended without a result"
-    # tokens after the first, over the time after the first token
-    n_dec = int(result.usage["generated_tokens"]) - 1
+    # forward steps after the first token over their time (a step that produced EOS counts: it was run)
+    n_dec = result.decode_steps
     dec_s = float(result.timings.get("decode_s") or 0.0)
     return Sample(
         ttft_s=float(result.timings["ttft_s"]),

@@ -284,6 +284,7 @@ class FusionEngine:
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(list(gen.stop))
         generated: list[int] = []
+        steps = 0
         token = sampler(fused.logits)
         ttft = time.perf_counter() - start
         finish = "length"
@@ -305,6 +306,7 @@ class FusionEngine:
             if len(generated) >= gen.max_tokens:
                 break
             token = sampler(self.decode_step(fused.cache, token))
+            steps += 1
         if not stopped:  # text held back as a possible stop-string start is final now
             tail = stops.flush()
             if tail:
@@ -315,4 +317,4 @@ class FusionEngine:
             "question_tokens": fused.stats["question_tokens"],
             "recomputed_tokens": fused.stats["recomputed_tokens"], "generated_tokens": len(generated),
         }
-        yield GenerationResult(stops.text[: stops.emitted], finish, usage, timings, generated)
+        yield GenerationResult(stops.text[: stops.emitted], finish, usage, timings, generated, steps)

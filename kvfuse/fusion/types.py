@@ -75,3 +75,4 @@ class GenerationResult:
     usage: dict[str, int]
     timings: dict[str, float]
     token_ids: list[int] = field(default_factory=list)
+    decode_steps: int = 0  # forward steps after the first token (one more than tokens kept when EOS ended it)

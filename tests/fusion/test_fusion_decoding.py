@@ -89,3 +89,14 @@ def test_stop_matcher_holds_back_a_partial_stop():
     assert m.feed("abc E") == ("abc ", False)
     assert m.feed("x") == ("Ex", False)
     assert m.flush() == ""
+
+
+def test_decode_steps_count_every_forward_after_the_first(engine, prompt, monkeypatch):
+    """Steps after the first token: one per kept token after it, plus the step whose token was EOS."""
+    opts, gen = FusionOptions(method="vanilla"), GenerationOptions(max_tokens=6)
+    full = list(engine.generate(prompt.prefix, prompt.chunks, prompt.question_ids, opts, gen))[-1]
+    assert (full.finish_reason, len(full.token_ids), full.decode_steps) == ("length", 6, 5)
+    # the third greedy token made an end-of-turn token: two kept, two steps run (the second produced it)
+    monkeypatch.setattr(engine, "stop_token_ids", engine.stop_token_ids | {full.token_ids[2]})
+    cut = list(engine.generate(prompt.prefix, prompt.chunks, prompt.question_ids, opts, gen))[-1]
+    assert (cut.finish_reason, cut.token_ids, cut.decode_steps) == ("stop", full.token_ids[:2], 2)
