@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvfuse.fusion import ChunkKV, FusionEngine, FusionOptions
+from kvfuse.fusion.methods.anchor import Anchor, layer_window
 from kvfuse.fusion.model_loading import torch_dtype
 
 ESSAYS = Path(__file__).resolve().parents[3] / "shared" / "data" / "paul_graham_essays"
@@ -25,7 +26,8 @@ ESSAYS = Path(__file__).resolve().parents[3] / "shared" / "data" / "paul_graham_
 def work_share(engine: FusionEngine, stats: dict, selected: torch.Tensor, method: str) -> float:
     """The method's arithmetic floor: multiply-adds of the rows it must run through the layers it must
     run them through, as a share of vanilla's (per row and layer: projections + MLP, plus attention
-    over the keys up to the row's position; a stage-I probe adds the question rows once more)."""
+    over the keys up to the row's position; a question-only probe adds the question rows through the
+    layers it runs)."""
     cfg = engine.model.config
     hd = engine.num_kv_heads * engine.head_dim
     qd = cfg.num_attention_heads * engine.head_dim
@@ -40,8 +42,10 @@ def work_share(engine: FusionEngine, stats: dict, selected: torch.Tensor, method
     question = torch.arange(p + n, total)
     rows = torch.cat([selected.cpu(), question])
     work = full * cost(everything[p:]) + (layers - full) * cost(rows) if full < layers else layers * cost(everything)
-    if method == "prophetkv":
+    if method == "prophetkv":  # stage I: the question through every layer
         work += layers * cost(question)
+    elif method == "anchor":  # its probe stops after the window's last layer
+        work += layer_window(layers, *Anchor.window).stop * cost(question)
     return work / (layers * cost(everything))
 
 
@@ -51,7 +55,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="8,16", help="chunk counts, comma-separated")
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--ratio", type=float, default=0.15)
-    ap.add_argument("--methods", default="a3,cacheblend,prophetkv,epic,pie")
+    ap.add_argument("--methods", default="a3,cacheblend,prophetkv,anchor,epic,pie")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--kv-dtype", default="float16")
