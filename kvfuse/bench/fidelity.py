@@ -189,7 +189,7 @@ class HttpBackend:
             task=ex.task, example_id=ex.id, method=method, ratio=ratio, prediction=out["answer"].strip(),
             score=score_answer(ex.metric, out["answer"], ex.answers),
             ttft_s=float(out["timings"]["ttft_ms"]) / 1000.0,
-            context_tokens=int(usage.get("cached_tokens", 0)) + int(usage.get("recomputed_tokens", 0)),
+            context_tokens=int(usage["context_tokens"]),
             recomputed_tokens=usage.get("recomputed_tokens"),
         )
 

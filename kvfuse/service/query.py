@@ -313,7 +313,7 @@ class QueryService:
             "answer": result["text"],
             "finish_reason": result["finish_reason"],
             "usage": {"prompt_tokens": prefix + context + question, "completion_tokens": u.get("generated_tokens", 0),
-                      "cached_tokens": cached, "recomputed_tokens": recomputed},
+                      "context_tokens": context, "cached_tokens": cached, "recomputed_tokens": recomputed},
             "timings": {"retrieval_ms": ms(run.plan.retrieval_s), "queue_ms": ms((run.job.started_at or now) - run.job.enqueued_at),
                         "kv_load_ms": ms(t.get("kv_load_s", 0.0)),
                         "ttft_ms": ms((first_at or now) - run.plan.arrived), "decode_ms": ms(t.get("decode_s", 0.0)),

@@ -168,6 +168,7 @@ def test_query_json_with_explicit_documents_and_fusion_method(client: httpx.Clie
     assert body["fusion"] == {"method": "epic", "recompute_ratio": 0.2}
     u = body["usage"]
     assert u["prompt_tokens"] > u["cached_tokens"] > 0 and u["recomputed_tokens"] > 0
+    assert u["prompt_tokens"] > u["context_tokens"] > u["recomputed_tokens"]  # the documents' tokens
 
 
 def test_openai_client_non_stream_and_stream(holder: Holder) -> None:
