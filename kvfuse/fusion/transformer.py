@@ -57,15 +57,15 @@ class Block:
             self._folded = (group, self.tail_mask.repeat(group, 1), self.no_tail.repeat(group))
         return self._folded[1], self._folded[2]
 
-    def full_mask(self, dtype: torch.dtype) -> torch.Tensor:
+    def full_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Additive [rows, key_len] mask for one call over all the block's keys (built once)."""
         if self._full_mask is None:
             rows = self.stop - self.start
             tail = self.tail_mask
             if tail is None:  # causal tail over exactly these rows
-                tail = torch.full((rows, rows), float("-inf"), dtype=dtype).triu_(1)
-            head = torch.zeros(rows, self.visible, dtype=dtype, device=tail.device)
-            self._full_mask = torch.cat([head, tail.to(dtype)], dim=1)
+                tail = torch.full((rows, rows), float("-inf"), dtype=dtype, device=device).triu_(1)
+            head = torch.zeros(rows, self.visible, dtype=dtype, device=device)
+            self._full_mask = torch.cat([head, tail.to(device=device, dtype=dtype)], dim=1)
         return self._full_mask
 
 
@@ -179,7 +179,7 @@ class Transformer:
         if b.visible == 0 and b.tail_mask is None:  # rows 0..n-1: the kernel's own causal mask
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         if _LSE_ATTENTION is None or q.device.type != "cpu" or b.visible == 0:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=b.full_mask(q.dtype), scale=self.scale,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=b.full_mask(q.dtype, q.device), scale=self.scale,
                                                   enable_gqa=True)
         vis = b.visible
         if b.tail_mask is None:  # causal tail: row i of the square sees tail keys 0..i (heads unfolded)
