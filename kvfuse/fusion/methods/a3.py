@@ -12,17 +12,13 @@ Departure: the paper sizes the selection as r * n with n the whole input; here n
 import torch
 
 from kvfuse.fusion import scoring
-from kvfuse.fusion.methods.base import FusionMethod, register
+from kvfuse.fusion.methods.base import CheckLayerMethod, register
 from kvfuse.fusion.selection import SelectionContext
-from kvfuse.fusion.types import FusionOptions
 
 
 @register
-class A3(FusionMethod):
+class A3(CheckLayerMethod):
     name = "a3"
-
-    def full_layers(self, options: FusionOptions, num_layers: int) -> int:
-        return options.check_layer
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         scores = ctx.question_attention().sum(dim=(0, 1))

@@ -35,6 +35,14 @@ class FusionMethod:
         return torch.empty(0, dtype=torch.long, device=ctx.ids.device)
 
 
+class CheckLayerMethod(FusionMethod):
+    """A method that runs every layer before `options.check_layer` in full and selects from the check
+    layer's exact signals (A³, CacheBlend)."""
+
+    def full_layers(self, options: FusionOptions, num_layers: int) -> int:
+        return options.check_layer
+
+
 def register(cls: type[FusionMethod]) -> type[FusionMethod]:
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"fusion method {cls.name!r} registered twice")

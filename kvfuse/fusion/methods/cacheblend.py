@@ -7,17 +7,13 @@ written to the cache (they are computed anyway to measure the deviation)."""
 import torch
 
 from kvfuse.fusion import scoring
-from kvfuse.fusion.methods.base import FusionMethod, register
+from kvfuse.fusion.methods.base import CheckLayerMethod, register
 from kvfuse.fusion.selection import SelectionContext
-from kvfuse.fusion.types import FusionOptions
 
 
 @register
-class CacheBlend(FusionMethod):
+class CacheBlend(CheckLayerMethod):
     name = "cacheblend"
-
-    def full_layers(self, options: FusionOptions, num_layers: int) -> int:
-        return options.check_layer
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         return scoring.top_k(ctx.value_deviation(), ctx.budget)
