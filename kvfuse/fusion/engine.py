@@ -265,7 +265,7 @@ class FusionEngine:
         pos = cache.length
         if pos >= cache.capacity:
             raise FusionError("the fused cache is full")
-        rows = Rows(torch.tensor([pos], device=self.device), self.rope, self.dtype, 1)
+        rows = self.rows(torch.tensor([pos], device=self.device))
         h = self.tf.run(cache, self.tf.embed(torch.tensor([token_id], device=self.device)), rows,
                         range(self.num_layers))
         cache.length = pos + 1

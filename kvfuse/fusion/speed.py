@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kvfuse.fusion import ChunkKV, FusionEngine, FusionOptions
-from kvfuse.fusion.methods.anchor import Anchor, layer_window
+from kvfuse.fusion.methods import get_method
 from kvfuse.fusion.model_loading import torch_dtype
 
 ESSAYS = Path(__file__).resolve().parents[3] / "shared" / "data" / "paul_graham_essays"
@@ -42,10 +42,7 @@ def work_share(engine: FusionEngine, stats: dict, selected: torch.Tensor, method
     question = torch.arange(p + n, total)
     rows = torch.cat([selected.cpu(), question])
     work = full * cost(everything[p:]) + (layers - full) * cost(rows) if full < layers else layers * cost(everything)
-    if method == "prophetkv":  # stage I: the question through every layer
-        work += layers * cost(question)
-    elif method == "anchor":  # its probe stops after the window's last layer
-        work += layer_window(layers, *Anchor.window).stop * cost(question)
+    work += get_method(method).probe_layers(layers) * cost(question)
     return work / (layers * cost(everything))
 
 

@@ -98,6 +98,9 @@ class Anchor(FusionMethod):
     window: ClassVar[tuple[float, float]] = (0.24, 0.83)  # probe layers as shares of depth: 7..24 of 30
     neighbours: ClassVar[int] = 3  # max-pool width spreading each evidence peak to its neighbours
 
+    def probe_layers(self, num_layers: int) -> int:
+        return layer_window(num_layers, *self.window).stop  # the probe stops after the window
+
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         n, budget = ctx.num_context, ctx.budget
         device = ctx.ids.device

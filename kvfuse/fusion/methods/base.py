@@ -30,6 +30,10 @@ class FusionMethod:
         """Layers run in full for all context rows before `select()` (their hidden states are then exact)."""
         return 0
 
+    def probe_layers(self, num_layers: int) -> int:
+        """Layers a question-only probe runs inside `select()` (0: none); the arithmetic floor counts it."""
+        return 0
+
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         """Context indices (0..N-1) to recompute; question rows are always recomputed."""
         return torch.empty(0, dtype=torch.long, device=ctx.ids.device)

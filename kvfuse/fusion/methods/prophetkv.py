@@ -19,5 +19,8 @@ from kvfuse.fusion.selection import SelectionContext
 class ProphetKV(FusionMethod):
     name = "prophetkv"
 
+    def probe_layers(self, num_layers: int) -> int:
+        return num_layers  # stage I runs the question through every layer
+
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         return scoring.top_k(ctx.probe_question_attention().mean(dim=0), ctx.budget)
