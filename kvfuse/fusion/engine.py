@@ -155,6 +155,8 @@ class FusionEngine:
 
     # -- fusion -------------------------------------------------------------------------------------------
     def _check_chunk(self, kv: ChunkKV, what: str) -> None:
+        if not kv.has_kv:
+            raise ValueError(f"{what}: token ids only, no KV (only a full-prefill method can use it)")
         expected = (self.num_layers, self.num_kv_heads, len(kv.token_ids), self.head_dim)
         if tuple(kv.k.shape) != expected or tuple(kv.v.shape) != expected:
             raise ValueError(f"{what}: KV shape {tuple(kv.k.shape)} does not match {expected}")
@@ -178,8 +180,9 @@ class FusionEngine:
         prefix = prefix if prefix is not None else self._empty_chunk()
         if not question_ids:
             raise ValueError("question_ids must not be empty")
-        for i, kv in enumerate([prefix, *chunks]):
-            self._check_chunk(kv, "prefix" if i == 0 else f"chunk {i - 1}")
+        if not method.full_prefill:  # a full prefill reads only the token ids
+            for i, kv in enumerate([prefix, *chunks]):
+                self._check_chunk(kv, "prefix" if i == 0 else f"chunk {i - 1}")
         layout = Layout(len(prefix), [len(c) for c in chunks], len(question_ids))
         self.check_context(layout.total, max_tokens)
         ids = torch.tensor(prefix.token_ids + [t for c in chunks for t in c.token_ids] + list(question_ids),

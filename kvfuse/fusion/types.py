@@ -18,11 +18,17 @@ class ChunkKV:
     """One chunk's cache, computed alone at positions 0..n-1 (keys post-RoPE, convention "rope0").
 
     k, v: [num_layers, num_kv_heads, n, head_dim], any dtype/device (the engine casts on assembly).
+    None for both: the chunk's tokens only, enough for a method that prefills everything (`vanilla`),
+    so such a request never loads or rebuilds stored KV.
     """
 
     token_ids: list[int]
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def has_kv(self) -> bool:
+        return self.k is not None and self.v is not None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -150,7 +150,8 @@ class Worker:
         self.send("done", job_id, {"keys": keys, "nbytes": nbytes, "computed": computed})
 
     def query(self, job_id: int, p: dict) -> None:
-        from kvfuse.fusion import FusionOptions, GenerationOptions
+        from kvfuse.fusion import ChunkKV, FusionOptions, GenerationOptions
+        from kvfuse.fusion.methods import get_method
 
         prefix_ids, question_ids = self.engine.prompt_parts(p["question"], p["system_prompt"])
         max_tokens = p["generation"]["max_tokens"]
@@ -185,20 +186,25 @@ class Worker:
         self.send("plan", job_id, {"kept": kept, "dropped": dropped, "context_tokens": total,
                                    "prefix_tokens": len(prefix_ids), "question_tokens": len(question_ids)})
 
+        fusion = FusionOptions(**p["fusion"])
         t0 = time.perf_counter()
         rebuilt = 0
         loaded = []
-        for i in kept:
-            ckv, was_rebuilt = self.load_or_rebuild(chunks[i]["key"], chunks[i]["token_ids"], write_back=False)
-            loaded.append(ckv)
-            rebuilt += was_rebuilt
-        prefix = self.prefix_kv(prefix_ids)
+        if get_method(fusion.method).full_prefill:  # prefills from the tokens: no stored KV to read
+            loaded = [ChunkKV(chunks[i]["token_ids"]) for i in kept]
+            prefix = ChunkKV(prefix_ids)
+        else:
+            for i in kept:
+                ckv, was_rebuilt = self.load_or_rebuild(chunks[i]["key"], chunks[i]["token_ids"],
+                                                        write_back=False)
+                loaded.append(ckv)
+                rebuilt += was_rebuilt
+            prefix = self.prefix_kv(prefix_ids)
         kv_load_s = time.perf_counter() - t0
 
         def cancelled() -> bool:
             return self.cancel_flag.value == job_id
 
-        fusion = FusionOptions(**p["fusion"])
         gen = GenerationOptions(**p["generation"])
         result = None
         for ev in self.engine.generate(prefix, loaded, question_ids, fusion, gen, cancel=cancelled):

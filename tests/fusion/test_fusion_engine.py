@@ -11,6 +11,7 @@ import torch
 from fusion_helpers import hf_forward, to_dynamic_cache
 
 from kvfuse.fusion import (
+    ChunkKV,
     ContextOverflowError,
     FusionEngine,
     FusionOptions,
@@ -199,6 +200,15 @@ def test_precompute_batches_equal_chunks_alone(engine, essay_text):
         torch.testing.assert_close(kv.k, torch.stack([la.keys[0] for la in ref.layers]), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(kv.v, torch.stack([la.values[0] for la in ref.layers]), atol=1e-4, rtol=1e-4)
     assert kvs[3].k.shape == (engine.num_layers, engine.num_kv_heads, 0, engine.head_dim)
+
+
+def test_vanilla_needs_only_the_token_ids(engine, prompt, vanilla_ref):
+    """A full prefill reads no KV: token-only chunks give vanilla's logits; a fused method refuses them."""
+    bare = [ChunkKV(c.token_ids) for c in prompt.chunks]
+    fused = engine.fuse(ChunkKV(prompt.prefix.token_ids), bare, prompt.question_ids, FusionOptions(method="vanilla"))
+    torch.testing.assert_close(fused.logits, vanilla_ref[0], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="token ids only"):
+        engine.fuse(prompt.prefix, bare, prompt.question_ids, FusionOptions(method="pie"))
 
 
 def test_half_precision_kv_is_accepted(engine, prompt, vanilla_ref):

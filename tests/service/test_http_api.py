@@ -473,6 +473,11 @@ def test_corrupt_blob_is_rebuilt_from_the_tokens_at_query_time(holder: Holder, c
         tier.write(flip)
     finally:
         tier.close()
+    # vanilla prefills from the tokens: it never reads the blob, so it neither fails nor rebuilds it
+    resp = client.post("/v1/query", json={**Q, "document_ids": ["sun"], "max_tokens": 2,
+                                          "fusion": {"method": "vanilla"}})
+    assert resp.status_code == 200, resp.text
+    assert metric(client, "kvfuse_rebuilt_chunks_total") == rebuilt
     for _ in range(2):
         resp = client.post("/v1/query", json={**Q, "document_ids": ["sun"], "max_tokens": 2})
         assert resp.status_code == 200, resp.text
