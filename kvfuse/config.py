@@ -114,6 +114,7 @@ class FusionSettings(_Section):
     smooth_window: int = Field(5, ge=1)
     edge_tokens: int = Field(16, ge=0)
     edge_tokens_end: int = Field(16, ge=0)
+    anchor_tokens: int = Field(16, ge=0)
     precompute_batch_tokens: int = Field(4096, ge=1)
     attention_block_rows: int = Field(128, ge=1)
 

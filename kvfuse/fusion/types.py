@@ -44,6 +44,7 @@ class FusionOptions:
     smooth_window: int = _FUSION_DEFAULTS.smooth_window
     edge_tokens: int = _FUSION_DEFAULTS.edge_tokens
     edge_tokens_end: int = _FUSION_DEFAULTS.edge_tokens_end
+    anchor_tokens: int = _FUSION_DEFAULTS.anchor_tokens
 
 
 @dataclass

@@ -51,6 +51,7 @@ class FusionIn(Strict):
     smooth_window: int | None = Field(None, ge=1)
     edge_tokens: int | None = Field(None, ge=0)
     edge_tokens_end: int | None = Field(None, ge=0)
+    anchor_tokens: int | None = Field(None, ge=0)
 
 
 class GenerationIn(Strict):

@@ -53,10 +53,10 @@ def test_full_ratio_gives_vanilla_logits_and_continuation(engine, prompt, hf_gre
 
 
 @pytest_slow
-@pytest.mark.parametrize("ratio", [0.15, 0.4])
-def test_selection_size_anchors_and_question_recomputed(engine, prompt, ratio):
+@pytest.mark.parametrize(("ratio", "anchor_tokens"), [(0.15, 16), (0.4, 16), (0.15, 5)])
+def test_selection_size_anchors_and_question_recomputed(engine, prompt, ratio, anchor_tokens):
     fused = engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids,
-                        FusionOptions(method="anchor", recompute_ratio=ratio))
+                        FusionOptions(method="anchor", recompute_ratio=ratio, anchor_tokens=anchor_tokens))
     p, lens = len(prompt.prefix), [len(c) for c in prompt.chunks]
     n = sum(lens)
     sel = fused.selected.tolist()
@@ -65,7 +65,7 @@ def test_selection_size_anchors_and_question_recomputed(engine, prompt, ratio):
     assert sel == sorted(set(sel)) and sel[0] >= p and sel[-1] < p + n
     anchors, start = [], p
     for length in lens:
-        anchors += list(range(start, start + min(Anchor.anchor_tokens, length)))
+        anchors += list(range(start, start + min(anchor_tokens, length)))
         start += length
     if budget >= len(anchors):
         assert set(anchors) <= set(sel)
@@ -88,7 +88,8 @@ def eager_attention(engine):
 
 
 @pytest_slow
-def test_evidence_is_windowed_head_normalised_question_attention(engine, prompt, eager_attention):
+@pytest.mark.parametrize("anchor_tokens", [16, 0])
+def test_evidence_is_windowed_head_normalised_question_attention(engine, prompt, eager_attention, anchor_tokens):
     """Reference: the question alone over the position-recovered cache (HF forward, eager attention
     weights); per window layer and head, attention onto the non-anchor context renormalised, averaged,
     max-pooled; the top tokens after the anchors fill the budget."""
@@ -103,12 +104,12 @@ def test_evidence_is_windowed_head_normalised_question_attention(engine, prompt,
                            logits_to_keep=1)
     layers = layer_window(engine.num_layers, *Anchor.window)
     head_attn = torch.stack([out.attentions[i][0, :, :, p:q_start].float().mean(dim=1) for i in layers])
-    anchors = scoring.chunk_edges([len(c) for c in prompt.chunks], Anchor.anchor_tokens, 0)
+    anchors = scoring.chunk_edges([len(c) for c in prompt.chunks], anchor_tokens, 0)
     is_anchor = torch.zeros(n, dtype=torch.bool)
     is_anchor[anchors] = True
     scores = spread(evidence_scores(head_attn, is_anchor), Anchor.neighbours).masked_fill(is_anchor, -1.0)
     rest = round(ratio * n) - anchors.numel()
     expected = torch.sort(torch.cat([anchors, torch.topk(scores, rest).indices])).values + p
     fused = engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids,
-                        FusionOptions(method="anchor", recompute_ratio=ratio))
+                        FusionOptions(method="anchor", recompute_ratio=ratio, anchor_tokens=anchor_tokens))
     assert fused.selected.tolist() == expected.tolist()

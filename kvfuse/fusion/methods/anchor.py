@@ -1,9 +1,9 @@
 """anchor: kvfuse's own fusion method (the default). Chunk-start anchors plus deep-layer question attention.
 
 What it selects, within round(r * N) context tokens (anchors count toward the budget):
-1. Anchors: the first `anchor_tokens` tokens of every chunk. A chunk cached alone computed them as the
-   start of a sequence, so they carry attention-sink states; after fusion every chunk contributes such a
-   sink and together they drain attention from the real content. Recomputing them at their true
+1. Anchors: the first `anchor_tokens` tokens of every chunk (config `fusion.anchor_tokens`). A chunk
+   cached alone computed them as the start of a sequence, so they carry attention-sink states; after
+   fusion every chunk contributes such a sink and together they drain attention from the real content. Recomputing them at their true
    positions removes the extra sinks. On SmolLM2-135M this one change takes A³ from 0.15 to 0.95 on the
    needle task, and it is why CacheBlend works at all (98.5 % of chunk-start tokens land in its set).
 2. Evidence: the rest of the budget goes to the tokens the question reads. A question-only pass runs
@@ -94,7 +94,6 @@ class Anchor(FusionMethod):
     name = "anchor"
     # Study: docs/default_fusion.md (measured on SmolLM2-135M; the window is a share of depth so it
     # scales to other depths, but the right window is a property of the model: measure it per model).
-    anchor_tokens: ClassVar[int] = 16  # first tokens of each chunk always recomputed (sink states)
     window: ClassVar[tuple[float, float]] = (0.24, 0.83)  # probe layers as shares of depth: 7..24 of 30
     neighbours: ClassVar[int] = 3  # max-pool width spreading each evidence peak to its neighbours
 
@@ -105,7 +104,7 @@ class Anchor(FusionMethod):
         n, budget = ctx.num_context, ctx.budget
         device = ctx.ids.device
         chosen = torch.zeros(n, dtype=torch.bool, device=device)
-        anchors = ctx.chunk_edges(self.anchor_tokens, 0)[:budget]
+        anchors = ctx.chunk_edges(ctx.options.anchor_tokens, 0)[:budget]
         chosen[anchors] = True
         rest = budget - int(anchors.numel())
         if rest <= 0:
