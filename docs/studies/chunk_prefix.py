@@ -7,6 +7,7 @@ first-token KL to vanilla (nats) and how many answers equal vanilla's, on the fi
 examples (8 chunks x 512 tokens, r = 0.15, greedy, the configured system prompt).
 """
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -18,7 +19,6 @@ from kvfuse.bench.fidelity import EngineBackend, kl_divergence
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import load_settings
-from kvfuse.fusion.methods.anchor import Anchor
 from kvfuse.fusion.types import ChunkKV
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
@@ -43,30 +43,27 @@ def precompute_after(prefix_ids, chunks):
         out.append(ChunkKV(list(c), k, v))
     return out
 
-variants = [("anchor16", "anchor", 16), ("anchor0", "anchor", 0), ("anchor4", "anchor", 4), ("cacheblend", "cacheblend", None), ("prophetkv", "prophetkv", None), ("a3", "a3", None)]
+# (label, method, anchor_tokens override or None for the configured default)
+variants = [("anchor16", "anchor", 16), ("anchor0", "anchor", 0), ("anchor4", "anchor", 4),
+            ("cacheblend", "cacheblend", None), ("prophetkv", "prophetkv", None), ("a3", "a3", None)]
 res = {}
 for task in tasks:
     exs = build_examples(task, eng.tokenizer, DATA, TaskConfig(n=n, docs=8, doc_tokens=512, seed=seed), hay)
     for ex in exs:
         t0 = time.time()
-        prefix_ids, q = eng.prompt_parts(ex.question, be.system_prompt)
-        if ex.answer_prefix:
-            q = q + eng.tokenize(ex.answer_prefix)
-        cids = [eng.tokenize(c) for c in ex.chunks]
-        kvs = eng.precompute([prefix_ids, *cids])
-        prefix, alone = kvs[0], kvs[1:]
-        after = precompute_after(prefix_ids, cids)
+        prefix, alone, q = be.prepare(ex)
+        after = precompute_after(prefix.token_ids, [c.token_ids for c in alone])
         budget = ex.max_tokens
         vt, vlog, _, _ = be.greedy(prefix, alone, q, be.options("vanilla", None), budget)
         vs = score_answer(ex.metric, vt, ex.answers)
         res.setdefault((task, "vanilla", "-"), []).append((vs, 0.0, True))
         for cname, ch in (("alone", alone), ("after", after)):
             for vname, m, a in variants:
+                opts = be.options(m, 0.15)
                 if a is not None:
-                    Anchor.anchor_tokens = a
-                t, lg, _, _ = be.greedy(prefix, ch, q, be.options(m, 0.15), budget)
+                    opts = dataclasses.replace(opts, anchor_tokens=a)
+                t, lg, _, _ = be.greedy(prefix, ch, q, opts, budget)
                 res.setdefault((task, vname, cname), []).append((score_answer(ex.metric, t, ex.answers), kl_divergence(vlog, lg), t.strip() == vt.strip()))
-            Anchor.anchor_tokens = 16
             t, lg, _, _ = be.greedy(prefix, ch, q, be.options("pie", None), budget)
             res.setdefault((task, "pie", cname), []).append((score_answer(ex.metric, t, ex.answers), kl_divergence(vlog, lg), t.strip() == vt.strip()))
         print(f"{task} {ex.id} {time.time()-t0:.0f}s", flush=True)

@@ -12,6 +12,7 @@ first-token KL to vanilla (nats) and how many answers equal vanilla's, on the fi
 examples (8 chunks x 512 tokens, r = 0.15, greedy, the configured system prompt).
 """
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -43,7 +44,7 @@ class OracleAnchor(FusionMethod):
     def select(self, ctx):
         n, budget = ctx.num_context, ctx.budget
         chosen = torch.zeros(n, dtype=torch.bool)
-        anchors = ctx.chunk_edges(16, 0)[:budget]
+        anchors = ctx.chunk_edges(ctx.options.anchor_tokens, 0)[:budget]
         chosen[anchors] = True
         s = ORACLE["scores"].clone().masked_fill(chosen, float("-inf"))
         chosen[torch.topk(s, budget - anchors.numel()).indices] = True
@@ -56,7 +57,7 @@ class AnchorPC(A.Anchor):
     def select(self, ctx):
         n, budget = ctx.num_context, ctx.budget
         chosen = torch.zeros(n, dtype=torch.bool)
-        anchors = ctx.chunk_edges(self.anchor_tokens, 0)[:budget]
+        anchors = ctx.chunk_edges(ctx.options.anchor_tokens, 0)[:budget]
         chosen[anchors] = True
         rest = budget - int(anchors.numel())
         layers = A.layer_window(ctx.tf.num_layers, *self.window)
@@ -76,28 +77,20 @@ class AnchorPC(A.Anchor):
         chosen[torch.topk(scores, left).indices] = True
         return chosen.nonzero().view(-1)
 
-@register
-class Anchor0(A.Anchor):
-    name = "anchor0"
-    anchor_tokens = 0
-
 n, tasks = int(sys.argv[1]), sys.argv[2].split(",")
 seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 be = EngineBackend(load_settings(model={"threads": 2}), max_tokens=None)
 eng = be.engine
 hay = Haystack(eng.tokenizer, DATA)
-variants = ["anchor", "anchor0", "anchor_pc", "oracle", "oracle_anchor", "prophetkv"]
+# (label, method, anchor_tokens override or None for the configured default)
+variants = [("anchor", "anchor", None), ("anchor0", "anchor", 0), ("anchor_pc", "anchor_pc", None),
+            ("oracle", "oracle", None), ("oracle_anchor", "oracle_anchor", None), ("prophetkv", "prophetkv", None)]
 res = {}
 for task in tasks:
     exs = build_examples(task, eng.tokenizer, DATA, TaskConfig(n=n, docs=8, doc_tokens=512, seed=seed), hay)
     for ex in exs:
         t0 = time.time()
-        prefix_ids, q = eng.prompt_parts(ex.question, be.system_prompt)
-        if ex.answer_prefix:
-            q = q + eng.tokenize(ex.answer_prefix)
-        cids = [eng.tokenize(c) for c in ex.chunks]
-        kvs = eng.precompute([prefix_ids, *cids])
-        prefix, ch = kvs[0], kvs[1:]
+        prefix, ch, q = be.prepare(ex)
         budget = ex.max_tokens
         van = eng.fuse(prefix, ch, q, be.options("vanilla", None), max_tokens=1)
         layout = Layout(len(prefix), [len(c) for c in ch], len(q))
@@ -111,9 +104,12 @@ for task in tasks:
         ORACLE["scores"] = (dv + dk).float()
         vt, vlog, _, _ = be.greedy(prefix, ch, q, be.options("vanilla", None), budget)
         res.setdefault((task, "vanilla"), []).append((score_answer(ex.metric, vt, ex.answers), 0.0, True))
-        for m in variants:
-            t, lg, _, _ = be.greedy(prefix, ch, q, be.options(m, 0.15), budget)
-            res.setdefault((task, m), []).append((score_answer(ex.metric, t, ex.answers), kl_divergence(vlog, lg), t.strip() == vt.strip()))
+        for label, m, a in variants:
+            opts = be.options(m, 0.15)
+            if a is not None:
+                opts = dataclasses.replace(opts, anchor_tokens=a)
+            t, lg, _, _ = be.greedy(prefix, ch, q, opts, budget)
+            res.setdefault((task, label), []).append((score_answer(ex.metric, t, ex.answers), kl_divergence(vlog, lg), t.strip() == vt.strip()))
         print(f"{task} {ex.id} {time.time()-t0:.0f}s", flush=True)
     for key in sorted(k for k in res if k[0] == task):
         r = res[key]
