@@ -44,6 +44,9 @@ class FusedCache:
     """K/V of every layer, [L, Hkv, capacity, D], filled up to `length`.
 
     Sized for the prompt plus the tokens to generate, so prefill writes and decode appends never copy it.
+
+    key_bias: None, or an additive [capacity] bias on attention logits onto each key (0 for exact keys),
+    applied by the rows at `bias_from` and after (the question and generated tokens).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
@@ -52,6 +55,14 @@ class FusedCache:
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
+        self.key_bias: torch.Tensor | None = None
+        self.bias_from: int | None = None
+
+    def bias_keys(self, positions: torch.Tensor, bias: float, rows_from: int) -> None:
+        """Rows at `rows_from` and after add `bias` to their logits onto the keys at `positions`."""
+        self.key_bias = torch.zeros(self.capacity, dtype=self.k.dtype, device=self.k.device)
+        self.key_bias[positions] = bias
+        self.bias_from = rows_from
 
     @property
     def capacity(self) -> int:

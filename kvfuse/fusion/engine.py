@@ -78,9 +78,11 @@ class FusionEngine:
                       attention_block_rows=f.attention_block_rows)
         return cls.load(resolve_llm(m.llm, settings.models_dir), **{**kwargs, **overrides})
 
-    def rows(self, positions: torch.Tensor) -> Rows:
-        """Query rows at sorted positions, with this engine's attention plan sizes."""
-        return Rows(positions, self.rope, self.dtype, self.attention_block_rows)
+    def rows(self, positions: torch.Tensor, cache: FusedCache | None = None) -> Rows:
+        """Query rows at sorted positions, with this engine's attention plan sizes (and the key bias of
+        `cache`, if it has one)."""
+        biased_from = cache.bias_from if cache is not None and cache.key_bias is not None else None
+        return Rows(positions, self.rope, self.dtype, self.attention_block_rows, biased_from)
 
     # -- prompt ---------------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -217,6 +219,7 @@ class FusionEngine:
                 selected_ctx = torch.unique(method.select(ctx).to(self.device))  # sorted, unique
             if selected_ctx.numel() and (int(selected_ctx[0]) < 0 or int(selected_ctx[-1]) >= n):
                 raise ValueError(f"{options.method}: selected indices outside the context [0, {n})")
+            self._bias_stale(cache, layout, selected_ctx, method.stale_bias(options))
             timings["select_s"] = time.perf_counter() - t
             t = time.perf_counter()
             h = self._recompute(cache, ctx, selected_ctx, ids)
@@ -239,13 +242,22 @@ class FusionEngine:
             if recover:
                 self.rope.shift_keys_(cache.k[:, :, start : start + len(kv)], start)
 
+    def _bias_stale(self, cache: FusedCache, layout: Layout, selected_ctx: torch.Tensor, bias: float) -> None:
+        """The question and generated rows add `bias` to their logits onto the context keys left as cached."""
+        if bias == 0.0:
+            return
+        stale = torch.ones(layout.context_len, dtype=torch.bool, device=self.device)
+        stale[selected_ctx] = False
+        if bool(stale.any()):
+            cache.bias_keys(stale.nonzero().view(-1) + layout.prefix_len, bias, layout.question_start)
+
     def _recompute(self, cache: FusedCache, ctx: SelectionContext, selected_ctx: torch.Tensor,
                    ids: torch.Tensor) -> torch.Tensor:
         """Recompute selected context rows + question rows from the check layer on; returns their hidden."""
         layout = ctx.layout
         p, n = layout.prefix_len, layout.context_len
         local = torch.cat([selected_ctx, torch.arange(n, n + layout.question_len, device=self.device)])
-        rows = self.rows(local + p)
+        rows = self.rows(local + p, cache)
         start = ctx.check_layer
         if ctx.projections is not None:
             # The check layer's q/k/v of every row are exact and already computed: keep all K/V (A³ Eq. 4),
@@ -268,7 +280,7 @@ class FusionEngine:
         pos = cache.length
         if pos >= cache.capacity:
             raise FusionError("the fused cache is full")
-        rows = self.rows(torch.tensor([pos], device=self.device))
+        rows = self.rows(torch.tensor([pos], device=self.device), cache)
         h = self.tf.run(cache, self.tf.embed(torch.tensor([token_id], device=self.device)), rows,
                         range(self.num_layers))
         cache.length = pos + 1

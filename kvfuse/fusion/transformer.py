@@ -13,6 +13,10 @@ over the short tail up to its last row. A single masked call over all the keys c
 folded into the rows of a call: each key is read once per KV head, and the kernel tiles taller query
 blocks (it uses 32-row tiles below 192 rows). Devices without the CPU kernel that returns the
 log-sum-exp take one masked call per block.
+
+A fused cache may carry a key bias (`FusedCache.key_bias`, additive on the attention logits, 0 for
+exact keys). Only rows at or after `Rows.biased_from` apply it (the question and generated tokens); their
+blocks take one masked call with the bias folded into the mask. They are tens of rows, so the mask is small.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ class Block:
     key_len: int
     tail_mask: torch.Tensor | None  # additive [rows, key_len - visible] (0 or -inf); None: causal tail
     no_tail: torch.Tensor | None  # bool [rows]: rows that see none of the tail (their partial is empty)
+    biased: bool = False  # the rows apply the cache's key bias
     _full_mask: torch.Tensor | None = None
+    _biased_mask: torch.Tensor | None = None
     _folded: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def folded(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +74,18 @@ class Block:
             self._full_mask = torch.cat([head, tail.to(device=device, dtype=dtype)], dim=1)
         return self._full_mask
 
+    def biased_mask(self, key_bias: torch.Tensor) -> torch.Tensor:
+        """Additive [rows, key_len] mask: the key bias on every key a row sees, -inf on those it does not
+        (built once: a Rows serves one cache)."""
+        if self._biased_mask is None:
+            bias = key_bias[: self.key_len].unsqueeze(0)
+            if self.key_len > self.visible:
+                tail = self.tail_mask  # biased blocks are never a contiguous causal square (see Rows)
+                head = torch.zeros(tail.shape[0], self.visible, dtype=bias.dtype, device=bias.device)
+                bias = torch.cat([head, tail.to(bias.dtype)], dim=1) + bias
+            self._biased_mask = bias
+        return self._biased_mask
+
 
 def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
     """Attention over two key sets from each set's output [..., R, D] and log-sum-exp [..., R]."""
@@ -76,9 +94,12 @@ def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tenso
 
 
 class Rows:
-    """Query rows at sorted global positions, with per-phase state shared by every layer."""
+    """Query rows at sorted global positions, with per-phase state shared by every layer.
 
-    def __init__(self, positions: torch.Tensor, rope: Rope, dtype: torch.dtype, block_rows: int) -> None:
+    biased_from: rows at this position or later apply the cache's key bias (None: no row does)."""
+
+    def __init__(self, positions: torch.Tensor, rope: Rope, dtype: torch.dtype, block_rows: int,
+                 biased_from: int | None = None) -> None:
         self.positions = positions
         self.count = int(positions.numel())
         self.cos, self.sin = (t.unsqueeze(1) for t in rope.cos_sin(positions, dtype))  # [1, 1, R, D]
@@ -86,17 +107,29 @@ class Rows:
         self.contiguous = last - first + 1 == self.count
         self.start = first
         self.stop = last + 1  # keys [0, stop) are all any row reads
+        # index of the first biased row; rows are sorted, so the biased ones are a suffix
+        self.first_biased = self.count if biased_from is None else int((positions < biased_from).sum())
         self.blocks = self._blocks(block_rows, dtype)
 
+    @property
+    def last_biased(self) -> bool:
+        """Whether the last row applies the key bias (then so does every row from `first_biased`)."""
+        return self.first_biased < self.count
+
     def _blocks(self, block_rows: int, dtype: torch.dtype) -> list[Block]:
-        pos = self.positions
         if self.count == 1:  # one row (a decode step): it sees every key up to its position
-            return [Block(0, 1, self.stop, self.stop, None, None)]
-        if self.contiguous:  # keys before the rows, then the rows' own causal square
+            return [Block(0, 1, self.stop, self.stop, None, None, biased=self.last_biased)]
+        if self.contiguous and not self.last_biased:  # keys before the rows, then the rows' own causal square
             return [Block(0, self.count, self.start, self.stop, None, None)]
+        # biased rows go in blocks of their own
+        return (self._range_blocks(0, self.first_biased, block_rows, dtype, False)
+                + self._range_blocks(self.first_biased, self.count, block_rows, dtype, True))
+
+    def _range_blocks(self, lo: int, hi: int, block_rows: int, dtype: torch.dtype, biased: bool) -> list[Block]:
+        pos = self.positions
         blocks = []
-        for a in range(0, self.count, block_rows):
-            b = min(a + block_rows, self.count)
+        for a in range(lo, hi, block_rows):
+            b = min(a + block_rows, hi)
             visible, key_len = int(pos[a]) + 1, int(pos[b - 1]) + 1
             tail_mask = no_tail = None
             if key_len > visible:
@@ -104,7 +137,7 @@ class Rows:
                 # additive, in the compute dtype: the kernel would convert a bool mask on every call
                 tail_mask = torch.zeros(hidden.shape, dtype=dtype, device=pos.device).masked_fill_(hidden, float("-inf"))
                 no_tail = hidden.all(dim=1)
-            blocks.append(Block(a, b, visible, key_len, tail_mask, no_tail))
+            blocks.append(Block(a, b, visible, key_len, tail_mask, no_tail, biased=biased))
         return blocks
 
 
@@ -168,12 +201,16 @@ class Transformer:
     def attend(self, cache: FusedCache, layer: int, rows: Rows, q: torch.Tensor) -> torch.Tensor:
         """Attention of the rows over the fused cache, each row causally by global position: [1, R, H*D]."""
         k, v = cache.keys(layer, rows.stop), cache.values(layer, rows.stop)
-        outs = [self._attend_block(k, v, b, q[:, :, b.start : b.stop]) for b in rows.blocks]
+        outs = [self._attend_block(k, v, b, q[:, :, b.start : b.stop], cache.key_bias) for b in rows.blocks]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.transpose(1, 2).reshape(1, rows.count, self.num_heads * self.head_dim)
 
-    def _attend_block(self, k: torch.Tensor, v: torch.Tensor, b: Block, q: torch.Tensor) -> torch.Tensor:
+    def _attend_block(self, k: torch.Tensor, v: torch.Tensor, b: Block, q: torch.Tensor,
+                      key_bias: torch.Tensor | None) -> torch.Tensor:
         k, v = k[:, :, : b.key_len], v[:, :, : b.key_len]
+        if b.biased and key_bias is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=b.biased_mask(key_bias), scale=self.scale,
+                                                  enable_gqa=True)
         if b.key_len == b.visible:  # every row sees every key
             return self.attend_all(q, k, v)
         if b.visible == 0 and b.tail_mask is None:  # rows 0..n-1: the kernel's own causal mask
@@ -194,17 +231,21 @@ class Transformer:
         l2 = l2.masked_fill(no_tail, float("-inf"))  # the kernel reports an all-masked row as lse 0, output 0
         return _merge(o1, l1, o2, l2).to(q.dtype).view(1, h, r, d)
 
-    def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   key_bias: torch.Tensor | None = None) -> torch.Tensor:
         """Rows q [1, H, R, D] that all see every key of k/v [1, Hkv, T, D]: [1, H, R, D].
 
         The query heads sharing a KV head are folded into the rows of one call, so each key is read
         once per KV head instead of once per query head (a decode step is bound by reading the cache:
-        this takes ~30 % off its attention time with 3 query heads per KV head)."""
+        this takes ~30 % off its attention time with 3 query heads per KV head). key_bias: additive
+        [T] on every row's logits (None: none)."""
         _, h, r, d = q.shape
         hkv = k.shape[1]
+        mask = None if key_bias is None else key_bias.view(1, -1)
         if h == hkv:
-            return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
-        out = F.scaled_dot_product_attention(q.reshape(1, hkv, (h // hkv) * r, d), k, v, scale=self.scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(q.reshape(1, hkv, (h // hkv) * r, d), k, v, attn_mask=mask,
+                                             scale=self.scale)
         return out.view(1, h, r, d)
 
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -227,7 +268,8 @@ class Transformer:
                 q, k, v = self.project(i, h, rows)
                 self.write_kv(cache, i, rows, k, v)
                 last = int(rows.positions[-1]) + 1  # the last row sees every key up to its position
-                out = self.attend_all(q[:, :, -1:], cache.keys(i, last), cache.values(i, last))
+                bias = cache.key_bias[:last] if rows.last_biased and cache.key_bias is not None else None
+                out = self.attend_all(q[:, :, -1:], cache.keys(i, last), cache.values(i, last), bias)
                 h = self.finish(i, h[:, -1:], out.transpose(1, 2).reshape(1, 1, -1))
             else:
                 h = self.layer(cache, i, h, rows)

@@ -45,6 +45,7 @@ class FusionOptions:
     edge_tokens: int = _FUSION_DEFAULTS.edge_tokens
     edge_tokens_end: int = _FUSION_DEFAULTS.edge_tokens_end
     anchor_tokens: int = _FUSION_DEFAULTS.anchor_tokens
+    stale_logit_bias: float = _FUSION_DEFAULTS.stale_logit_bias
 
 
 @dataclass

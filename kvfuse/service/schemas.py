@@ -52,6 +52,7 @@ class FusionIn(Strict):
     edge_tokens: int | None = Field(None, ge=0)
     edge_tokens_end: int | None = Field(None, ge=0)
     anchor_tokens: int | None = Field(None, ge=0)
+    stale_logit_bias: float | None = Field(None, ge=-10.0, le=0.0)
 
 
 class GenerationIn(Strict):

@@ -17,6 +17,16 @@ What it selects, within round(r * N) context tokens (anchors count toward the bu
    found fact is recomputed whole (its value digits, not just its key word).
 3. Stage II (the engine): the selected tokens plus every question token are recomputed through all
    layers in one pass, attending over the whole fused cache.
+4. Stale scaling: the question and generated tokens add `fusion.stale_logit_bias` (b <= 0) to their
+   attention logits onto every context key left as cached, i.e. the attention those keys receive is
+   scaled by e^b (0.61 at the default -0.5) before the softmax renormalises. A stale key's deep-layer
+   state never saw the other chunks, and on long contexts the question spread over many such keys is
+   what turns answers while the evidence itself is recomputed (docs/default_fusion.md). This is the
+   scaling factor S of APE (Yang et al., 2025, "Adaptive Parallel Encoding"), which scales the query's
+   attention onto independently encoded contexts; kvfuse applies it only to the keys it did not
+   recompute, and omits APE's temperature (sharpening stale keys lost answers in the study). Recomputed
+   context rows attend without it, as in every other method, so the scaling costs only the question's
+   and decode rows' masked attention.
 
 Cost: no layer runs in full. Stage I is |Q| rows through the first `window_end` layers, attention over
 T keys each (|Q| is tens of tokens: ~|Q| / N of a prefill), against CacheBlend's and A³'s full layer 0
@@ -24,7 +34,7 @@ over all N + |Q| rows. Stage II is the same selective pass every method pays.
 
 Departures from the papers it combines: ProphetKV averages the probe over all layers and heads with no
 anchors and no head normalisation; A³ scores at one early layer after a full layer 0; EPIC recomputes
-fixed edges only. The probe's question K/V are discarded (the recompute overwrites them), as ProphetKV's.
+fixed edges only; APE scales every context key (its contexts are never recomputed). The probe's question K/V are discarded (the recompute overwrites them), as ProphetKV's.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import torch.nn.functional as F
 from kvfuse.fusion import scoring
 from kvfuse.fusion.methods.base import FusionMethod, register
 from kvfuse.fusion.selection import SelectionContext
+from kvfuse.fusion.types import FusionOptions
 
 
 def layer_window(num_layers: int, start_frac: float, end_frac: float) -> range:
@@ -99,6 +110,9 @@ class Anchor(FusionMethod):
 
     def probe_layers(self, num_layers: int) -> int:
         return layer_window(num_layers, *self.window).stop  # the probe stops after the window
+
+    def stale_bias(self, options: FusionOptions) -> float:
+        return options.stale_logit_bias
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         n, budget = ctx.num_context, ctx.budget

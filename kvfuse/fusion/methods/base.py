@@ -34,6 +34,11 @@ class FusionMethod:
         """Layers a question-only probe runs inside `select()` (0: none); the arithmetic floor counts it."""
         return 0
 
+    def stale_bias(self, options: FusionOptions) -> float:
+        """Added to the question's and the generated tokens' attention logits onto the context keys that
+        were not recomputed (0: none). Every paper method keeps 0."""
+        return 0.0
+
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         """Context indices (0..N-1) to recompute; question rows are always recomputed."""
         return torch.empty(0, dtype=torch.long, device=ctx.ids.device)
