@@ -75,15 +75,11 @@ class Block:
         return self._full_mask
 
     def biased_mask(self, key_bias: torch.Tensor) -> torch.Tensor:
-        """Additive [rows, key_len] mask: the key bias on every key a row sees, -inf on those it does not
-        (built once: a Rows serves one cache)."""
+        """Additive [rows, key_len] mask from the key bias [key_len] and the block's tail mask (built once:
+        a Rows serves one cache). Biased blocks with a tail always have `tail_mask` (see Rows)."""
         if self._biased_mask is None:
-            bias = key_bias[: self.key_len].unsqueeze(0)
-            if self.key_len > self.visible:
-                tail = self.tail_mask  # biased blocks are never a contiguous causal square (see Rows)
-                head = torch.zeros(tail.shape[0], self.visible, dtype=bias.dtype, device=bias.device)
-                bias = torch.cat([head, tail.to(bias.dtype)], dim=1) + bias
-            self._biased_mask = bias
+            head = torch.zeros(self.tail_mask.shape[0], self.visible, dtype=key_bias.dtype, device=key_bias.device)
+            self._biased_mask = torch.cat([head, self.tail_mask.to(key_bias.dtype)], dim=1) + key_bias
         return self._biased_mask
 
 
@@ -208,11 +204,12 @@ class Transformer:
     def _attend_block(self, k: torch.Tensor, v: torch.Tensor, b: Block, q: torch.Tensor,
                       key_bias: torch.Tensor | None) -> torch.Tensor:
         k, v = k[:, :, : b.key_len], v[:, :, : b.key_len]
-        if b.biased and key_bias is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=b.biased_mask(key_bias), scale=self.scale,
+        bias = key_bias[: b.key_len] if b.biased and key_bias is not None else None
+        if b.key_len == b.visible:  # every row sees every key (a decode step)
+            return self.attend_all(q, k, v, bias)
+        if bias is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=b.biased_mask(bias), scale=self.scale,
                                                   enable_gqa=True)
-        if b.key_len == b.visible:  # every row sees every key
-            return self.attend_all(q, k, v)
         if b.visible == 0 and b.tail_mask is None:  # rows 0..n-1: the kernel's own causal mask
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         if _LSE_ATTENTION is None or q.device.type != "cpu" or b.visible == 0:
