@@ -255,6 +255,8 @@ BAD_INPUTS = [
      "invalid_value"),
     ("check layer past the model", "POST", "/v1/query", {"json": {**Q, "fusion": {"check_layer": 99}}}, 422,
      "invalid_value"),
+    ("positive stale logit bias", "POST", "/v1/query", {"json": {**Q, "fusion": {"stale_logit_bias": 0.5}}}, 422,
+     "invalid_value"),
     ("top_k 0", "POST", "/v1/query", {"json": {**Q, "top_k": 0}}, 422, "invalid_value"),
     ("top_k huge", "POST", "/v1/query", {"json": {**Q, "top_k": 100_000}}, 422, "invalid_value"),
     ("max_tokens 0", "POST", "/v1/query", {"json": {**Q, "max_tokens": 0}}, 422, "invalid_value"),
