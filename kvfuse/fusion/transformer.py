@@ -75,11 +75,9 @@ class Block:
         return self._full_mask
 
     def biased_mask(self, key_bias: torch.Tensor) -> torch.Tensor:
-        """Additive [rows, key_len] mask from the key bias [key_len] and the block's tail mask (built once:
-        a Rows serves one cache). Biased blocks with a tail always have `tail_mask` (see Rows)."""
+        """The block's full mask plus the key bias [key_len] (built once: a Rows serves one cache)."""
         if self._biased_mask is None:
-            head = torch.zeros(self.tail_mask.shape[0], self.visible, dtype=key_bias.dtype, device=key_bias.device)
-            self._biased_mask = torch.cat([head, self.tail_mask.to(key_bias.dtype)], dim=1) + key_bias
+            self._biased_mask = self.full_mask(key_bias.dtype, key_bias.device) + key_bias
         return self._biased_mask
 
 
