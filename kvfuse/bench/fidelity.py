@@ -8,6 +8,7 @@ with vanilla's (KL). With `--url` the same examples go through a live server's R
 
 from __future__ import annotations
 
+import random
 import statistics
 import sys
 import time
@@ -23,9 +24,17 @@ from kvfuse.bench.tasks import Example
 # Every other method runs at each requested ratio.
 FIXED_RATIO: dict[str, float | None] = {"vanilla": 1.0, "full_reuse": 0.0, "pie": 0.0, "epic": None}
 FIDELITY_COLUMNS = (
-    "task", "method", "ratio", "n", "score", "score_vs_vanilla", "kl_vs_vanilla", "same_answer_vs_vanilla",
-    "ttft_s_median", "ttft_vs_vanilla", "context_tokens_mean", "recomputed_share",
+    "task", "method", "ratio", "n", "score", "score_vs_vanilla", "score_vs_vanilla_ci", "gained_vs_vanilla",
+    "lost_vs_vanilla", "kl_vs_vanilla", "same_answer_vs_vanilla", "ttft_s_median", "ttft_vs_vanilla",
+    "context_tokens_mean", "recomputed_share",
 )
+SCORE_EPS = 1e-9  # scores closer than this count as equal (F1 is a float)
+# The interval around score / vanilla: a paired percentile bootstrap over the examples (a resample draws
+# examples, each with its method and vanilla score). Seeded, so a report re-rendered from the same JSON
+# shows the same interval.
+CI_LEVEL = 0.95
+CI_RESAMPLES = 2000
+CI_SEED = 0
 
 
 def method_plan(methods: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, float | None]]:
@@ -243,6 +252,29 @@ def _mean(xs: Iterable[float | None]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def paired_ratio_ci(scores: Sequence[float], refs: Sequence[float], *, level: float = CI_LEVEL,
+                    resamples: int = CI_RESAMPLES, seed: int = CI_SEED) -> tuple[float, float] | None:
+    """Percentile-bootstrap interval of mean(scores) / mean(refs) over paired examples. None when there
+    are fewer than two pairs or vanilla scores 0 in too many resamples to leave an interval."""
+    n = len(scores)
+    if n < 2 or n != len(refs):
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ref = sum(refs[i] for i in idx)
+        if ref > 0:
+            ratios.append(sum(scores[i] for i in idx) / ref)
+    if len(ratios) < resamples * level:  # vanilla's score is mostly 0: no meaningful interval
+        return None
+    ratios.sort()
+    tail = (1.0 - level) / 2
+    lo = ratios[int(tail * (len(ratios) - 1))]
+    hi = ratios[int(round((1.0 - tail) * (len(ratios) - 1)))]
+    return lo, hi
+
+
 def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     """One row per task × method × ratio; `*_vs_vanilla` against vanilla on the same examples."""
     groups: dict[tuple[str, str, float | None], list[Outcome]] = {}
@@ -261,6 +293,8 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
         else:
             score_vs = score / ref_score if ref_score else None
         same = [o.prediction == r.prediction for o, r in zip(outs, refs, strict=True) if r is not None]
+        pairs = [(o.score, r.score) for o, r in zip(outs, refs, strict=True) if r is not None]
+        ci = None if method == "vanilla" else paired_ratio_ci([a for a, _ in pairs], [b for _, b in pairs])
         recomputed = [o.recomputed_tokens / o.context_tokens for o in outs
                       if o.recomputed_tokens is not None and o.context_tokens]
         share = _mean(recomputed)
@@ -269,6 +303,10 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             "ratio": ratio if ratio is not None else round(share or 0.0, 3),  # measured, for fixed methods
             "n": len(outs), "score": score,
             "score_vs_vanilla": score_vs,
+            "score_vs_vanilla_ci": list(ci) if ci is not None else None,
+            # examples where the method scored above / below vanilla on the same example
+            "gained_vs_vanilla": sum(a > b + SCORE_EPS for a, b in pairs),
+            "lost_vs_vanilla": sum(a < b - SCORE_EPS for a, b in pairs),
             "kl_vs_vanilla": _mean(o.kl_vs_vanilla for o in outs),
             "same_answer_vs_vanilla": sum(same) / len(same) if same else None,
             "ttft_s_median": ttft,

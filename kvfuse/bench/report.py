@@ -23,7 +23,9 @@ SCRATCH_DIR = REPO_ROOT / "bench-results"  # git-ignored default output of a run
 
 FIDELITY_TABLE = (
     ("task", "task"), ("method", "method"), ("ratio", "ratio"), ("n", "n"), ("score", "score"),
-    ("score_vs_vanilla", "score / vanilla"), ("same_answer_vs_vanilla", "same answer as vanilla"),
+    ("score_vs_vanilla", "score / vanilla"), ("score_vs_vanilla_ci", "95 % interval"),
+    ("gained_vs_vanilla", "above vanilla"), ("lost_vs_vanilla", "below vanilla"),
+    ("same_answer_vs_vanilla", "same answer as vanilla"),
     ("kl_vs_vanilla", "KL vs vanilla (nats)"), ("ttft_s_median", "TTFT (s)"),
     ("ttft_vs_vanilla", "TTFT / vanilla"), ("context_tokens_mean", "context tokens"),
 )
@@ -45,6 +47,8 @@ def _fmt(value: Any) -> str:
         return "–"
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if isinstance(value, (list, tuple)) and len(value) == 2:  # an interval
+        return f"{_fmt(value[0])}–{_fmt(value[1])}"
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
@@ -103,6 +107,41 @@ def fidelity_summary(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(f"| {method} | {'≈' if key < 0 else ''}{_fmt(ratio)} | {scores} | {_fmt(sum(vs) / len(vs) if vs else None)} | "
                      f"{_fmt(sum(tt) / len(tt) if tt else None)} |")
     return "\n".join(lines)
+
+
+def fidelity_against_vanilla(rows: Sequence[dict[str, Any]]) -> str:
+    """Per task, each method@ratio against vanilla on the same examples: score / vanilla with its paired
+    bootstrap interval, and how many examples it scored above (+) and below (−) vanilla."""
+    tasks = sorted({r["task"] for r in rows})
+    cells: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if r["method"] != "vanilla":
+            cells.setdefault((r["method"], r["ratio"]), {})[r["task"]] = r
+    lines = ["| method | ratio | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+    for method, ratio in sorted(cells, key=lambda mr: (_method_key(mr[0]), mr[1])):
+        by_task = cells[(method, ratio)]
+        out = []
+        for t in tasks:
+            r = by_task.get(t)
+            if r is None:
+                out.append("–")
+                continue
+            ci = r.get("score_vs_vanilla_ci")
+            out.append(f"{_fmt(r['score_vs_vanilla'])}" + (f" ({_fmt(ci)})" if ci else "")
+                       + f", +{r.get('gained_vs_vanilla', '?')}/−{r.get('lost_vs_vanilla', '?')}")
+        lines.append(f"| {method} | {_fmt(ratio)} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
+def fidelity_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The payload's rows, re-aggregated from its per-example outcomes when it has them (so a report
+    re-rendered from an older file gains figures added to the aggregation since)."""
+    from kvfuse.bench.fidelity import Outcome, aggregate
+
+    outcomes = payload.get("outcomes")
+    if not outcomes:
+        return list(payload["rows"])
+    return sort_fidelity(aggregate([Outcome(**o) for o in outcomes]))
 
 
 def _plt() -> Any:
@@ -215,7 +254,8 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
     stem = json_path.with_suffix("")
     png = stem.with_suffix(".png")
     md = stem.with_suffix(".md")
-    kind, rows = payload["kind"], payload["rows"]
+    kind = payload["kind"]
+    rows = fidelity_rows(payload) if kind == "fidelity" else payload["rows"]
     head = [
         f"# {kind.capitalize()} benchmark: `{json_path.stem}`", "",
         f"Command: `{payload['command']}`  ", f"Machine: {machine_line(payload['machine'])}  ",
@@ -230,7 +270,12 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
             " token F1 for musique), greedy decoding, every method on the same examples as vanilla; the "
             "synthetic tasks give RULER's answer prefix after the assistant header. `ratio` of epic is its "
             "measured share (its edge tokens are fixed per chunk).", "",
-            fidelity_summary(rows), "", f"![fidelity]({png.name})", "", "## All figures", "",
+            fidelity_summary(rows), "", f"![fidelity]({png.name})", "", "## Against vanilla", "",
+            "Score / vanilla on the same examples, its 95 % paired bootstrap interval (examples "
+            "resampled), and the examples scored above (+) and below (−) vanilla. An interval that "
+            "contains 1 means the run cannot tell the method from vanilla; no interval: vanilla scored 0 "
+            "on most resamples.", "",
+            fidelity_against_vanilla(rows), "", "## All figures", "",
             markdown_table(sort_fidelity(rows), FIDELITY_TABLE), "",
             "`score / vanilla`: mean score over mean vanilla score on the same examples; `same answer`: "
             "share of examples whose answer text equals vanilla's; `KL`: mean KL(P_vanilla ‖ P_method) of "
@@ -272,7 +317,8 @@ def readme_block(results_dir: Path, readme: Path) -> str:
              f"[`{rel}/`]({rel}/); do not edit by hand._", ""]
     for path in result_files(results_dir):
         payload = json.loads(path.read_text(encoding="utf-8"))
-        kind, rows = payload["kind"], payload["rows"]
+        kind = payload["kind"]
+        rows = fidelity_rows(payload) if kind == "fidelity" else payload["rows"]
         parts += [f"#### {kind.capitalize()}: `{path.stem}`", "",
                   f"`{payload['command']}` — {machine_line(payload['machine'])}, {payload.get('created', '')}",
                   ""]

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from kvfuse.bench import report
-from kvfuse.bench.fidelity import FIDELITY_COLUMNS, Outcome, aggregate, kl_divergence, method_plan
+from kvfuse.bench.fidelity import (
+    FIDELITY_COLUMNS,
+    Outcome,
+    aggregate,
+    kl_divergence,
+    method_plan,
+    outcome_dicts,
+    paired_ratio_ci,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -52,6 +60,49 @@ def test_aggregate_compares_with_vanilla_on_the_same_examples():
     assert rows[("musique", "pie", 0.0)]["score_vs_vanilla"] is None
     # a method whose share is fixed by its chunk edges is reported at its measured share
     assert rows[("musique", "epic", 0.064)]["recomputed_share"] == pytest.approx(0.064)
+
+
+def test_aggregate_counts_examples_above_and_below_vanilla():
+    rows = {(r["task"], r["method"], r["ratio"]): r for r in aggregate(OUTCOMES)}
+    assert (rows[("needle", "a3", 0.15)]["gained_vs_vanilla"], rows[("needle", "a3", 0.15)]["lost_vs_vanilla"]) == (0, 0)
+    assert (rows[("musique", "pie", 0.0)]["gained_vs_vanilla"], rows[("musique", "pie", 0.0)]["lost_vs_vanilla"]) == (1, 0)
+    assert rows[("needle", "vanilla", 1.0)]["score_vs_vanilla_ci"] is None
+
+
+def test_paired_interval_is_degenerate_when_the_method_equals_vanilla():
+    refs = [1.0, 0.0, 1.0, 1.0, 0.5]
+    assert paired_ratio_ci(refs, refs) == (1.0, 1.0)
+
+
+def test_paired_interval_brackets_the_ratio_and_narrows_with_more_examples():
+    # the method loses one example in ten to vanilla
+    refs, method = [1.0] * 10, [1.0] * 9 + [0.0]
+    lo, hi = paired_ratio_ci(method, refs)
+    assert lo < 0.9 < hi <= 1.0
+    lo100, hi100 = paired_ratio_ci(method * 10, refs * 10)
+    assert lo < lo100 < 0.9 < hi100 < hi
+    # seeded: the same data give the same interval
+    assert paired_ratio_ci(method, refs) == (lo, hi)
+
+
+def test_paired_interval_needs_pairs_and_a_vanilla_score():
+    assert paired_ratio_ci([1.0], [1.0]) is None
+    assert paired_ratio_ci([1.0, 0.0], [0.0, 0.0]) is None
+
+
+def test_report_from_an_older_file_re_aggregates_its_outcomes(tmp_path: Path):
+    old_rows = [{k: v for k, v in r.items() if k not in ("score_vs_vanilla_ci", "gained_vs_vanilla",
+                                                           "lost_vs_vanilla")} for r in aggregate(OUTCOMES)]
+    more = [_outcome("needle", f"e{i}", m, r, "42", 1.0, 1.0) for i in (2, 3)
+            for m, r in (("vanilla", 1.0), ("a3", 0.15))]
+    payload = {**_payload("fidelity", old_rows), "outcomes": outcome_dicts(OUTCOMES + more)}
+    md, _ = report.write_result(payload, tmp_path / "fidelity.json")
+    text = md.read_text()
+    assert "## Against vanilla" in text
+    # musique comes first; pie scored above vanilla once, where vanilla scored 0 (no ratio, no interval)
+    assert "| pie | 0 | –, +1/−0 | – |" in text
+    assert "| a3 | 0.150 | – | 1.00 (1.00–1.00), +0/−0 |" in text
+    assert "| a3 | 1.00 | – | 1.00, +0/−0 |" in text  # two examples, one with vanilla at 0: no interval
 
 
 def test_kl_is_zero_for_equal_logits_and_positive_otherwise():
