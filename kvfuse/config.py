@@ -115,7 +115,7 @@ class FusionSettings(_Section):
     edge_tokens: int = Field(16, ge=0)
     edge_tokens_end: int = Field(16, ge=0)
     anchor_tokens: int = Field(16, ge=0)
-    stale_logit_bias: float = Field(-0.5, ge=-10.0, le=0.0)
+    stale_logit_bias: float = Field(0.0, ge=-10.0, le=0.0)
     precompute_batch_tokens: int = Field(4096, ge=1)
     attention_block_rows: int = Field(128, ge=1)
 

@@ -17,16 +17,14 @@ What it selects, within round(r * N) context tokens (anchors count toward the bu
    found fact is recomputed whole (its value digits, not just its key word).
 3. Stage II (the engine): the selected tokens plus every question token are recomputed through all
    layers in one pass, attending over the whole fused cache.
-4. Stale scaling: the question and generated tokens add `fusion.stale_logit_bias` (b <= 0) to their
-   attention logits onto every context key left as cached, i.e. the attention those keys receive is
-   scaled by e^b (0.61 at the default -0.5) before the softmax renormalises. A stale key's deep-layer
-   state never saw the other chunks, and on long contexts the question spread over many such keys is
-   what turns answers while the evidence itself is recomputed (docs/default_fusion.md). This is the
-   scaling factor S of APE (Yang et al., 2025, "Adaptive Parallel Encoding"), which scales the query's
-   attention onto independently encoded contexts; kvfuse applies it only to the keys it did not
-   recompute, and omits APE's temperature (sharpening stale keys lost answers in the study). Recomputed
-   context rows attend without it, as in every other method, so the scaling costs only the question's
-   and decode rows' masked attention.
+4. Stale scaling (off by default): with `fusion.stale_logit_bias` = b < 0 the question and generated
+   tokens add b to their attention logits onto every context key left as cached, i.e. those keys get
+   e^b of their weight before the softmax renormalises. This is the scaling factor S of APE (Yang et
+   al., 2025, "Adaptive Parallel Encoding"), applied only to the keys not recomputed and without APE's
+   temperature. It lowered the first-token KL to vanilla on a few examples, but it breaks copying: a
+   7-digit number read from a cached sentence stops after one or two digits ("15." for "1541022."),
+   because the copy attention onto the stale digits is scaled down and "." wins. On 20 needle examples
+   every needle `anchor` lost was lost this way and comes back at b = 0 (docs/default_fusion.md).
 
 Cost: no layer runs in full. Stage I is |Q| rows through the first `window_end` layers, attention over
 T keys each (|Q| is tens of tokens: ~|Q| / N of a prefill), against CacheBlend's and A³'s full layer 0
