@@ -12,21 +12,16 @@ Usage: python docs/studies/anchor_parts.py TASKS N [SEED] [DOCS] [DOC_TOKENS] [J
 """
 
 import dataclasses
-import json
-import sys
-from pathlib import Path
 
 import torch
+from study_tools import DATA, outcome, report_outcomes, task_args
 
-from kvfuse.bench import report
-from kvfuse.bench.fidelity import EngineBackend, Outcome, aggregate, kl_divergence, outcome_dicts
-from kvfuse.bench.scoring import score as score_answer
+from kvfuse.bench.fidelity import EngineBackend, Outcome
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import get_settings
 from kvfuse.fusion.methods import anchor as A
 from kvfuse.fusion.methods.base import register
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 RATIO = 0.15
 
 
@@ -73,11 +68,7 @@ VARIANTS = {
     "cacheblend": ("cacheblend", {}),
 }
 
-tasks, n = sys.argv[1].split(","), int(sys.argv[2])
-seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-docs = int(sys.argv[4]) if len(sys.argv) > 4 else 8
-doc_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 512
-out_json = Path(sys.argv[6]) if len(sys.argv) > 6 else None
+tasks, n, seed, docs, doc_tokens, out_json = task_args()
 be = EngineBackend(get_settings(), max_tokens=None)
 cfg = TaskConfig(n=n, docs=docs, doc_tokens=doc_tokens, seed=seed)
 hay = Haystack(be.tokenizer, DATA)
@@ -89,18 +80,9 @@ for task in tasks:
         plan = [("vanilla", "vanilla", {}, None)] + [(label, m, o, RATIO) for label, (m, o) in VARIANTS.items()]
         for label, method, overrides, ratio in plan:
             opts = dataclasses.replace(be.options(method, ratio), **overrides)
-            text, logits, ttft, stats = be.greedy(prefix, chunks, q, opts, ex.max_tokens)
-            ref = logits if ref is None else ref
-            outcomes.append(Outcome(task=task, example_id=ex.id, method=label, ratio=ratio, prediction=text.strip(),
-                                    score=score_answer(ex.metric, text, ex.answers), ttft_s=ttft,
-                                    context_tokens=int(stats["context_tokens"]),
-                                    recomputed_tokens=int(stats["recomputed_tokens"]),
-                                    kl_vs_vanilla=kl_divergence(ref, logits)))
+            result = be.greedy(prefix, chunks, q, opts, ex.max_tokens)
+            ref = result[1] if ref is None else ref
+            outcomes.append(outcome(ex, label, ratio, result, ref))
         print(ex.id, [(o.method, round(o.score, 2), round(o.kl_vs_vanilla, 4)) for o in outcomes[-len(plan):]],
               flush=True)
-rows = report.sort_fidelity(aggregate(outcomes))
-columns = [c for c in report.FIDELITY_TABLE if c[0] not in ("ratio", "ttft_vs_vanilla")]
-print(report.markdown_table(rows, columns))
-if out_json is not None:
-    out_json.write_text(json.dumps({"argv": sys.argv[1:], "rows": rows, "outcomes": outcome_dicts(outcomes)},
-                                   indent=1) + "\n", encoding="utf-8")
+report_outcomes(outcomes, out_json)

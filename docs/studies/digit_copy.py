@@ -3,53 +3,22 @@
 Most of the needle and multikey misses of every fused method are the same failure: the answer starts
 the right number and ends it after one or two digits. For each given example this runs vanilla, then
 each variant, and at the step where a variant leaves vanilla's answer it prints the probability of
-vanilla's token and of the token it chose. Variants: `anchor` as configured, `anchor` without stale
-scaling, `anchor` with the fact's tokens forced into its set (with and without scaling), `prophetkv`.
+vanilla's token and of the token it chose. Variants: `anchor` with stale scaling at -0.5 and
+without it, `anchor` with the fact's tokens forced into its set (with and without scaling), `prophetkv`.
 
 Usage: python docs/studies/digit_copy.py TASK IDS [SEED] [DOCS] [DOC_TOKENS]
   IDS: comma-separated example indices of the benchmark's TASK examples for SEED.
 """
 
 import sys
-from pathlib import Path
 
 import torch
+from study_tools import DATA, FACT, fact_mask
 
 from kvfuse.bench.fidelity import EngineBackend, kl_divergence
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import get_settings
-from kvfuse.fusion.methods import anchor as A
-from kvfuse.fusion.methods.base import register
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-FACT: dict = {}
-
-
-@register
-class AnchorFact(A.Anchor):
-    """anchor with the example's fact tokens forced into the set (an oracle)."""
-
-    name = "anchor_fact"
-
-    def select(self, ctx):
-        chosen = FACT["mask"].clone()
-        chosen[ctx.chunk_edges(ctx.options.anchor_tokens, 0)] = True
-        layers = A.layer_window(ctx.tf.num_layers, *self.window)
-        scores = A.spread(A.evidence_scores(A.probe_head_attention(ctx, layers), chosen), self.neighbours)
-        rest = ctx.budget - int(chosen.sum())
-        if rest > 0:
-            chosen[torch.topk(scores.masked_fill(chosen, float("-inf")), rest).indices] = True
-        return chosen.nonzero().view(-1)
-
-
-def fact_mask(tok, chunks, facts):
-    marks = []
-    for text in chunks:
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        spans = [(text.find(f), text.find(f) + len(f)) for f in facts if f in text]
-        marks += [any(a < e and b > s for s, e in spans) for a, b in enc["offset_mapping"]]
-    return torch.tensor(marks)
 
 
 def trace(be, prefix, chunks, q, opts, max_tokens):
@@ -70,8 +39,10 @@ def trace(be, prefix, chunks, q, opts, max_tokens):
     return toks, probs, first, fused
 
 
-VARIANTS = [("anchor", {}), ("anchor", {"stale_logit_bias": 0.0}), ("anchor_fact", {}),
-            ("anchor_fact", {"stale_logit_bias": 0.0}), ("prophetkv", {})]
+# Scaling named explicitly: its default changed (-0.5 when this study was run, 0 since).
+VARIANTS = [("anchor", {"stale_logit_bias": -0.5}), ("anchor", {"stale_logit_bias": 0.0}),
+            ("anchor_fact", {"stale_logit_bias": -0.5}), ("anchor_fact", {"stale_logit_bias": 0.0}),
+            ("prophetkv", {})]
 
 task, ids = sys.argv[1], [int(i) for i in sys.argv[2].split(",")]
 seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0

@@ -10,46 +10,14 @@ Usage: python docs/studies/needle_recall.py N [SEED]
 
 import statistics
 import sys
-from pathlib import Path
 
 import torch
+from study_tools import DATA, FACT, fact_mask
 
 from kvfuse.bench.fidelity import EngineBackend, kl_divergence
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import load_settings
-from kvfuse.fusion.methods import anchor as A
-from kvfuse.fusion.methods.base import register
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-FACT = {}  # the current example's fact mask over the context [N]
-
-
-@register
-class AnchorFact(A.Anchor):
-    name = "anchor_fact"
-
-    def select(self, ctx):
-        budget = ctx.budget
-        chosen = FACT["mask"].clone()
-        chosen[ctx.chunk_edges(ctx.options.anchor_tokens, 0)] = True
-        layers = A.layer_window(ctx.tf.num_layers, *self.window)
-        scores = A.spread(A.evidence_scores(A.probe_head_attention(ctx, layers), chosen), self.neighbours)
-        rest = budget - int(chosen.sum())
-        if rest > 0:
-            chosen[torch.topk(scores.masked_fill(chosen, float("-inf")), rest).indices] = True
-        return chosen.nonzero().view(-1)
-
-
-def fact_mask(tok, chunks, facts):
-    """Context token positions covered by any fact's characters."""
-    marks = []
-    for text in chunks:
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        spans = [(text.find(f), text.find(f) + len(f)) for f in facts if f in text]
-        marks += [any(a < e and b > s for s, e in spans) for a, b in enc["offset_mapping"]]
-    return torch.tensor(marks)
-
 
 n = int(sys.argv[1])
 seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0

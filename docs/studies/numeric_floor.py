@@ -10,20 +10,14 @@ above / below vanilla, same answer, first-token KL).
 Usage: python docs/studies/numeric_floor.py TASKS N [SEED] [DOCS] [DOC_TOKENS] [JSON]
 """
 
-import json
-import sys
-from pathlib import Path
-
 import torch
+from study_tools import DATA, outcome, report_outcomes, task_args
 
-from kvfuse.bench import report
-from kvfuse.bench.fidelity import EngineBackend, Outcome, aggregate, kl_divergence, outcome_dicts
-from kvfuse.bench.scoring import score as score_answer
+from kvfuse.bench.fidelity import EngineBackend, Outcome
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import get_settings
 from kvfuse.fusion import transformer
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 KV_TYPES = {"vanilla fp16 KV": torch.float16, "vanilla fp8 KV": torch.float8_e4m3fn}
 STATE: dict = {"dtype": None}
 _write_kv = transformer.Transformer.write_kv
@@ -39,11 +33,7 @@ def rounded_write_kv(cache, layer, rows, k, v):
 
 transformer.Transformer.write_kv = staticmethod(rounded_write_kv)
 
-tasks, n = sys.argv[1].split(","), int(sys.argv[2])
-seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-docs = int(sys.argv[4]) if len(sys.argv) > 4 else 8
-doc_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 512
-out_json = Path(sys.argv[6]) if len(sys.argv) > 6 else None
+tasks, n, seed, docs, doc_tokens, out_json = task_args()
 be = EngineBackend(get_settings(), max_tokens=None)
 cfg = TaskConfig(n=n, docs=docs, doc_tokens=doc_tokens, seed=seed)
 hay = Haystack(be.tokenizer, DATA)
@@ -55,19 +45,10 @@ for task in tasks:
         for name, dtype in (("vanilla", None), *KV_TYPES.items()):
             STATE["dtype"] = dtype
             try:
-                text, logits, ttft, stats = be.greedy(prefix, chunks, q, be.options("vanilla", None), ex.max_tokens)
+                result = be.greedy(prefix, chunks, q, be.options("vanilla", None), ex.max_tokens)
             finally:
                 STATE["dtype"] = None
-            ref = logits if ref is None else ref
-            outcomes.append(Outcome(task=task, example_id=ex.id, method=name, ratio=1.0, prediction=text.strip(),
-                                    score=score_answer(ex.metric, text, ex.answers), ttft_s=ttft,
-                                    context_tokens=int(stats["context_tokens"]),
-                                    recomputed_tokens=int(stats["recomputed_tokens"]),
-                                    kl_vs_vanilla=kl_divergence(ref, logits)))
+            ref = result[1] if ref is None else ref
+            outcomes.append(outcome(ex, name, 1.0, result, ref))
         print(ex.id, [(o.method, round(o.score, 3), round(o.kl_vs_vanilla, 5)) for o in outcomes[-3:]], flush=True)
-rows = report.sort_fidelity(aggregate(outcomes))
-print(report.fidelity_against_vanilla(rows))
-print(report.markdown_table(rows, [c for c in report.FIDELITY_TABLE if c[0] not in ("ratio", "ttft_vs_vanilla")]))
-if out_json is not None:
-    out_json.write_text(json.dumps({"argv": sys.argv[1:], "rows": rows, "outcomes": outcome_dicts(outcomes)},
-                                   indent=1) + "\n", encoding="utf-8")
+report_outcomes(outcomes, out_json)
