@@ -134,28 +134,48 @@ def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[
         raise ValueError(f"KV has {num_tokens} tokens but {len(token_ids)} token ids were given (need >= 1)")
     k = k.detach().to(device="cpu", dtype=tdt).contiguous()
     v = v.detach().to(device="cpu", dtype=tdt).contiguous()
-    kb, vb = _as_bytes_view(k), _as_bytes_view(v)
+    header = KVHeader(
+        format_version=FORMAT_VERSION,
+        model_fingerprint=model_fingerprint,
+        dtype=dtype,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_tokens=num_tokens,
+        token_hash=token_hash(token_ids),
+        position=POSITION_ROPE0,
+        checksum=_checksum(_as_bytes_view(k), _as_bytes_view(v)),
+    )
+    return pack(k, v, header)
+
+
+def pack(k: Tensor, v: Tensor, header: KVHeader) -> bytes:
+    """The blob of an already decoded chunk, byte for byte what `encode` wrote: a tier that stores bytes
+    keeps what another tier decoded without recomputing the header (its checksum included)."""
+    if k.dtype != _torch_dtype(header.dtype) or v.dtype != k.dtype or k.shape != header.shape != v.shape:
+        raise ValueError(f"k {k.dtype} {tuple(k.shape)}, v {v.dtype} {tuple(v.shape)} disagree with {header}")
+    kb, vb = _as_bytes_view(k.contiguous()), _as_bytes_view(v.contiguous())
     nb = kb.nbytes
     meta = {
         "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
-        "model_fingerprint": model_fingerprint,
-        "dtype": dtype,
-        "num_layers": str(num_layers),
-        "num_kv_heads": str(num_kv_heads),
-        "head_dim": str(head_dim),
-        "num_tokens": str(num_tokens),
-        "token_hash": token_hash(token_ids),
-        "position": POSITION_ROPE0,
-        "checksum": _checksum(kb, vb),
+        "format_version": str(header.format_version),
+        "model_fingerprint": header.model_fingerprint,
+        "dtype": header.dtype,
+        "num_layers": str(header.num_layers),
+        "num_kv_heads": str(header.num_kv_heads),
+        "head_dim": str(header.head_dim),
+        "num_tokens": str(header.num_tokens),
+        "token_hash": header.token_hash,
+        "position": header.position,
+        "checksum": header.checksum,
     }
-    code, shape = DTYPES[dtype][1], list(k.shape)
-    header = {
+    code, shape = DTYPES[header.dtype][1], list(header.shape)
+    table = {
         "__metadata__": meta,
         "k": {"dtype": code, "shape": shape, "data_offsets": [0, nb]},
         "v": {"dtype": code, "shape": shape, "data_offsets": [nb, 2 * nb]},
     }
-    hjson = json.dumps(header, separators=(",", ":")).encode()
+    hjson = json.dumps(table, separators=(",", ":")).encode()
     hjson += b" " * (-len(hjson) % 8)  # pad so the payload (and every tensor) starts 8-byte aligned
     return b"".join((len(hjson).to_bytes(8, "little"), hjson, kb, vb))
 

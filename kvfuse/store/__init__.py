@@ -1,5 +1,7 @@
-"""KV store: chunk KV blobs and documents in LMDB (the source of truth), an index (Redis or embedded in
-LMDB), and a RAM hot tier. See kvfuse/store/kvstore.py for the write order and read contract.
+"""KV store: chunk KV in tiers (chunk_store.py: a RAM hot tier over the LMDB blob tier), documents in a
+catalog (catalog.py: records, texts, chunk refs in LMDB, listed by an index embedded in LMDB or copied
+to Redis), all in one LMDB environment (lmdb_env.py), the source of truth. `KVStore` (kvstore.py) wires
+them together for the service.
 
 Names are loaded on first use, so `kvfuse --help` (which imports this package's CLI) stays fast."""
 

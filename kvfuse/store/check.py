@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 import lmdb
 
 from kvfuse.kvblob import CorruptBlobError, verify_blob
-from kvfuse.store.index import lmdb_snapshot
 from kvfuse.store.kvstore import KVStore
-from kvfuse.store.records import KV_LOST, ChunkInfo, DocumentRecord
+from kvfuse.store.lmdb_tier import check_key
+from kvfuse.store.records import KV_LOST, DocumentRecord
 
 
 @dataclass
@@ -49,48 +49,47 @@ class CheckReport:
 
 
 def _index_drift(store: KVStore) -> list[str]:
-    truth, mirror = lmdb_snapshot(store.tier), store.index.snapshot()
+    mirror = store.catalog.mirror
+    if mirror is None:  # the embedded index is the LMDB records: nothing to drift
+        return []
+    truth, copy = store.catalog.snapshot(), mirror.snapshot()
     drift = []
-    for doc_id in sorted(truth.docs.keys() ^ mirror.docs.keys()):
+    for doc_id in sorted(truth.docs.keys() ^ copy.docs.keys()):
         where = "LMDB" if doc_id in truth.docs else "the index"
         drift.append(f"document {doc_id!r} only in {where}")
-    drift += [f"document {d!r} differs" for d in sorted(truth.docs.keys() & mirror.docs.keys())
-              if truth.docs[d] != mirror.docs[d]]
-    drift += [f"chunk {k} only in LMDB" for k in sorted(truth.chunks - mirror.chunks)]
-    drift += [f"chunk {k} only in the index" for k in sorted(mirror.chunks - truth.chunks)]
-    drift += [f"owners of chunk {k} differ" for k in sorted(truth.owners.keys() | mirror.owners.keys())
-              if truth.owners.get(k) != mirror.owners.get(k)]
+    drift += [f"document {d!r} differs" for d in sorted(truth.docs.keys() & copy.docs.keys())
+              if truth.docs[d] != copy.docs[d]]
+    drift += [f"chunk {k} only in LMDB" for k in sorted(truth.chunks - copy.chunks)]
+    drift += [f"chunk {k} only in the index" for k in sorted(copy.chunks - truth.chunks)]
+    drift += [f"owners of chunk {k} differ" for k in sorted(truth.owners.keys() | copy.owners.keys())
+              if truth.owners.get(k) != copy.owners.get(k)]
     return drift
 
 
 def check_store(store: KVStore, *, repair: bool = False, grace_s: float | None = None) -> CheckReport:
     grace = store.settings.store.orphan_grace_s if grace_s is None else grace_s
-    db = store.tier.db
+    catalog, blobs = store.catalog, store.blobs
     rep = CheckReport()
     now = time.time()
-    with store.tier.read() as txn:
-        docs = {bytes(k).decode(): DocumentRecord.from_json(v) for k, v in txn.cursor(db=db("docs"))}
+    with store.env.read() as txn:  # one transaction: documents, refs and blobs as of one moment
+        docs = catalog.documents(txn)
         wanted = {(k, d.id) for d in docs.values() for k in d.chunk_keys}
-        refs = {(bytes(k).decode(), bytes(v).decode()) for k, v in txn.cursor(db=db("refs"))}
+        refs = catalog.refs(txn)
         referenced = {k for k, _ in wanted}
         stored: set[str] = set()
         real_bytes = 0
-        for kb, blob in txn.cursor(db=db("chunks")):
-            key = bytes(kb).decode()
+        for key, blob in blobs.scan(txn):
             stored.add(key)
             real_bytes += len(blob)
             try:
-                header = verify_blob(blob)
-                if header.key != key:
-                    raise CorruptBlobError(f"stored under {key} but belongs under {header.key}")
+                check_key(key, verify_blob(blob).key)
             except CorruptBlobError as err:
                 rep.corrupt.append((key, str(err)))
             if key not in referenced:
-                raw = txn.get(kb, db=db("chunkinfo"))
-                created = ChunkInfo.from_json(key, raw).created_at if raw is not None else 0.0
+                info = blobs.info(txn, key)
+                created = info.created_at if info is not None else 0.0
                 (rep.young_orphans if now - created < grace else rep.orphans).append(key)
-        raw = txn.get(b"kv_bytes", db=db("meta"))
-        rep.kv_bytes_drift = (int(bytes(raw)) if raw is not None else 0) - real_bytes
+        rep.kv_bytes_drift = blobs.kv_bytes(txn) - real_bytes
     rep.documents, rep.chunks = len(docs), len(stored)
     rep.ref_drift = len(wanted ^ refs)
     corrupt = {k for k, _ in rep.corrupt}
@@ -106,29 +105,21 @@ def check_store(store: KVStore, *, repair: bool = False, grace_s: float | None =
 def _repair(
     store: KVStore, rep: CheckReport, docs: dict[str, DocumentRecord], wanted: set[tuple[str, str]], corrupt: set[str]
 ) -> None:
-    db = store.tier.db
+    catalog, blobs = store.catalog, store.blobs
 
-    def fix_lmdb(txn: lmdb.Transaction) -> tuple[int, int]:
+    def fix_lmdb(txn: lmdb.Transaction) -> int:
         if rep.ref_drift:
-            txn.drop(db("refs"), delete=False)
-            for key, doc_id in sorted(wanted):
-                txn.put(key.encode(), doc_id.encode(), db=db("refs"), dupdata=True)
+            catalog.rewrite_refs(txn, wanted)
         dropped = 0
         for key in [*rep.orphans, *sorted(corrupt)]:
-            kb = key.encode()
-            if (key in corrupt or txn.get(kb, db=db("refs")) is None) and store._drop_chunk(txn, kb):
+            # an orphan claimed since the check (a document now refers to it) stays
+            if (key in corrupt or not catalog.referenced(txn, key)) and blobs.drop(txn, key):
                 dropped += 1
-        stale_infos = [bytes(k) for k in txn.cursor(db=db("chunkinfo")).iternext(values=False)
-                       if txn.get(bytes(k), db=db("chunks")) is None]
-        for k in stale_infos:
-            txn.delete(k, db=db("chunkinfo"))
-        total = sum(len(v) for _, v in txn.cursor(db=db("chunks")))
-        txn.put(b"kv_bytes", str(total).encode(), db=db("meta"))
-        return dropped, total
+        blobs.recount(txn)
+        return dropped
 
-    dropped, _ = store.tier.write(fix_lmdb)
-    for key in [*rep.orphans, *corrupt]:
-        store.hot.discard(key)
+    dropped = store.env.write(fix_lmdb)
+    store.chunks.evict([*rep.orphans, *corrupt])
     if rep.ref_drift:
         rep.repaired.append(f"rewrote {len(wanted)} chunk refs from the documents")
     if dropped:
@@ -147,6 +138,6 @@ def _repair(
             error=f"{KV_LOST}: {n} chunk KV blobs missing or corrupt; re-ingest it from the stored text",
         )
         rep.repaired.append(f"marked document {doc_id!r} failed ({n} blobs lost)")
-    if store.index.kind != "embedded":  # the embedded index is the LMDB records just fixed
+    if store.catalog.mirror is not None:  # the embedded index is the LMDB records just fixed
         counts = store.rebuild_index()
         rep.repaired.append(f"rebuilt the {counts['index']} index ({counts['documents']} documents)")

@@ -1,19 +1,19 @@
-"""RAM tier in front of LMDB: decoded chunk KV, least recently used evicted first, bounded in bytes."""
+"""RAM tier in front of LMDB: decoded chunk KV, least recently used evicted first, bounded in bytes.
+
+It lives in the worker process, which reads KV; tensors it hands out are shared, never copied."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 
-from torch import Tensor
-
-from kvfuse.kvblob import KVHeader
-
-Entry = tuple[Tensor, Tensor, KVHeader]
+from kvfuse.store.chunk_store import ChunkStore, Entry
 
 
-class HotTier:
+class HotTier(ChunkStore):
     """Thread-safe LRU by bytes. Entries are shared with callers, who must not modify them in place."""
+
+    name = "hot"
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
@@ -32,7 +32,7 @@ class HotTier:
             self.hits += 1
             return item[0]
 
-    def __contains__(self, key: str) -> bool:  # no counter change: a probe, not a read
+    def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._items
 
@@ -53,11 +53,12 @@ class HotTier:
                 self.evictions += 1
         return True
 
-    def discard(self, key: str) -> None:
+    def remove(self, key: str) -> bool:
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
+        return old is not None
 
     def clear(self) -> None:
         with self._lock:

@@ -1,37 +1,19 @@
-"""The document/chunk index behind one interface: Redis (when `redis_url` is set) or embedded in LMDB.
+"""The document index behind one read interface: embedded in LMDB, or a Redis copy (`redis_url` set).
 
-LMDB is the source of truth: the store writes every record there first, in one transaction, then
-mirrors it to the index. The embedded index *is* those LMDB records, so it has nothing to mirror; the
-Redis index is a copy that can always be rebuilt from LMDB (`rebuild`).
-
-Redis layout, every key under `<namespace>:`
-  meta                hash: store_id (the LMDB store it mirrors), built_at, layout
-  docs                zset: doc id -> created_at (listing order)
-  doc:<id>            hash: DocumentRecord fields, each JSON-encoded
-  chunks              set: stored chunk keys
-  chunk:<key>         hash: tokens, bytes, created_at
-  owners:<key>        set: ids of the documents that use the chunk
-Multi-key updates run in one MULTI/EXEC transaction.
+LMDB is the source of truth: the catalog writes every record there first, in one transaction. The
+embedded index *is* those records, read in place, so it has nothing to keep in step. A Redis index is a
+copy, an `IndexMirror`: the catalog mirrors each write to it, and it can always be rebuilt from LMDB.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import struct
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
-from urllib.parse import urlsplit, urlunsplit
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
-from kvfuse.store.errors import IndexUnavailableError, StoreError
-from kvfuse.store.lmdb_tier import LmdbTier
+from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.records import ChunkInfo, DocumentRecord
-
-REDIS_LAYOUT = "1"  # bump when the key layout changes: a mismatch triggers a rebuild
-_BATCH = 500  # commands per pipeline round trip during a rebuild
 
 
 @dataclass
@@ -43,8 +25,24 @@ class IndexSnapshot:
     owners: dict[str, frozenset[str]] = field(default_factory=dict)  # chunk key -> doc ids
 
 
-class Index(ABC):
+class DocumentIndex(ABC):
+    """Document reads: one record, or a page in creation order."""
+
     kind: str
+
+    @abstractmethod
+    def get_document(self, doc_id: str) -> DocumentRecord | None: ...
+
+    @abstractmethod
+    def list_documents(self, offset: int, limit: int) -> tuple[list[DocumentRecord], int]:
+        """(one page in creation order, total count)."""
+
+    def close(self) -> None:
+        return None
+
+
+class IndexMirror(DocumentIndex):
+    """An index that is a copy of the LMDB records, kept in step write by write."""
 
     @abstractmethod
     def ping(self) -> None:
@@ -75,275 +73,38 @@ class Index(ABC):
     def remove_chunks(self, keys: list[str]) -> None: ...
 
     @abstractmethod
-    def get_document(self, doc_id: str) -> DocumentRecord | None: ...
-
-    @abstractmethod
-    def list_documents(self, offset: int, limit: int) -> tuple[list[DocumentRecord], int]: ...
-
-    @abstractmethod
     def snapshot(self) -> IndexSnapshot: ...
-
-    def close(self) -> None:
-        return None
 
 
 def doctime_key(created_at: float, doc_id: str) -> bytes:
+    """Key of the `doctime` database: creation time first, so a cursor lists documents in order."""
     return struct.pack(">Q", int(created_at * 1e9)) + doc_id.encode()
 
 
-def lmdb_snapshot(tier: LmdbTier) -> IndexSnapshot:
-    """The truth, read from LMDB in one transaction."""
-    snap = IndexSnapshot()
-    with tier.read() as txn:
-        for k, raw in txn.cursor(db=tier.db("docs")):
-            doc = DocumentRecord.from_json(raw)
-            snap.docs[bytes(k).decode()] = (doc.status, doc.updated_at)
-        for k in txn.cursor(db=tier.db("chunks")).iternext(keys=True, values=False):
-            snap.chunks.add(bytes(k).decode())
-        owners: dict[str, set[str]] = {}
-        for k, v in txn.cursor(db=tier.db("refs")):
-            owners.setdefault(bytes(k).decode(), set()).add(bytes(v).decode())
-    snap.owners = {k: frozenset(v) for k, v in owners.items()}
-    return snap
-
-
-class EmbeddedIndex(Index):
-    """The LMDB records themselves. The store writes them in its own transactions, so the mirror
-    methods have nothing left to do and a rebuild is never needed."""
+class EmbeddedIndex(DocumentIndex):
+    """The catalog's own LMDB records, read in place."""
 
     kind = "embedded"
 
-    def __init__(self, tier: LmdbTier) -> None:
-        self._tier = tier
-
-    def ping(self) -> None:
-        return None
-
-    def needs_rebuild(self, store_id: str) -> bool:
-        return False
-
-    def rebuild(self, store_id: str, docs: Iterable[DocumentRecord], chunks: Iterable[ChunkInfo]) -> None:
-        return None  # already the source of truth
-
-    def put_document(
-        self, doc: DocumentRecord, chunks: list[ChunkInfo], dropped: list[str], removed: list[str]
-    ) -> None:
-        return None  # written by the store's LMDB transaction
-
-    def delete_document(self, doc_id: str, chunk_keys: list[str], removed: list[str]) -> None:
-        return None  # written by the store's LMDB transaction
-
-    def put_chunk(self, info: ChunkInfo) -> None:
-        return None  # written by the store's LMDB transaction
-
-    def remove_chunks(self, keys: list[str]) -> None:
-        return None  # written by the store's LMDB transaction
+    def __init__(self, env: LmdbEnv) -> None:
+        self._env = env
 
     def get_document(self, doc_id: str) -> DocumentRecord | None:
-        with self._tier.read() as txn:
-            raw = txn.get(doc_id.encode(), db=self._tier.db("docs"))
+        with self._env.read() as txn:
+            raw = txn.get(doc_id.encode(), db=self._env.db("docs"))
             return None if raw is None else DocumentRecord.from_json(raw)
 
     def list_documents(self, offset: int, limit: int) -> tuple[list[DocumentRecord], int]:
         docs: list[DocumentRecord] = []
-        with self._tier.read() as txn:
-            total = txn.stat(self._tier.db("docs"))["entries"]
-            cur = txn.cursor(db=self._tier.db("doctime"))
+        with self._env.read() as txn:
+            total = txn.stat(self._env.db("docs"))["entries"]
+            cur = txn.cursor(db=self._env.db("doctime"))
             for i, k in enumerate(cur.iternext(keys=True, values=False)):
                 if i < offset:
                     continue
                 if len(docs) >= limit:
                     break
-                raw = txn.get(bytes(k)[8:], db=self._tier.db("docs"))
+                raw = txn.get(bytes(k)[8:], db=self._env.db("docs"))
                 if raw is not None:
                     docs.append(DocumentRecord.from_json(raw))
         return docs, total
-
-    def snapshot(self) -> IndexSnapshot:
-        return lmdb_snapshot(self._tier)
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-_DOC_FIELDS = [f.name for f in fields(DocumentRecord)]
-
-
-class RedisIndex(Index):
-    kind = "redis"
-
-    def __init__(self, url: str, namespace: str, *, timeout_s: float = 5.0) -> None:
-        import redis
-
-        self._redis = redis
-        self.url = redact_url(url)
-        self.ns = namespace
-        self._client = redis.Redis.from_url(
-            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, decode_responses=True
-        )
-
-    # --- keys
-    def _k(self, *parts: str) -> str:
-        return ":".join((self.ns, *parts))
-
-    @contextmanager
-    def _guard(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except (self._redis.ConnectionError, self._redis.TimeoutError) as err:
-            raise IndexUnavailableError(
-                f"the Redis index at {self.url} is unavailable ({what}): {err}; the store cannot answer "
-                "document queries until it is back"
-            ) from None
-        except self._redis.RedisError as err:
-            raise StoreError(f"Redis index at {self.url} failed ({what}): {err}") from err
-
-    @staticmethod
-    def _encode(doc: DocumentRecord) -> dict[str, str]:
-        return {name: json.dumps(getattr(doc, name)) for name in _DOC_FIELDS}
-
-    @staticmethod
-    def _decode(h: dict[str, str]) -> DocumentRecord | None:
-        return DocumentRecord.from_dict({k: json.loads(v) for k, v in h.items()}) if h else None
-
-    def _write_doc(self, pipe, doc: DocumentRecord) -> None:
-        key = self._k("doc", doc.id)
-        pipe.delete(key)  # no stale fields survive an overwrite
-        pipe.hset(key, mapping=self._encode(doc))
-        pipe.zadd(self._k("docs"), {doc.id: doc.created_at})
-        for ck in doc.chunk_keys:
-            pipe.sadd(self._k("owners", ck), doc.id)
-
-    def _write_chunk(self, pipe, info: ChunkInfo) -> None:
-        pipe.hset(
-            self._k("chunk", info.key),
-            mapping={"tokens": info.tokens, "bytes": info.bytes, "created_at": info.created_at},
-        )
-        pipe.sadd(self._k("chunks"), info.key)
-
-    def _remove_chunks(self, pipe, keys: Iterable[str]) -> None:
-        for ck in keys:
-            pipe.delete(self._k("chunk", ck), self._k("owners", ck))
-            pipe.srem(self._k("chunks"), ck)
-
-    # --- interface
-    def ping(self) -> None:
-        with self._guard("ping"):
-            self._client.ping()
-
-    def needs_rebuild(self, store_id: str) -> bool:
-        with self._guard("read meta"):
-            meta = self._client.hgetall(self._k("meta"))
-        return meta.get("store_id") != store_id or meta.get("layout") != REDIS_LAYOUT
-
-    def _delete_namespace(self) -> None:
-        # Only this namespace's keys: the server may hold other data (never FLUSHDB).
-        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.ns) + ":*"
-        batch: list[str] = []
-        for key in self._client.scan_iter(match=pattern, count=1000):
-            batch.append(key)
-            if len(batch) >= _BATCH:
-                self._client.unlink(*batch)
-                batch.clear()
-        if batch:
-            self._client.unlink(*batch)
-
-    def rebuild(self, store_id: str, docs: Iterable[DocumentRecord], chunks: Iterable[ChunkInfo]) -> None:
-        # The meta marker goes first and comes back last: a rebuild cut short leaves no marker, so the
-        # next open rebuilds again.
-        with self._guard("rebuild"):
-            self._client.delete(self._k("meta"))
-            self._delete_namespace()
-            pipe = self._client.pipeline(transaction=False)
-            for n, doc in enumerate(docs, 1):
-                self._write_doc(pipe, doc)
-                if n % _BATCH == 0:
-                    pipe.execute()
-            for n, info in enumerate(chunks, 1):
-                self._write_chunk(pipe, info)
-                if n % _BATCH == 0:
-                    pipe.execute()
-            pipe.execute()
-            self._client.hset(
-                self._k("meta"), mapping={"store_id": store_id, "built_at": time.time(), "layout": REDIS_LAYOUT}
-            )
-
-    def put_document(
-        self, doc: DocumentRecord, chunks: list[ChunkInfo], dropped: list[str], removed: list[str]
-    ) -> None:
-        with self._guard(f"write document {doc.id!r}"):
-            pipe = self._client.pipeline(transaction=True)
-            self._write_doc(pipe, doc)
-            for info in chunks:
-                self._write_chunk(pipe, info)
-            for ck in dropped:
-                pipe.srem(self._k("owners", ck), doc.id)
-            self._remove_chunks(pipe, removed)
-            pipe.execute()
-
-    def delete_document(self, doc_id: str, chunk_keys: list[str], removed: list[str]) -> None:
-        with self._guard(f"delete document {doc_id!r}"):
-            pipe = self._client.pipeline(transaction=True)
-            pipe.delete(self._k("doc", doc_id))
-            pipe.zrem(self._k("docs"), doc_id)
-            for ck in chunk_keys:
-                pipe.srem(self._k("owners", ck), doc_id)
-            self._remove_chunks(pipe, removed)
-            pipe.execute()
-
-    def put_chunk(self, info: ChunkInfo) -> None:
-        with self._guard("write chunk"):
-            pipe = self._client.pipeline(transaction=True)
-            self._write_chunk(pipe, info)
-            pipe.execute()
-
-    def remove_chunks(self, keys: list[str]) -> None:
-        if not keys:
-            return
-        with self._guard("remove chunks"):
-            pipe = self._client.pipeline(transaction=True)
-            self._remove_chunks(pipe, keys)
-            pipe.execute()
-
-    def get_document(self, doc_id: str) -> DocumentRecord | None:
-        with self._guard(f"read document {doc_id!r}"):
-            return self._decode(self._client.hgetall(self._k("doc", doc_id)))
-
-    def list_documents(self, offset: int, limit: int) -> tuple[list[DocumentRecord], int]:
-        with self._guard("list documents"):
-            pipe = self._client.pipeline(transaction=True)
-            pipe.zcard(self._k("docs"))
-            pipe.zrange(self._k("docs"), offset, offset + limit - 1)
-            total, ids = pipe.execute()
-            if not ids or limit <= 0:
-                return [], total
-            pipe = self._client.pipeline(transaction=False)
-            for doc_id in ids:
-                pipe.hgetall(self._k("doc", doc_id))
-            docs = [d for d in map(self._decode, pipe.execute()) if d is not None]
-        return docs, total
-
-    def snapshot(self) -> IndexSnapshot:
-        snap = IndexSnapshot()
-        with self._guard("snapshot"):
-            for doc_id in self._client.zrange(self._k("docs"), 0, -1):
-                doc = self.get_document(doc_id)
-                if doc is not None:
-                    snap.docs[doc_id] = (doc.status, doc.updated_at)
-            snap.chunks = set(self._client.smembers(self._k("chunks")))
-            prefix = self._k("owners", "")
-            pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"
-            for key in self._client.scan_iter(match=pattern, count=1000):
-                members = frozenset(self._client.smembers(key))
-                if members:
-                    snap.owners[key[len(prefix) :]] = members
-        return snap
-
-    def close(self) -> None:
-        self._client.close()

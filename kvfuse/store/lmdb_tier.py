@@ -1,185 +1,144 @@
-"""LMDB environment of the store: the source of truth on SSD.
+"""The LMDB blob tier: chunk KV blobs on SSD, the tier every other one is filled from.
 
-Named databases:
-  chunks     chunk key -> KV blob (kvfuse.kvblob), content-addressed, stored once
-  chunkinfo  chunk key -> JSON {tokens, bytes, created_at}
-  refs       chunk key -> doc id (dupsort): which documents use a chunk; a chunk goes with its last ref
-  docs       doc id -> JSON DocumentRecord
-  doctime    created_at (8 bytes, big-endian ns) + doc id -> b"" (listing in creation order)
-  texts      doc id -> UTF-8 text (KV can always be rebuilt from it)
-  meta       store_id, kv_bytes, ...
+It owns the `chunks` (key -> blob) and `chunkinfo` (key -> tokens, bytes, created_at) databases and the
+`kv_bytes` counter of the environment it shares with the document catalog (lmdb_env.py).
 
-Concurrency: LMDB allows many reader processes and one writer; every write here is one transaction.
-Within a process, `set_mapsize` (growing the map) must not run while any transaction is open, so every
-transaction passes a gate that a resize closes.
+Reads parse the blob straight out of LMDB's memory map and copy the payload once (checksummed block by
+block as it is copied) into tensors they own, because an LMDB buffer dies with its read transaction,
+and a read transaction held while the tensors are used would pin old pages and stop the writer from
+reusing them.
+
+A blob goes when the last document using it goes, in the catalog's transaction: the methods that take
+a `txn` are those steps, for the catalog and for `kvfuse store check`. `remove` is the tier's own
+unconditional delete; the catalog never uses it, since a blob must not go while a document refers to it.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from typing import TypeVar
+import time
+from collections.abc import Iterable, Iterator
 
 import lmdb
 
-from kvfuse.store.errors import StoreError, StoreReadOnlyError
+from kvfuse.kvblob import CorruptBlobError, decode, pack, verify_blob
+from kvfuse.store.chunk_store import ChunkStore, Entry
+from kvfuse.store.lmdb_env import LmdbEnv
+from kvfuse.store.records import ChunkInfo
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-DB_NAMES = ("chunks", "chunkinfo", "refs", "docs", "doctime", "texts", "meta")
-_READONLY_ERRNOS = (errno.EACCES, errno.EROFS, errno.EPERM)
-_MAX_WRITE_ATTEMPTS = 32  # map doublings before giving up (1 MB -> 4 PB)
 
 
-class _Gate:
-    """Any number of transactions at once, or one map resize alone."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._active = 0
-        self._resizing = False
-        self._mine = threading.local()  # transactions this thread holds
-
-    @contextmanager
-    def txn(self) -> Iterator[None]:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._active += 1
-        self._mine.n = getattr(self._mine, "n", 0) + 1
-        try:
-            yield
-        finally:
-            self._mine.n -= 1
-            with self._cond:
-                self._active -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        if getattr(self._mine, "n", 0):  # waiting for our own transaction to end would never return
-            raise StoreError("the LMDB map must be resized: call the store outside `view_chunks` and retry")
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._resizing = True
-            while self._active:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._resizing = False
-                self._cond.notify_all()
+def check_key(key: str, header_key: str) -> None:
+    """A blob under a key that is not its own would be served for the wrong chunk."""
+    if header_key != key:
+        raise CorruptBlobError(f"blob stored under {key} belongs under {header_key}")
 
 
-def _readonly_error(path: Path, err: BaseException) -> StoreReadOnlyError:
-    return StoreReadOnlyError(
-        f"the store directory {path} is not writable ({err}); set data_dir (KVFUSE_DATA_DIR) to a writable "
-        "directory, or open the store read-only"
-    )
+class LmdbTier(ChunkStore):
+    name = "lmdb"
 
+    def __init__(self, env: LmdbEnv, *, verify: bool = True) -> None:
+        self.env = env
+        self._verify = verify
+        self._blobs = env.db("chunks")
+        self._infos = env.db("chunkinfo")
+        self._meta = env.db("meta")
 
-class LmdbTier:
-    def __init__(self, path: Path, *, map_size: int, max_readers: int, readonly: bool = False) -> None:
-        self.path = Path(path)
-        self.readonly = readonly
-        self._gate = _Gate()
-        if readonly and not (self.path / "data.mdb").is_file():
-            raise StoreError(f"no store at {self.path} (nothing was ever written there)")
-        try:
-            if not readonly:
-                self.path.mkdir(parents=True, exist_ok=True)
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=map_size,
-                max_dbs=len(DB_NAMES) + 1,
-                max_readers=max_readers,
-                readonly=readonly,
-                subdir=True,
-                # readahead stays on: a chunk blob is MBs read front to back; without it a cold read from
-                # disk faults in one 4 KB page at a time
-                # metasync/sync stay on: a committed document survives a power loss
-            )
-        except OSError as err:
-            if err.errno in _READONLY_ERRNOS:
-                raise _readonly_error(self.path, err) from None
-            raise StoreError(f"cannot open the store at {self.path}: {err}") from err
-        except lmdb.Error as err:
-            # py-lmdb reports the errno only as text ("...: Permission denied", "...: Read-only file system")
-            if isinstance(err, lmdb.ReadonlyError) or "Permission denied" in str(err) or "Read-only" in str(err):
-                raise _readonly_error(self.path, err) from None
-            raise StoreError(f"cannot open the store at {self.path}: {err}") from err
-        try:
-            self.dbs = {
-                name: self.env.open_db(name.encode(), create=not readonly, dupsort=name == "refs")
-                for name in DB_NAMES
-            }
-        except lmdb.NotFoundError:
-            self.env.close()
-            raise StoreError(f"the store at {self.path} is incomplete or from another program") from None
+    # --- ChunkStore
+    def contains(self, key: str) -> bool:
+        with self.env.read() as txn:
+            return self.stored(txn, key)
 
-    def db(self, name: str) -> lmdb._Database:
-        return self.dbs[name]
+    def get(self, key: str) -> Entry | None:
+        with self.env.read() as txn:
+            buf = txn.get(key.encode(), db=self._blobs)
+            if buf is None:
+                return None
+            entry = decode(buf, verify=self._verify, copy=True)  # the one copy, before the txn ends
+        check_key(key, entry[2].key)
+        return entry
 
-    def _adopt_new_size(self) -> None:
-        # Another process grew the map: adopt its size (0 = the size recorded in the file).
-        with self._gate.exclusive():
-            self.env.set_mapsize(0)
+    def put(self, key: str, entry: Entry) -> bool:
+        """Store the chunk; False if a valid copy is already there (a corrupt one is replaced)."""
+        k, v, header = entry
+        if header.key != key:
+            raise ValueError(f"blob belongs under key {header.key}, not {key}")
+        blob = pack(k, v, header)
+        info = ChunkInfo(key=key, tokens=header.num_tokens, bytes=len(blob), created_at=time.time())
+        kb = key.encode()
 
-    @contextmanager
-    def read(self) -> Iterator[lmdb.Transaction]:
-        """A read transaction whose values are zero-copy buffers, valid only inside the `with` block."""
-        for _ in range(3):
-            with self._gate.txn():
+        def fn(txn: lmdb.Transaction) -> bool:
+            existing = txn.get(kb, db=self._blobs)
+            if existing is not None:
                 try:
-                    txn = self.env.begin(buffers=True)
-                except lmdb.MapResizedError:
-                    txn = None
-                if txn is not None:
-                    try:
-                        yield txn
-                    finally:
-                        txn.abort()
-                    return
-            self._adopt_new_size()
-        raise StoreError(f"the LMDB map at {self.path} keeps being resized; retry")
+                    verify_blob(existing)
+                    return False
+                except CorruptBlobError as err:
+                    log.warning("replacing corrupt blob %s: %s", key, err)
+                self._add_kv_bytes(txn, -len(existing))
+            txn.put(kb, blob, db=self._blobs)
+            txn.put(kb, info.to_json(), db=self._infos)
+            self._add_kv_bytes(txn, len(blob))
+            return True
 
-    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """Run `fn` in one write transaction and commit. On a full map: abort, grow the map, run `fn`
-        again (so `fn` must only act through the transaction)."""
-        if self.readonly:
-            raise StoreReadOnlyError(f"the store at {self.path} was opened read-only")
-        for _ in range(_MAX_WRITE_ATTEMPTS):
-            try:
-                with self._gate.txn():
-                    with self.env.begin(write=True, buffers=True) as txn:  # commits on success, aborts on error
-                        return fn(txn)
-            except lmdb.MapFullError:
-                self._grow()
-            except lmdb.MapResizedError:
-                self._adopt_new_size()
-            except lmdb.ReadonlyError as err:
-                raise _readonly_error(self.path, err) from None
-            except lmdb.DiskError as err:
-                raise StoreError(f"disk error writing the store at {self.path}: {err}") from err
-        raise StoreError(f"could not grow the LMDB map at {self.path} enough to write")
+        return self.env.write(fn)
 
-    def _grow(self) -> None:
-        with self._gate.exclusive():
-            old = self.env.info()["map_size"]
-            new = old * 2
-            self.env.set_mapsize(new)
-        log.info("LMDB map at %s grown from %d MB to %d MB", self.path, old >> 20, new >> 20)
+    def remove(self, key: str) -> bool:
+        if not self.contains(key):  # no write transaction (and its sync) for nothing
+            return False
+        return self.env.write(lambda txn: self.drop(txn, key))
 
-    def entries(self, name: str) -> int:
-        with self.read() as txn:
-            return txn.stat(self.dbs[name])["entries"]
+    # --- steps inside a caller's transaction
+    def stored(self, txn: lmdb.Transaction, key: str) -> bool:
+        return txn.get(key.encode(), db=self._blobs) is not None
 
-    def close(self) -> None:
-        self.env.close()
+    def drop(self, txn: lmdb.Transaction, key: str) -> bool:
+        """Delete the blob and its info; False if it was not there."""
+        kb = key.encode()
+        blob = txn.get(kb, db=self._blobs)
+        if blob is None:
+            return False
+        self._add_kv_bytes(txn, -len(blob))
+        txn.delete(kb, db=self._blobs)
+        txn.delete(kb, db=self._infos)
+        return True
+
+    def info(self, txn: lmdb.Transaction, key: str) -> ChunkInfo | None:
+        raw = txn.get(key.encode(), db=self._infos)
+        return None if raw is None else ChunkInfo.from_json(key, raw)
+
+    def infos(self, txn: lmdb.Transaction, keys: Iterable[str] | None = None) -> list[ChunkInfo]:
+        """Infos of the stored chunks among `keys` (each once), or of every stored chunk. An info whose
+        blob is gone (damage behind the store's back) is not a stored chunk."""
+        if keys is None:
+            keys = (bytes(k).decode() for k in txn.cursor(db=self._infos).iternext(keys=True, values=False))
+        found = [self.info(txn, k) for k in dict.fromkeys(keys) if self.stored(txn, k)]
+        return [i for i in found if i is not None]
+
+    def scan(self, txn: lmdb.Transaction) -> Iterator[tuple[str, memoryview]]:
+        """(key, blob) of every stored chunk; the blobs are views valid inside the transaction only."""
+        for kb, blob in txn.cursor(db=self._blobs):
+            yield bytes(kb).decode(), blob
+
+    def count(self, txn: lmdb.Transaction) -> int:
+        return txn.stat(self._blobs)["entries"]
+
+    def kv_bytes(self, txn: lmdb.Transaction) -> int:
+        """The running total of blob bytes (kept by every put and drop; `recount` sets it from scratch)."""
+        raw = txn.get(b"kv_bytes", db=self._meta)
+        return int(bytes(raw)) if raw is not None else 0
+
+    def recount(self, txn: lmdb.Transaction) -> int:
+        """Drop infos without a blob and set kv_bytes to the real sum; returns that sum."""
+        stale = [bytes(k) for k in txn.cursor(db=self._infos).iternext(keys=True, values=False)
+                 if txn.get(bytes(k), db=self._blobs) is None]
+        for k in stale:
+            txn.delete(k, db=self._infos)
+        total = sum(len(blob) for _, blob in self.scan(txn))
+        txn.put(b"kv_bytes", str(total).encode(), db=self._meta)
+        return total
+
+    def _add_kv_bytes(self, txn: lmdb.Transaction, delta: int) -> None:
+        total = self.kv_bytes(txn) + delta
+        txn.put(b"kv_bytes", str(max(total, 0)).encode(), db=self._meta)

@@ -86,10 +86,10 @@ def test_repair_marks_documents_with_lost_blobs_failed(store_settings) -> None:
         flipped[-1] ^= 0xFF
 
         def damage(txn) -> None:  # what a failing disk or a bad restore does behind the store's back
-            txn.delete(gone.encode(), db=store.tier.db("chunks"))
-            txn.put(bad.encode(), bytes(flipped), db=store.tier.db("chunks"))
+            txn.delete(gone.encode(), db=store.env.db("chunks"))
+            txn.put(bad.encode(), bytes(flipped), db=store.env.db("chunks"))
 
-        store.tier.write(damage)
+        store.env.write(damage)
         report = check_store(store)
         assert report.missing == [("lost", gone)] and [k for k, _ in report.corrupt] == [bad]
         check_store(store, repair=True)

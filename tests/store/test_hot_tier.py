@@ -22,12 +22,12 @@ def test_lru_by_bytes_with_counters() -> None:
         assert hot.put(name, _entry(100))
     assert hot.get("a") is not None  # a is now the most recent: b is the oldest
     assert hot.put("d", _entry(100))
-    assert hot.get("b") is None and "c" in hot and "d" in hot and "a" in hot
+    assert hot.get("b") is None and hot.contains("c") and hot.contains("d") and hot.contains("a")
     assert not hot.put("huge", _entry(400))  # larger than the whole budget: not kept, nothing evicted
     st = hot.stats()
     assert (st["hot_hits"], st["hot_misses"], st["hot_evictions"]) == (1, 1, 1)
     assert (st["hot_bytes"], st["hot_items"]) == (300, 3)
-    hot.discard("a")
+    assert hot.remove("a") and not hot.remove("a")
     assert hot.stats()["hot_bytes"] == 200
     assert HotTier(0).put("x", _entry(2)) is False  # hot_tier_mb = 0 turns it off
 

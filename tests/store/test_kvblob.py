@@ -28,6 +28,7 @@ def test_round_trip_is_bitwise_in_the_dtype_at_rest(dtype: str) -> None:
     # a standard safetensors reader opens it
     std = st_load(blob)
     assert torch.equal(std["k"].view(bits), k2.view(bits)) and torch.equal(std["v"].view(bits), v2.view(bits))
+    assert kvblob.pack(k2, v2, h) == blob  # a tier packing what another decoded writes the same bytes
 
 
 def test_decode_is_zero_copy_over_the_buffer() -> None:

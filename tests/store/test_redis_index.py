@@ -40,7 +40,7 @@ def test_index_is_rebuilt_from_lmdb_after_a_flush(settings_factory, redis_url, r
         docs, total = store.list_documents()
         assert total == 3 and [d.id for d in docs] == ["doc0", "doc1", "doc2"]
         assert store.get_document("doc1").chunk_keys == [keys[1]]
-        assert store.index.snapshot().chunks == set(keys)
+        assert store.catalog.mirror.snapshot().chunks == set(keys)
         assert check_store(store).problems == 0
 
 

@@ -1,0 +1,89 @@
+"""Where a chunk's KV lives: one interface for every tier, and the order in which tiers are read.
+
+Modelled on LMCache's storage backends: each tier answers `contains/get/put/remove` for content keys
+(kvfuse.kvblob.chunk_key), and a `TieredStore` composes them fastest first:
+
+    RAM hot tier (hot_tier.HotTier)  ->  LMDB blob tier (lmdb_tier.LmdbTier)  [->  a shared remote tier]
+
+A read goes down the tiers until one has the chunk and writes it back into every tier above, so the next
+read stops higher up (read-through, write-back on a lower-tier hit). A put goes to the storage tiers
+below the cache, and only clears the cache's copy: a freshly computed chunk is not necessarily about to
+be read, and the hot tier is kept for what queries read. A miss in every tier is the caller's to rebuild
+from the chunk's token ids.
+
+Every tier deals in the same value, the decoded chunk `(k, v, header)`: tiers that keep bytes pack it
+(kvfuse.kvblob.pack) and decode what they read. Keys are content-addressed, so a copy in any tier is as
+good as any other; tiers that keep bytes verify what they read and raise CorruptBlobError on damage.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+from torch import Tensor
+
+from kvfuse.kvblob import KVHeader
+
+Entry = tuple[Tensor, Tensor, KVHeader]
+
+
+class ChunkStore(ABC):
+    """One place chunk KV can be kept. Entries handed out may be shared: callers never modify them."""
+
+    name: str
+
+    @abstractmethod
+    def contains(self, key: str) -> bool:
+        """Whether `get` would find the chunk (a probe: no counters move, nothing is read)."""
+
+    @abstractmethod
+    def get(self, key: str) -> Entry | None:
+        """The chunk, or None on a miss; raises CorruptBlobError for a damaged copy."""
+
+    @abstractmethod
+    def put(self, key: str, entry: Entry) -> bool:
+        """Keep the chunk under its content key; False when it was not added (already there, too big)."""
+
+    @abstractmethod
+    def remove(self, key: str) -> bool:
+        """Drop the chunk; False when this tier did not have it."""
+
+
+class TieredStore(ChunkStore):
+    """A cache tier over storage tiers, read in that order (see the module docstring)."""
+
+    name = "tiered"
+
+    def __init__(self, cache: ChunkStore, *stores: ChunkStore) -> None:
+        if not stores:
+            raise ValueError("a tiered store needs at least one storage tier under its cache")
+        self.cache = cache
+        self.stores = stores
+        self.tiers: tuple[ChunkStore, ...] = (cache, *stores)
+
+    def contains(self, key: str) -> bool:
+        return any(t.contains(key) for t in self.tiers)
+
+    def get(self, key: str) -> Entry | None:
+        for i, tier in enumerate(self.tiers):
+            entry = tier.get(key)
+            if entry is not None:
+                for upper in self.tiers[:i]:
+                    upper.put(key, entry)
+                return entry
+        return None
+
+    def put(self, key: str, entry: Entry) -> bool:
+        added = [store.put(key, entry) for store in self.stores]
+        self.cache.remove(key)
+        return any(added)
+
+    def remove(self, key: str) -> bool:
+        return any([t.remove(key) for t in self.tiers])  # a list: every tier, not the first that had it
+
+    def evict(self, keys: Iterable[str]) -> None:
+        """Forget the cached copies of chunks a storage tier dropped by its own rules (the last document
+        using them went): the storage tiers are not touched again."""
+        for key in keys:
+            self.cache.remove(key)
