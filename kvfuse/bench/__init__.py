@@ -1,5 +1,7 @@
-"""Benchmarks: answer fidelity and speed of every fusion method, their reports and plots.
+"""Benchmarks: answer fidelity and speed of every fusion method, retrieval speed, their reports and plots.
 
-`tasks` builds the examples (synthetic RULER-style tasks over the Paul Graham essays, and MuSiQue),
-`scoring` scores answers, `fidelity` and `speed` run the engine, `report` writes tables, plots and the
-README results block. Nothing here is imported by the service."""
+`tasks` builds the examples (synthetic RULER-style tasks over the Paul Graham essays, and MuSiQue) from
+the data `data` locates (setting `bench.data_dir`), `scoring` scores answers, `fidelity` and `speed` run
+the engine, `retriever` times embedding and vector search, `report` writes result files, tables and the
+README results block, `plots` draws the figures (matplotlib, the optional extra `kvfuse[bench]`).
+Results and the studies behind the defaults are in docs/. Nothing here is imported by the service."""

@@ -1,7 +1,8 @@
 """Where the evaluation data lives and how it is read.
 
-The data is not part of the project tree: it sits in `../shared/data` beside the repository root
-(`--data-dir` overrides)."""
+The data is not part of the package: the setting `bench.data_dir` names it (env KVFUSE_BENCH__DATA_DIR;
+by default `../shared/data` from the working directory, i.e. beside the repository when run from its
+root), and every bench command's `--data-dir` overrides it."""
 
 from __future__ import annotations
 
@@ -10,20 +11,35 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
-DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+from kvfuse.config import ConfigError, Settings
+
 ESSAYS_DIR = "paul_graham_essays"
 MUSIQUE_FILE = "musique/musique_s.json"
+DATA_DIR_HELP = "evaluation data (default: the setting bench.data_dir, env KVFUSE_BENCH__DATA_DIR)"
 
 
-class DataError(FileNotFoundError):
-    """The evaluation data is missing; the message says where it was looked for."""
+class DataError(ConfigError):
+    """The evaluation data is missing; the message says where it was looked for and how to set it.
+
+    A ConfigError, so `kvfuse bench ...` prints it and exits 2 like any other bad setting."""
 
 
-def resolve_data_dir(data_dir: str | Path | None = None) -> Path:
-    path = Path(data_dir) if data_dir else DEFAULT_DATA_DIR
+def resolve_data_dir(data_dir: str | Path | None = None, settings: Settings | None = None) -> Path:
+    """`data_dir` (a `--data-dir` flag) if given, else the setting `bench.data_dir`; checked to hold the
+    essays. `settings` defaults to the process-wide ones."""
+    if data_dir:
+        path, source = Path(data_dir), "--data-dir"
+    else:
+        if settings is None:
+            from kvfuse.config import get_settings
+
+            settings = get_settings()
+        path, source = settings.bench.data_dir, "the setting bench.data_dir"
     if not (path / ESSAYS_DIR).is_dir():
-        raise DataError(f"evaluation data not found: {path / ESSAYS_DIR} (set --data-dir)")
+        raise DataError(
+            f"evaluation data not found: {path / ESSAYS_DIR} does not exist ({path} comes from {source}); "
+            "set bench.data_dir in config.yaml or KVFUSE_BENCH__DATA_DIR, or pass --data-dir"
+        )
     return path
 
 
@@ -45,7 +61,7 @@ class MusiqueItem:
 def load_musique(data_dir: Path) -> tuple[MusiqueItem, ...]:
     path = Path(data_dir) / MUSIQUE_FILE
     if not path.is_file():
-        raise DataError(f"MuSiQue sample not found: {path}")
+        raise DataError(f"MuSiQue sample not found: {path} (set bench.data_dir or --data-dir)")
     items = []
     for raw in json.loads(path.read_text(encoding="utf-8")):
         passages = tuple(

@@ -1,4 +1,7 @@
-"""What a benchmark ran on and how it was invoked: recorded in every result file."""
+"""What a benchmark ran on and how it was invoked: recorded in every result file.
+
+Benchmarks run from the repository root: the commit is the working directory's, and paths in the
+recorded command are written relative to it, as they were typed."""
 
 from __future__ import annotations
 
@@ -9,8 +12,6 @@ import shlex
 import subprocess
 from pathlib import Path
 from typing import Any
-
-from kvfuse.bench.data import REPO_ROOT
 
 
 def cpu_model() -> str:
@@ -25,8 +26,8 @@ def cpu_model() -> str:
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -68,8 +69,8 @@ def _render(value: Any) -> str:
     if isinstance(value, float):
         return format(value, "g")
     text = str(value)
-    if os.path.isabs(text) and Path(text).is_relative_to(REPO_ROOT):  # as typed from the repo root
-        return os.path.relpath(text, REPO_ROOT)
+    if os.path.isabs(text) and Path(text).is_relative_to(Path.cwd()):  # as typed from the working directory
+        return os.path.relpath(text)
     return text
 
 

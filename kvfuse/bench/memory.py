@@ -14,7 +14,7 @@ import resource
 import threading
 from pathlib import Path
 
-SAMPLE_INTERVAL_S = 0.005  # 5 ms: shorter than any prefill measured here, cheap enough to not slow it
+SAMPLE_INTERVAL_S = 0.005  # shorter than a prefill, cheap enough not to slow it
 _STATUS = Path("/proc/self/status")
 
 

@@ -1,4 +1,4 @@
-"""Result files, markdown tables, plots and the README results block.
+"""Result files, markdown tables and the README results block (the figures are drawn by `plots`).
 
 A run writes `<name>.json` (rows, per-example outcomes, command, machine) and renders it; `kvfuse bench
 report` re-renders every `fidelity*.json` / `speed*.json` of a results folder into `<name>.md` and
@@ -14,12 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvfuse.bench.data import REPO_ROOT
+from kvfuse.bench.memory import SAMPLE_INTERVAL_S
+from kvfuse.bench.plots import method_key, plot_fidelity, plot_speed
 
 README_START = "<!-- results:start -->"
 README_END = "<!-- results:end -->"
-DEFAULT_RESULTS_DIR = REPO_ROOT / "docs" / "results"
-SCRATCH_DIR = REPO_ROOT / "bench-results"  # git-ignored default output of a run
+# Relative to the working directory: the bench commands run from the repository root.
+DEFAULT_RESULTS_DIR = Path("docs") / "results"
+SCRATCH_DIR = Path("bench-results")  # git-ignored default output of a run
 
 FIDELITY_TABLE = (
     ("task", "task"), ("method", "method"), ("ratio", "ratio"), ("n", "n"), ("score", "score"),
@@ -38,8 +40,6 @@ SPEED_TABLE = (
 )
 PARTIAL_NOTE = ("_Partial run: it was stopped before every example (or context) was done; `n` says how "
                 "many each row has._")
-# Drawing order and colours: one per method, stable across plots.
-METHOD_ORDER = ("vanilla", "full_reuse", "pie", "epic", "cacheblend", "a3", "prophetkv", "anchor")
 
 
 def _fmt(value: Any) -> str:
@@ -69,17 +69,13 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, 
     return "\n".join([head, sep, *body])
 
 
-def _method_key(method: str) -> tuple[int, str]:
-    return (METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), method)
-
-
 def sort_fidelity(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return sorted(rows, key=lambda r: (r["task"], _method_key(r["method"]), r["ratio"]))
+    return sorted(rows, key=lambda r: (r["task"], method_key(r["method"]), r["ratio"]))
 
 
 def sort_speed(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r.get("target_context_tokens", r["context_tokens"]),
-                                       _method_key(r["method"]), r["ratio"]))
+                                       method_key(r["method"]), r["ratio"]))
 
 
 def fidelity_summary(rows: Sequence[dict[str, Any]]) -> str:
@@ -95,7 +91,7 @@ def fidelity_summary(rows: Sequence[dict[str, Any]]) -> str:
     head = "| method | ratio | " + " | ".join(tasks) + " | mean score / vanilla | mean TTFT / vanilla |"
     sep = "|---|---|" + "---|" * (len(tasks) + 2)
     lines = [head, sep]
-    for method, key in sorted(cells, key=lambda mr: (_method_key(mr[0]), mr[1])):
+    for method, key in sorted(cells, key=lambda mr: (method_key(mr[0]), mr[1])):
         by_task = cells[(method, key)]
         ratios = [r["ratio"] for r in by_task.values()]
         ratio = sum(ratios) / len(ratios)
@@ -118,7 +114,7 @@ def fidelity_against_vanilla(rows: Sequence[dict[str, Any]]) -> str:
         if r["method"] != "vanilla":
             cells.setdefault((r["method"], r["ratio"]), {})[r["task"]] = r
     lines = ["| method | ratio | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
-    for method, ratio in sorted(cells, key=lambda mr: (_method_key(mr[0]), mr[1])):
+    for method, ratio in sorted(cells, key=lambda mr: (method_key(mr[0]), mr[1])):
         by_task = cells[(method, ratio)]
         out = []
         for t in tasks:
@@ -142,102 +138,6 @@ def fidelity_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
     if not outcomes:
         return list(payload["rows"])
     return sort_fidelity(aggregate([Outcome(**o) for o in outcomes]))
-
-
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def matplotlib_ticker() -> Any:
-    import matplotlib.ticker
-
-    return matplotlib.ticker
-
-
-def _colors(methods: Sequence[str]) -> dict[str, Any]:
-    plt = _plt()
-    cmap = plt.get_cmap("tab10")
-    return {m: cmap(_method_key(m)[0] % 10) for m in methods}
-
-
-def plot_fidelity(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
-    """Score vs recompute ratio, one line per method, one panel per task; fixed-ratio methods (vanilla,
-    no recompute) are drawn as horizontal dashed lines across the panel."""
-    plt = _plt()
-    tasks = sorted({r["task"] for r in rows})
-    methods = sorted({r["method"] for r in rows}, key=_method_key)
-    colors = _colors(methods)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(max(3.6 * len(tasks), 8.0), 3.8), squeeze=False,
-                             sharey=True)
-    for ax, task in zip(axes[0], tasks, strict=True):
-        for m in methods:
-            pts = sorted((r["ratio"], r["score"]) for r in rows if r["task"] == task and r["method"] == m)
-            if not pts:
-                continue
-            if len(pts) == 1:
-                ax.axhline(pts[0][1], color=colors[m], ls="--", lw=1.2, label=f"{m} (r={pts[0][0]:g})")
-            else:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[m], label=m)
-        n = max((r["n"] for r in rows if r["task"] == task), default=0)
-        ax.set_title(f"{task} (n={n})")
-        ax.set_xlabel("recompute ratio")
-        ax.set_ylim(-0.03, 1.03)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("score (exact match / F1)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    for ax in axes[0][1:]:
-        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    ncol = min(len(labels), 5)
-    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    legend_rows = -(-len(labels) // ncol) if labels else 0
-    fig.tight_layout(rect=(0, 0.06 * legend_rows + 0.02, 1, 0.95 if title else 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_speed(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
-    """TTFT vs context length per method (log-y): KV warm in memory, and cold from LMDB."""
-    plt = _plt()
-    methods = sorted({r["method"] for r in rows}, key=_method_key)
-    colors = _colors(methods)
-    panels = [("ttft_s_median", "TTFT, KV in memory (s)")]
-    if any(r.get("ttft_cold_s_median") is not None for r in rows):
-        panels.append(("ttft_cold_s_median", "TTFT, KV from LMDB (s)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False, sharey=True)
-    for ax, (key, label) in zip(axes[0], panels, strict=True):
-        for m in methods:
-            pts = sorted((r["context_tokens"], r[key]) for r in rows if r["method"] == m and r.get(key))
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[m], label=m)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ticks = sorted({r["context_tokens"] for r in rows})
-        ax.set_xticks(ticks, [f"{t / 1024:.1f}k" for t in ticks])
-        ax.xaxis.set_minor_locator(matplotlib_ticker().NullLocator())
-        ax.set_xlabel("context tokens")
-        ax.set_title(label)
-        ax.grid(alpha=0.3, which="both")
-    axes[0][0].set_ylabel("seconds")
-    axes[0][-1].legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def machine_line(machine: dict[str, Any]) -> str:
@@ -288,7 +188,7 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
             "TTFT warm: chunk KV already in memory; cold: chunk blobs read back from a real LMDB `KVStore` "
             "(hot tier off, OS page cache warm) and decoded before fusing; KV load is that read. Medians "
             f"over {payload.get('params', {}).get('repeats', '?')} repeats (one warmup per method first). Peak RSS Δ: "
-            "peak VmRSS (sampled every 5 ms) during one generation minus VmRSS before it, after freeing "
+            f"peak VmRSS (sampled every {SAMPLE_INTERVAL_S * 1000:g} ms) during one generation minus VmRSS before it, after freeing "
             "unused heap (malloc_trim). Decode tok/s: forward steps after the first token over their time (the step that produced EOS included).",
         ]
     else:

@@ -50,7 +50,7 @@ VAR_FIRST = "VAR {name} = {value}."
 VAR_LINK = "VAR {name} = VAR {prev}."
 VARTRACK_QUESTION = "Find all variables that are assigned the value {value} in the text above."
 # RULER's answer prefixes: placed after the assistant header (the start of the model's answer), so the
-# model answers with the values rather than restating the question first (which cost ~25 tokens each).
+# model answers with the values rather than spending its answer budget restating the question first.
 NEEDLE_PREFIX = "The special magic number for {key} mentioned in the provided text is"
 MULTIVALUE_PREFIX = "The special magic numbers for {key} mentioned in the provided text are"
 VARTRACK_PREFIX = ("According to the chain(s) of variable assignment in the text above, {k} variables are "

@@ -17,8 +17,8 @@ log = logging.getLogger(__name__)
 
 # Inputs of at most this many model windows (a question, a short chunk) run on one torch thread. Such
 # small work gains little from a second thread, and when the CPU is busy (the worker generating beside
-# the API process) every parallel region waits for a descheduled thread: a question took 240-700 ms on
-# 2 threads and 33 ms on 1, measured on a loaded 2-core machine.
+# the API process) every parallel region waits for a descheduled thread, which costs far more than the
+# work itself. `kvfuse bench retriever` measures question embedding latency.
 SINGLE_THREAD_MAX_WINDOWS = 2
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvfuse.config import RetrieverSettings
 from kvfuse.retriever import IndexLoadError, VectorIndex
-from kvfuse.retriever.index import SIDECAR
+from kvfuse.retriever.index_files import SIDECAR
 
 DIM = 32
 TYPES = ["flat", "hnsw"]

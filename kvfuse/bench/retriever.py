@@ -5,8 +5,7 @@ The size sweep uses synthetic unit vectors of the embedder's dimension, grouped 
 document's chunks scatter around a random direction of its own (cosine about 0.5 between chunks of one
 document, about 0 across documents), and each question sits near one document's direction. Flat search
 cost depends only on the count and dimension. HNSW needs such structure: on uniformly random vectors
-(no neighbourhoods at all) its recall collapses (measured 0.31 at 100k, ef_search 128), which says
-nothing about embeddings of real text.
+(no neighbourhoods at all) its recall collapses, which says nothing about embeddings of real text.
 """
 
 from __future__ import annotations
@@ -23,10 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from kvfuse.bench.data import DATA_DIR_HELP, load_essays, resolve_data_dir
 from kvfuse.config import RetrieverSettings, Settings
 
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-ESSAYS_DIR = "paul_graham_essays"
 VECTORS_PER_DOCUMENT = 100  # the sweep adds documents of this many chunks, as ingestion would
 TOP_K = 4
 QUESTION = "What did the author learn about startups from working on them?"
@@ -38,7 +36,7 @@ def run_retriever_bench(
     sizes: tuple[int, ...] = (10_000, 100_000),
     progress: bool = True,
     queries: int = 200,
-    data_dir: Path | None = None,
+    data_dir: str | Path | None = None,
     max_chunks: int | None = None,
     index_types: tuple[str, ...] = ("flat", "hnsw"),
 ) -> dict[str, Any]:
@@ -49,7 +47,7 @@ def run_retriever_bench(
     from kvfuse.model_files import resolve_embedder, resolve_llm
     from kvfuse.retriever import Chunker, Embedder
 
-    essays = _load_essays(data_dir or DEFAULT_DATA_DIR)
+    essays = [text for _, text in load_essays(resolve_data_dir(data_dir, settings))]
     chunker = Chunker.from_pretrained(resolve_llm(settings.model.llm, settings.models_dir),
                                       settings.retriever.chunk_tokens)
     embedder = Embedder(resolve_embedder(settings.model.embedder), device="cpu",
@@ -83,13 +81,6 @@ def run_retriever_bench(
             result["search"].append(row)
     result["machine"]["load_average_1m_end"] = round(os.getloadavg()[0], 2)
     return result
-
-
-def _load_essays(data_dir: Path) -> list[str]:
-    folder = Path(data_dir) / ESSAYS_DIR
-    if not folder.is_dir():
-        raise FileNotFoundError(f"essays not found at {folder} (set --data-dir)")
-    return [p.read_text(encoding="utf-8") for p in sorted(folder.iterdir()) if p.is_file()]
 
 
 def _bench_embed(embedder: Any, texts: list[str], llm_tokens: int, chunk_tokens: int,
@@ -220,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
         sizes=tuple(args.sizes),
         progress=not args.no_progress,
         queries=args.queries,
-        data_dir=Path(args.data_dir) if args.data_dir else None,
+        data_dir=args.data_dir,
         max_chunks=args.max_chunks,
     )
     if args.json is None:
@@ -244,7 +235,7 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
+def register(bench_subparsers: argparse._SubParsersAction) -> None:
     """Add `kvfuse bench retriever`; import nothing heavy here."""
     p = bench_subparsers.add_parser("retriever", help="embedding throughput and vector search latency")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
@@ -254,6 +245,6 @@ def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--queries", type=int, default=200, help="timed queries per index")
     p.add_argument("--max-chunks", type=int, default=None,
                    help="embed at most this many essay chunks (0: skip the embedding figures)")
-    p.add_argument("--data-dir", default=None, help=f"evaluation data (default {DEFAULT_DATA_DIR})")
+    p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=_run)
