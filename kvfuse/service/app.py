@@ -1,26 +1,27 @@
 """The FastAPI app: `create_app(settings)`.
 
-The lifespan starts the worker process (which loads the LLM) and, in the background, opens the store,
-the vector index, the embedder and the tokenizer-only chunker in this process; `/ready` answers 503
-until all of them are up. This process never loads the LLM.
+The lifespan creates the `ServiceState` (routes get it through dependencies.py), starts the worker
+process (which loads the LLM) and, in the background, opens the store, the vector index, the embedder and
+the tokenizer-only chunker in this process; `/ready` answers 503 until all of them are up. This process
+never loads the LLM.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfuse import __version__
 from kvfuse.config import Settings
 from kvfuse.service import documents_api, openai_api, query_api
-from kvfuse.service.errors import error_body, install_error_handlers
+from kvfuse.service.dependencies import State
+from kvfuse.service.errors import ErrorBody, error_body, install_error_handlers
 from kvfuse.service.middleware import GuardMiddleware
-from kvfuse.service.query import QueryService
+from kvfuse.service.responses import Health, Readiness
 from kvfuse.service.state import ServiceState
 
 
@@ -28,9 +29,7 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = ServiceState(settings)
-        app.state.kv = state
-        app.state.queries = QueryService(state)
-        app.state.started_at = time.time()
+        app.state.service = state
         await state.start()
         try:
             yield
@@ -45,27 +44,25 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(openai_api.router)
 
     @app.get("/health")
-    async def health(request: Request) -> dict:
-        st: ServiceState = request.app.state.kv
-        sup = st.supervisor
-        return {"status": "ok", "version": __version__, "worker": {
-            "pid": sup.pid, "ready": sup.ready, "restarts": sup.restarts, "last_error": sup.last_error}}
+    async def health(state: State) -> Health:
+        return Health.of(__version__, state.supervisor)
 
-    @app.get("/ready")
-    async def ready(request: Request) -> JSONResponse:
-        st: ServiceState = request.app.state.kv
-        parts = st.readiness()
-        if all(parts.values()) and not st.startup_error:
-            return JSONResponse({"ready": True, "components": parts})
-        missing = ", ".join(k for k, ok in parts.items() if not ok)
-        reason = st.startup_error or st.supervisor.last_error or f"waiting for: {missing}"
+    not_ready = {"model": ErrorBody, "description": "not ready: the error, beside the Readiness fields"}
+
+    @app.get("/ready", response_model=Readiness, responses={503: not_ready})
+    async def ready(state: State) -> Readiness | JSONResponse:
+        parts = Readiness(ready=False, components=state.readiness())
+        if all(parts.components.values()) and not state.startup_error:
+            parts.ready = True
+            return parts
+        missing = ", ".join(k for k, ok in parts.components.items() if not ok)
+        reason = state.startup_error or state.supervisor.last_error or f"waiting for: {missing}"
         body = error_body(503, f"not ready: {reason}", code="not_ready")
-        return JSONResponse({**body, "ready": False, "components": parts}, status_code=503)
+        return JSONResponse({**body, **parts.model_dump()}, status_code=503)
 
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        st: ServiceState = request.app.state.kv
-        st.refresh_document_gauge()
-        return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    @app.get("/metrics", response_class=Response)
+    async def metrics(state: State) -> Response:
+        state.refresh_document_gauge()
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,26 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable",
     504: "timeout_error",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorDetail
+
+
+# For the OpenAPI schema: routers declare that any 4xx/5xx answer has the error shape.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorBody, "description": "the request was refused"},
+    "5XX": {"model": ErrorBody, "description": "the service could not answer"},
 }
 
 
@@ -57,8 +78,9 @@ class APIError(Exception):
         return error_body(self.status, self.message, code=self.code, param=self.param)
 
 
-def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    detail = ErrorDetail(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
+    return ErrorBody(error=detail).model_dump()
 
 
 def error_response(err: APIError) -> JSONResponse:

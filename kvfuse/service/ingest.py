@@ -16,10 +16,14 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvfuse.service.errors import APIError
+from kvfuse.service.responses import Submitted
 from kvfuse.service.supervisor import WorkerCrashed, WorkerJobError
+
+if TYPE_CHECKING:
+    from kvfuse.service.state import ServiceState
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +59,6 @@ class IngestJob:
     def set(self, status: str, error: str | None = None) -> None:
         self.status, self.error, self.updated_at = status, error, time.time()
 
-    def to_json(self) -> dict[str, Any]:
-        return {"job_id": self.id, "document_id": self.document_id, "status": self.status, "error": self.error,
-                "created_at": self.created_at, "updated_at": self.updated_at,
-                "progress": {"chunks_done": self.chunks_done, "chunks_total": self.chunks_total}}
-
 
 class Cancelled(Exception):
     """The document was deleted while it was being ingested."""
@@ -68,8 +67,8 @@ class Cancelled(Exception):
 class IngestManager:
     """Runs ingestion jobs one document at a time (the worker is the bottleneck anyway)."""
 
-    def __init__(self, state: Any) -> None:
-        self.state = state  # kvfuse.service.state.ServiceState
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
         self.jobs: OrderedDict[str, IngestJob] = OrderedDict()
         self.active: dict[str, IngestJob] = {}  # document id -> its pending/processing job
         self._queue: asyncio.Queue[IngestJob] = asyncio.Queue()
@@ -96,14 +95,14 @@ class IngestManager:
                 raise APIError(409, f"document {doc_id!r} already exists (on_conflict=fail)",
                                code="document_exists", param="id")
 
-    def submit(self, doc_id: str, text: str, metadata: dict, on_conflict: str) -> tuple[IngestJob | None, dict]:
+    def submit(self, doc_id: str, text: str, metadata: dict, on_conflict: str) -> tuple[IngestJob | None, Submitted]:
         """Queue a job (after check_conflict, with no await in between); (None, item) when skipped."""
         if doc_id in self.active:
             job = self.active[doc_id]
-            return None, {"document_id": doc_id, "job_id": job.id, "status": job.status, "skipped": True}
+            return None, Submitted(document_id=doc_id, job_id=job.id, status=job.status, skipped=True)
         existing = self.state.store.get_document(doc_id)
         if existing is not None and existing.status != "failed" and on_conflict == "skip":
-            return None, {"document_id": doc_id, "job_id": None, "status": existing.status, "skipped": True}
+            return None, Submitted(document_id=doc_id, job_id=None, status=existing.status, skipped=True)
         job = IngestJob(id="job-" + uuid.uuid4().hex[:16], document_id=doc_id, text=text, metadata=metadata,
                         overwrite=existing is not None)
         self.jobs[job.id] = job
@@ -111,7 +110,7 @@ class IngestManager:
             self.jobs.popitem(last=False)
         self.active[doc_id] = job
         self._queue.put_nowait(job)
-        return job, {"document_id": doc_id, "job_id": job.id, "status": job.status}
+        return job, Submitted(document_id=doc_id, job_id=job.id, status=job.status)
 
     def cancel(self, doc_id: str) -> IngestJob | None:
         job = self.active.get(doc_id)

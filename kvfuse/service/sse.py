@@ -6,12 +6,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import BaseModel
+
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
 MEDIA_TYPE = "text/event-stream"
 
 
 def event(data: Any, name: str | None = None) -> bytes:
+    """One event; `data` is JSON-ready, or a response model sent as its JSON body would be."""
+    if isinstance(data, BaseModel):
+        data = data.model_dump(mode="json")
     line = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     head = f"event: {name}\n" if name else ""
     return f"{head}data: {line}\n\n".encode()

@@ -1,33 +1,50 @@
-"""Everything the API process holds: store, vector index, embedder, tokenizer-only chunker, the worker
-supervisor, metrics and the ingestion manager. Loaded in the background so `/health` answers at once and
-`/ready` says 503 until every piece is up."""
+"""`ServiceState`: everything the API process holds, created once per app by its lifespan.
+
+Routes receive it through the dependencies in dependencies.py. The store, vector index, embedder and
+tokenizer-only chunker load in the background, so `/health` answers at once and `/ready` says 503 until
+every piece is up; until then they are None, and `require_components()` (the `ReadyState` dependency)
+turns a request that needs them into a 503.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvfuse.config import Settings
 from kvfuse.service.errors import APIError
 from kvfuse.service.ingest import IngestManager
 from kvfuse.service.metrics import Metrics
+from kvfuse.service.query import QueryService
 from kvfuse.service.supervisor import WorkerSupervisor
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvfuse.retriever import Chunker, Embedder, VectorIndex
+    from kvfuse.store import DocumentRecord, KVStore
 
 log = logging.getLogger(__name__)
 
 
 class ServiceState:
+    """The API process's settings, worker supervisor, metrics, ingestion jobs, query pipeline and, once
+    loaded, its store, vector index, embedder and chunker."""
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.started_at = time.time()
         self.metrics = Metrics()
         self.supervisor = WorkerSupervisor(settings, self.metrics)
         self.ingest = IngestManager(self)
-        self.store: Any = None
-        self.index: Any = None
-        self.embedder: Any = None
-        self.chunker: Any = None
+        self.queries = QueryService(self)
+        self.store: KVStore | None = None
+        self.index: VectorIndex | None = None
+        self.embedder: Embedder | None = None
+        self.chunker: Chunker | None = None
         self.startup_error: str | None = None
         self._loader: asyncio.Task | None = None
         self._components = asyncio.Event()
@@ -64,7 +81,7 @@ class ServiceState:
         self.index = self._open_index()
         self._reconcile()
 
-    def _open_index(self) -> Any:
+    def _open_index(self) -> VectorIndex:
         from kvfuse.retriever import VectorIndex
         from kvfuse.retriever.errors import IndexLoadError
 
@@ -78,7 +95,7 @@ class ServiceState:
             index.save()
             return index
 
-    def _all_documents(self) -> list[Any]:
+    def _all_documents(self) -> list[DocumentRecord]:
         docs, offset = [], 0
         while True:
             page, total = self.store.list_documents(offset=offset, limit=500)
@@ -87,7 +104,7 @@ class ServiceState:
             if not page or offset >= total:
                 return docs
 
-    def _embedded_documents(self) -> Iterator[tuple[str, Any, dict]]:
+    def _embedded_documents(self) -> Iterator[tuple[str, np.ndarray, dict]]:
         """(id, chunk vectors, metadata) of every ready document, re-embedded from its stored text."""
         for rec in self._all_documents():
             if rec.status != "ready":
@@ -148,7 +165,7 @@ class ServiceState:
                            code="worker_unavailable")
 
     # -- index writes (always saved: the index on disk must match the store after any commit) --------------
-    def index_add(self, doc_id: str, vectors: Any, metadata: dict) -> None:
+    def index_add(self, doc_id: str, vectors: np.ndarray, metadata: dict) -> None:
         self.index.add(doc_id, vectors, metadata)
         self.index.save()
 

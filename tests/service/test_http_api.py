@@ -16,6 +16,8 @@ import httpx
 import pytest
 from service_helpers import API_KEY, REPO, ServerProcess, ingest, make_client, metric, read_stream
 
+from kvfuse.service.responses import DocumentOut, DocumentPage, QueryAnswer, QuerySources
+
 pytestmark = pytest.mark.slow
 
 MAX_CONTEXT = 1024
@@ -113,7 +115,9 @@ def test_documents_are_listed_paginated_and_described(client: httpx.Client, essa
     rest = client.get("/v1/documents", params={"offset": 2, "limit": 2}).json()
     assert len(rest["documents"]) == 1
     assert {d["id"] for d in page["documents"] + rest["documents"]} == set(essays3)
+    DocumentPage.model_validate(page)
     doc = client.get("/v1/documents/todo", params={"include_text": "true"}).json()
+    DocumentOut.model_validate(doc)
     assert doc["status"] == "ready" and doc["chunks"] >= 2 and doc["tokens"] > 200 and doc["kv_bytes"] > 0
     assert doc["metadata"] == {"topic": "todo"} and doc["text"] == essays3["todo"]
 
@@ -152,6 +156,9 @@ def test_query_streams_with_the_essay_as_first_source(client: httpx.Client) -> N
     assert done["usage"]["completion_tokens"] >= 1 and done["usage"]["cached_tokens"] > 0
     assert set(done["timings"]) >= {"retrieval_ms", "kv_load_ms", "ttft_ms", "decode_ms", "total_ms"}
     assert done["fusion"] == {"method": "anchor", "recompute_ratio": 0.15}  # the configured default
+    # The first and last events are the documented models; the last is a whole answer.
+    QuerySources.model_validate(events[0][1])
+    assert QueryAnswer.model_validate(done).sources == QuerySources.model_validate(events[0][1]).sources
 
 
 def test_query_json_with_explicit_documents_and_fusion_method(client: httpx.Client) -> None:
@@ -169,6 +176,24 @@ def test_query_json_with_explicit_documents_and_fusion_method(client: httpx.Clie
     u = body["usage"]
     assert u["prompt_tokens"] > u["cached_tokens"] > 0 and u["recomputed_tokens"] > 0
     assert u["prompt_tokens"] > u["context_tokens"] > u["recomputed_tokens"]  # the documents' tokens
+
+
+def test_a_real_answer_is_what_the_openapi_schema_says(client: httpx.Client) -> None:
+    spec = client.get("/openapi.json")
+    assert spec.status_code == 200, spec.text
+    schemas = spec.json()["components"]["schemas"]
+    ok = spec.json()["paths"]["/v1/query"]["post"]["responses"]["200"]["content"]["application/json"]
+    assert ok["schema"]["$ref"] == "#/components/schemas/QueryAnswer"
+    resp = client.post("/v1/query", json={"query": QUESTION, "max_tokens": 4})
+    assert resp.status_code == 200, resp.text
+    answer = QueryAnswer.model_validate_json(resp.content, strict=True)
+    body = resp.json()
+    # Every field of the model is in the body and nothing else: the model is the whole contract.
+    for name, model in (("QueryAnswer", body), ("Usage", body["usage"]), ("Timings", body["timings"]),
+                        ("FusionUsed", body["fusion"]), ("Source", body["sources"][0])):
+        assert set(model) == set(schemas[name]["properties"]), name
+        assert set(schemas[name]["required"]) <= set(model), name
+    assert answer.answer == body["answer"] and answer.usage.prompt_tokens > answer.usage.cached_tokens > 0
 
 
 def test_openai_client_non_stream_and_stream(holder: Holder) -> None:
@@ -254,8 +279,6 @@ BAD_INPUTS = [
     ("ratio below 0", "POST", "/v1/query", {"json": {**Q, "fusion": {"recompute_ratio": -0.1}}}, 422,
      "invalid_value"),
     ("check layer past the model", "POST", "/v1/query", {"json": {**Q, "fusion": {"check_layer": 99}}}, 422,
-     "invalid_value"),
-    ("positive stale logit bias", "POST", "/v1/query", {"json": {**Q, "fusion": {"stale_logit_bias": 0.5}}}, 422,
      "invalid_value"),
     ("top_k 0", "POST", "/v1/query", {"json": {**Q, "top_k": 0}}, 422, "invalid_value"),
     ("top_k huge", "POST", "/v1/query", {"json": {**Q, "top_k": 100_000}}, 422, "invalid_value"),
@@ -459,22 +482,22 @@ def test_worker_killed_mid_stream_errors_cleanly_and_the_next_request_succeeds(h
 
 
 def test_corrupt_blob_is_rebuilt_from_the_tokens_at_query_time(holder: Holder, client: httpx.Client) -> None:
-    from kvfuse.store.lmdb_tier import LmdbTier
+    from kvfuse.store.lmdb_env import LmdbEnv
 
     text = "The sun is a star. It is about 4.6 billion years old and will shine for billions more."
     ingest(client, [{"id": "sun", "text": text}])
     rebuilt = metric(client, "kvfuse_rebuilt_chunks_total")
     key = _chunk_keys(holder, "sun")[0]
-    tier = LmdbTier(holder.server.data_dir / "lmdb", map_size=1 << 30, max_readers=16)
+    env = LmdbEnv(holder.server.data_dir / "lmdb", map_size=1 << 30, max_readers=16)
     try:
         def flip(txn):  # damage the payload in place: same size, wrong bytes
-            blob = bytearray(txn.get(key.encode(), db=tier.db("chunks")))
+            blob = bytearray(txn.get(key.encode(), db=env.db("chunks")))
             blob[-100:] = bytes(100)
-            txn.put(key.encode(), bytes(blob), db=tier.db("chunks"))
+            txn.put(key.encode(), bytes(blob), db=env.db("chunks"))
 
-        tier.write(flip)
+        env.write(flip)
     finally:
-        tier.close()
+        env.close()
     # vanilla prefills from the tokens: it never reads the blob, so it neither fails nor rebuilds it
     resp = client.post("/v1/query", json={**Q, "document_ids": ["sun"], "max_tokens": 2,
                                           "fusion": {"method": "vanilla"}})
@@ -488,15 +511,15 @@ def test_corrupt_blob_is_rebuilt_from_the_tokens_at_query_time(holder: Holder, c
 
 
 def _chunk_keys(holder: Holder, doc_id: str) -> list[str]:
-    from kvfuse.store.lmdb_tier import LmdbTier
+    from kvfuse.store.lmdb_env import LmdbEnv
     from kvfuse.store.records import DocumentRecord
 
-    tier = LmdbTier(holder.server.data_dir / "lmdb", map_size=1 << 30, max_readers=16, readonly=True)
+    env = LmdbEnv(holder.server.data_dir / "lmdb", map_size=1 << 30, max_readers=16, readonly=True)
     try:
-        with tier.read() as txn:
-            return DocumentRecord.from_json(txn.get(doc_id.encode(), db=tier.db("docs"))).chunk_keys
+        with env.read() as txn:
+            return DocumentRecord.from_json(txn.get(doc_id.encode(), db=env.db("docs"))).chunk_keys
     finally:
-        tier.close()
+        env.close()
 
 
 def test_worker_killed_during_ingestion_fails_the_job_and_rolls_back(client: httpx.Client,

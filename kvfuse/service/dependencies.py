@@ -1,0 +1,35 @@
+"""What a route may ask FastAPI for: the service's state and its query pipeline.
+
+Routes declare a parameter of one of these types instead of reaching into `request.app.state`, so what a
+route depends on is in its signature (and a test app could override it with `dependency_overrides`).
+`ReadyState` also answers 503 while the store, index and embedder are still loading: a route that needs
+them cannot forget the check.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from kvfuse.service.query import QueryService
+from kvfuse.service.state import ServiceState
+
+
+def service_state(request: Request) -> ServiceState:
+    """The state the app's lifespan created (see app.py)."""
+    return request.app.state.service
+
+
+def ready_state(state: Annotated[ServiceState, Depends(service_state)]) -> ServiceState:
+    state.require_components()
+    return state
+
+
+def query_service(state: Annotated[ServiceState, Depends(service_state)]) -> QueryService:
+    return state.queries
+
+
+State = Annotated[ServiceState, Depends(service_state)]
+ReadyState = Annotated[ServiceState, Depends(ready_state)]
+Queries = Annotated[QueryService, Depends(query_service)]

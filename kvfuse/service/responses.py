@@ -1,0 +1,295 @@
+"""Response bodies of the HTTP API, one class per shape a client reads.
+
+Endpoints declare these as `response_model`, so the OpenAPI schema at `/openapi.json` and the bytes on the
+wire come from the same place. Extra fields may be added; the documented ones (README, docs/DESIGN.md)
+keep their names and meaning. A query answer is `QueryAnswer`: the JSON body of `POST /v1/query` and,
+word for word, the data of the stream's final `done` event. Errors have their own model in errors.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:
+    from kvfuse.service.ingest import IngestJob
+    from kvfuse.service.supervisor import WorkerSupervisor
+    from kvfuse.store import DocumentRecord
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _optional(description: str) -> Any:
+    """A field left out of the JSON when it is None: it exists only in some answers (see its description)."""
+    return Field(None, exclude_if=_is_none, description=description)
+
+
+# -- documents and jobs ------------------------------------------------------------------------------------
+
+class Progress(BaseModel):
+    chunks_done: int
+    chunks_total: int
+
+
+class JobOut(BaseModel):
+    """An ingestion job: `GET /v1/jobs/{id}`, a document's `job` while it is ingested, and what
+    `POST /v1/documents?wait=true` answers for each document it ingested."""
+
+    job_id: str
+    document_id: str
+    status: str = Field(description="pending | processing | ready | failed | cancelled")
+    error: str | None
+    created_at: float
+    updated_at: float
+    progress: Progress
+
+    @classmethod
+    def of(cls, job: IngestJob) -> JobOut:
+        return cls(job_id=job.id, document_id=job.document_id, status=job.status, error=job.error,
+                   created_at=job.created_at, updated_at=job.updated_at,
+                   progress=Progress(chunks_done=job.chunks_done, chunks_total=job.chunks_total))
+
+
+class Submitted(BaseModel):
+    """One document of `POST /v1/documents` (202): the job now ingesting it, or, when skipped, the job
+    already on it or the stored document's status (`on_conflict: skip`)."""
+
+    document_id: str
+    job_id: str | None
+    status: str
+    skipped: bool | None = _optional("true when nothing new was started for this document")
+
+
+class SubmittedBatch(BaseModel):
+    """`POST /v1/documents` with `{documents: [...]}`: one item per document, in request order."""
+
+    documents: list[JobOut | Submitted]
+
+
+class DocumentOut(BaseModel):
+    """A document as stored (`GET /v1/documents/{id}`, items of the list)."""
+
+    id: str
+    status: str = Field(description="pending | processing | ready | failed")
+    metadata: dict[str, Any] = {}
+    chunks: int = 0
+    tokens: int = 0
+    kv_bytes: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    error: str | None = None
+    content_hash: str = ""
+    job: JobOut | None = _optional("the ingestion job, while one runs")
+    text: str | None = _optional("the document's text, with ?include_text=true")
+
+    @classmethod
+    def of(cls, rec: DocumentRecord, job: IngestJob | None = None) -> DocumentOut:
+        return cls(id=rec.id, status=rec.status, metadata=rec.metadata, chunks=len(rec.chunk_keys),
+                   tokens=rec.tokens, kv_bytes=rec.kv_bytes, created_at=rec.created_at,
+                   updated_at=rec.updated_at, error=rec.error, content_hash=rec.content_hash,
+                   job=None if job is None else JobOut.of(job))
+
+    @classmethod
+    def queued(cls, job: IngestJob) -> DocumentOut:
+        """A document whose job has not written its record yet: only its id, status and job are known."""
+        return cls(id=job.document_id, status=job.status, metadata=job.metadata, created_at=job.created_at,
+                   updated_at=job.updated_at, job=JobOut.of(job))
+
+
+class DocumentPage(BaseModel):
+    """`GET /v1/documents`: one page of documents; `total` counts every document."""
+
+    documents: list[DocumentOut]
+    total: int
+    offset: int
+    limit: int
+
+
+class Deleted(BaseModel):
+    id: str
+    deleted: bool
+
+
+# -- queries -----------------------------------------------------------------------------------------------
+
+class Source(BaseModel):
+    """A chunk that went into the prompt (or, in `dropped_sources`, one that did not fit)."""
+
+    document_id: str
+    chunk_index: int
+    score: float = Field(description="retrieval similarity; 1.0 for documents named in document_ids")
+    tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    context_tokens: int = Field(description="the retrieved chunks' tokens")
+    cached_tokens: int = Field(description="prompt tokens whose stored KV was reused unchanged")
+    recomputed_tokens: int = Field(description="context tokens recomputed by the fusion method")
+
+
+class Timings(BaseModel):
+    """Milliseconds from the request's arrival: the parts, then time to first token and the total."""
+
+    retrieval_ms: float
+    queue_ms: float
+    kv_load_ms: float
+    assemble_ms: float
+    select_ms: float
+    recompute_ms: float
+    ttft_ms: float
+    decode_ms: float
+    total_ms: float
+
+
+class FusionUsed(BaseModel):
+    method: str
+    recompute_ratio: float
+
+
+class QuerySources(BaseModel):
+    """The stream's first event (`event: sources`), sent before generation starts."""
+
+    sources: list[Source]
+    dropped_sources: list[Source]
+    warning: str | None = Field(description="set when retrieved chunks did not fit the context")
+    fusion: FusionUsed
+
+
+class QueryAnswer(BaseModel):
+    """A query answer: the body of `POST /v1/query`, and the stream's final event (`event: done`)."""
+
+    answer: str
+    finish_reason: str = Field(description="stop | length | cancelled")
+    sources: list[Source]
+    dropped_sources: list[Source]
+    warning: str | None
+    usage: Usage
+    timings: Timings
+    fusion: FusionUsed
+
+
+# -- OpenAI-compatible ---------------------------------------------------------------------------------------
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvfuse"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class ChatUsage(BaseModel):
+    """OpenAI's usage, with kvfuse's reuse figures where OpenAI clients look for them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    recomputed_tokens: int
+
+    @classmethod
+    def of(cls, u: Usage) -> ChatUsage:
+        return cls(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                   total_tokens=u.prompt_tokens + u.completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
+                   recomputed_tokens=u.recomputed_tokens)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    """`POST /v1/chat/completions` (not streamed): OpenAI's shape plus the query answer's sources,
+    timings and fusion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: ChatUsage
+    sources: list[Source]
+    dropped_sources: list[Source]
+    warning: str | None
+    timings: Timings
+    fusion: FusionUsed
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a streamed chat completion, sent with only the fields it was given
+    (`model_dump(exclude_unset=True)`): `sources` and `warning` ride on the first chunk, `timings` and
+    `fusion` on the one with the finish reason, `usage` on a last chunk with no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: ChatUsage | None = None
+    sources: list[Source] | None = None
+    warning: str | None = None
+    timings: Timings | None = None
+    fusion: FusionUsed | None = None
+
+
+# -- service -----------------------------------------------------------------------------------------------
+
+class WorkerHealth(BaseModel):
+    pid: int | None
+    ready: bool
+    restarts: int
+    last_error: str | None
+
+
+class Health(BaseModel):
+    """`GET /health`: the API process answers; the worker's state is reported, not required."""
+
+    status: Literal["ok"] = "ok"
+    version: str
+    worker: WorkerHealth
+
+    @classmethod
+    def of(cls, version: str, sup: WorkerSupervisor) -> Health:
+        return cls(version=version, worker=WorkerHealth(pid=sup.pid, ready=sup.ready, restarts=sup.restarts,
+                                                        last_error=sup.last_error))
+
+
+class Readiness(BaseModel):
+    """`GET /ready`: 200 once every component is up; the 503 answer adds an `error` beside these."""
+
+    ready: bool
+    components: dict[str, bool]
