@@ -47,6 +47,10 @@ class ServerSettings(_Section):
     worker_start_timeout_s: float = Field(300.0, gt=0)
     worker_cancel_grace_s: float = Field(30.0, gt=0)
     worker_stop_timeout_s: float = Field(10.0, gt=0)
+    max_running_requests: int = Field(16, ge=1)
+    kv_budget_tokens: int = Field(65536, ge=1)
+    prefill_tokens_per_step: int = Field(4096, ge=1)
+    ingest_step_share: float = Field(0.25, gt=0.0, le=1.0)
     url: str = ""
 
     @property
@@ -107,7 +111,10 @@ class RetrieverSettings(_Section):
     hnsw_compact_ratio: float = Field(0.25, gt=0.0, le=1.0)  # removed share of an HNSW index that triggers its rebuild
 
 
-class FusionSettings(_Section):
+class FusionRequestSettings(_Section):
+    """The fusion knobs a request may set, declared once: `kvfuse.fusion.FusionOptions` and the HTTP
+    request's `fusion` object are derived from these fields (names, defaults, bounds)."""
+
     method: FusionMethodName = "anchor"  # kvfuse's own method, see docs/default_fusion.md
     recompute_ratio: float = Field(0.15, ge=0.0, le=1.0)
     check_layer: int = Field(1, ge=0)
@@ -115,7 +122,11 @@ class FusionSettings(_Section):
     edge_tokens: int = Field(16, ge=0)
     edge_tokens_end: int = Field(16, ge=0)
     anchor_tokens: int = Field(16, ge=0)
-    stale_logit_bias: float = Field(0.0, ge=-10.0, le=0.0)
+
+
+class FusionSettings(FusionRequestSettings):
+    """config.fusion: the defaults of the request knobs, then the engine's own knobs (config only)."""
+
     precompute_batch_tokens: int = Field(4096, ge=1)
     attention_block_rows: int = Field(128, ge=1)
 
@@ -125,6 +136,11 @@ class GenerationSettings(_Section):
     max_tokens_limit: int = Field(4096, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class BenchSettings(_Section):
+    # The evaluation data is not part of the package; relative paths resolve from the working directory.
+    data_dir: Path = Path("../shared/data")
 
 
 class Settings(BaseSettings):
@@ -142,6 +158,7 @@ class Settings(BaseSettings):
     retriever: RetrieverSettings = RetrieverSettings()
     fusion: FusionSettings = FusionSettings()
     generation: GenerationSettings = GenerationSettings()
+    bench: BenchSettings = BenchSettings()
 
     @field_validator("model_cache_dir", mode="before")
     @classmethod

@@ -51,7 +51,7 @@ class NoNorm(A.Anchor):
         rest = budget - int(anchors.numel())
         if rest <= 0:
             return anchors
-        head_attn = A.probe_head_attention(ctx, A.layer_window(ctx.tf.num_layers, *self.window))
+        head_attn = ctx.question_probe(A.layer_window(ctx.tf.num_layers, *self.window))
         scores = A.spread(head_attn.mean(dim=(0, 1)), self.neighbours).masked_fill(chosen, float("-inf"))
         chosen[torch.topk(scores, rest, sorted=False).indices] = True
         return chosen.nonzero().view(-1)

@@ -8,6 +8,8 @@ without it, `anchor` with the fact's tokens forced into its set (with and withou
 
 Usage: python docs/studies/digit_copy.py TASK IDS [SEED] [DOCS] [DOC_TOKENS]
   IDS: comma-separated example indices of the benchmark's TASK examples for SEED.
+
+Needs kvfuse at commit 163ffce: `fusion.stale_logit_bias`, which its variants set, was removed after it.
 """
 
 import sys

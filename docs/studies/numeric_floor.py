@@ -16,22 +16,22 @@ from study_tools import DATA, outcome, report_outcomes, task_args
 from kvfuse.bench.fidelity import EngineBackend, Outcome
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import get_settings
-from kvfuse.fusion import transformer
+from kvfuse.fusion.cache import FusedCache
 
 KV_TYPES = {"vanilla fp16 KV": torch.float16, "vanilla fp8 KV": torch.float8_e4m3fn}
 STATE: dict = {"dtype": None}
-_write_kv = transformer.Transformer.write_kv
+_write = FusedCache.write
 
 
-def rounded_write_kv(cache, layer, rows, k, v):
+def rounded_write(cache, layer, positions, k, v):
     """Write K/V as a cache of STATE["dtype"] would hold them (rounded, read back in the compute type)."""
     dtype = STATE["dtype"]
     if dtype is not None:
         k, v = k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype)
-    return _write_kv(cache, layer, rows, k, v)
+    return _write(cache, layer, positions, k, v)
 
 
-transformer.Transformer.write_kv = staticmethod(rounded_write_kv)
+FusedCache.write = rounded_write  # every K/V write of the engine (prefill and decode) goes through it
 
 tasks, n, seed, docs, doc_tokens, out_json = task_args()
 be = EngineBackend(get_settings(), max_tokens=None)

@@ -61,7 +61,7 @@ class AnchorPC(A.Anchor):
         chosen[anchors] = True
         rest = budget - int(anchors.numel())
         layers = A.layer_window(ctx.tf.num_layers, *self.window)
-        scores = A.spread(A.evidence_scores(A.probe_head_attention(ctx, layers), chosen), self.neighbours)
+        scores = A.spread(A.evidence_scores(ctx.question_probe(layers), chosen), self.neighbours)
         scores = scores.masked_fill(chosen, float("-inf"))
         lens = ctx.layout.chunk_lens
         per = int(rest * self.share) // len(lens)

@@ -31,7 +31,7 @@ class AnchorFact(A.Anchor):
         chosen = FACT["mask"].clone()
         chosen[ctx.chunk_edges(ctx.options.anchor_tokens, 0)] = True
         layers = A.layer_window(ctx.tf.num_layers, *self.window)
-        scores = A.spread(A.evidence_scores(A.probe_head_attention(ctx, layers), chosen), self.neighbours)
+        scores = A.spread(A.evidence_scores(ctx.question_probe(layers), chosen), self.neighbours)
         rest = ctx.budget - int(chosen.sum())
         if rest > 0:
             chosen[torch.topk(scores.masked_fill(chosen, float("-inf")), rest).indices] = True

@@ -1,4 +1,4 @@
-"""`kvfuse bench ...`: fidelity, speed, report, and the store/retriever benches of those packages.
+"""`kvfuse bench ...`: fidelity, speed, retriever, report, and the store bench of that package.
 
 Nothing heavy is imported until a subcommand runs, so `kvfuse --help` stays instant."""
 
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RATIOS = "0.05,0.15,0.3,1.0"
 DEFAULT_CONTEXTS = "1024,2048,4096,8192"
 # Other packages' benches, each `register_bench(bench_subparsers)` adding its own subcommand.
-_PACKAGE_BENCHES = ("kvfuse.store.bench", "kvfuse.retriever.bench")
+_PACKAGE_BENCHES = ("kvfuse.store.bench",)
 
 
 def _csv(kind: type) -> object:
@@ -146,18 +146,21 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _add_common(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:
+    from kvfuse.bench.data import DATA_DIR_HELP
+
     p.add_argument("--methods", type=_csv(str), default=None,
                    help="comma-separated fusion methods (default: every registered method); vanilla always runs")
     p.add_argument("--seed", type=int, default=0, help="example generation seed")
     p.add_argument("--max-tokens", type=int, default=max_tokens,
                    help="greedy answer length limit" + (f" (default {max_tokens})" if max_tokens else
                                                         " (default: per task, tasks.ANSWER_TOKENS)"))
-    p.add_argument("--data-dir", default=None, help="evaluation data (default: ../shared/data beside the repo)")
+    p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `kvfuse bench ...`; import nothing heavy here."""
-    from kvfuse.bench.report import DEFAULT_RESULTS_DIR, REPO_ROOT, SCRATCH_DIR
+    from kvfuse.bench import retriever
+    from kvfuse.bench.report import DEFAULT_RESULTS_DIR, SCRATCH_DIR
 
     bench = sub.add_parser("bench", help="fidelity and speed benchmarks, reports and plots")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
@@ -191,10 +194,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     rep = bsub.add_parser("report", help="re-render tables, plots and the README results block from JSON")
     rep.add_argument("--results-dir", default=str(DEFAULT_RESULTS_DIR), help="folder of fidelity*/speed*.json")
-    rep.add_argument("--readme", default=str(REPO_ROOT / "README.md"),
+    rep.add_argument("--readme", default="README.md",
                      help="README whose block between <!-- results:start/end --> is replaced")
     rep.add_argument("--no-readme", action="store_true", help="leave the README alone")
     rep.set_defaults(func=_report)
+
+    from kvfuse.bench import load
+
+    load.register(bsub)  # `bench load`: concurrent streams through a real server
+
+    retriever.register(bsub)
 
     for name in _PACKAGE_BENCHES:
         try:

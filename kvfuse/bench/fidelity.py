@@ -242,9 +242,10 @@ def run_examples(
     return outcomes
 
 
-def _median(xs: Iterable[float]) -> float | None:
-    xs = list(xs)
-    return statistics.median(xs) if xs else None
+def median(xs: Iterable[float | None]) -> float | None:
+    """Median of the values given (None values skipped); None when there are none."""
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
 
 
 def _mean(xs: Iterable[float | None]) -> float | None:
@@ -285,9 +286,9 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     for (task, method, ratio), outs in groups.items():
         refs = [vanilla.get((task, o.example_id)) for o in outs]
         ref_score = _mean(r.score for r in refs if r is not None)
-        ref_ttft = _median(r.ttft_s for r in refs if r is not None)
+        ref_ttft = median(r.ttft_s for r in refs if r is not None)
         score = _mean(o.score for o in outs) or 0.0
-        ttft = _median(o.ttft_s for o in outs)
+        ttft = median(o.ttft_s for o in outs)
         if method == "vanilla":
             score_vs = 1.0
         else:

@@ -2,7 +2,7 @@
 in memory ("warm") and read back from a real LMDB store ("cold"), plus KV load time, decode speed and
 peak memory. Every figure is also given relative to vanilla from the same run.
 
-"Cold" means: the chunk blobs were written with `kvfuse.kvblob.encode` into a `KVStore` in a temp
+"Cold" means: the chunk blobs were written with `KVStore.put_kv` into a `KVStore` in a temp
 data dir with its RAM hot tier off, and each repeat reads and decodes them with `load_chunk` before
 fusing. The OS page cache still holds the LMDB file (dropping it needs root), so this is the cost of
 the store's read path, not of a cold disk.
@@ -10,7 +10,6 @@ the store's read path, not of a cold disk.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import tempfile
 import time
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfuse.bench.fidelity import EngineBackend, method_plan
+from kvfuse.bench.fidelity import EngineBackend, median, method_plan
 from kvfuse.bench.memory import PeakRSS
 from kvfuse.bench.tasks import Haystack, TaskConfig, needle
 
@@ -63,7 +62,6 @@ class ColdStore:
     """The example's chunk blobs in a real KVStore (temp data dir, embedded index, hot tier off)."""
 
     def __init__(self, backend: EngineBackend, chunks: list[Any], root: Path):
-        from kvfuse import kvblob
         from kvfuse.store import KVStore
 
         s = backend.settings
@@ -76,11 +74,9 @@ class ColdStore:
         self.keys = []
         self.kv_bytes = 0
         for c in chunks:
-            key = kvblob.chunk_key(fp, self.kv_dtype, c.token_ids)
-            blob = kvblob.encode(c.k, c.v, model_fingerprint=fp, token_ids=c.token_ids, dtype=self.kv_dtype)
-            self.store.put_chunk(key, blob)
+            key, nbytes = self.store.put_kv(fp, self.kv_dtype, c.token_ids, c.k, c.v)
             self.keys.append((key, c.token_ids))
-            self.kv_bytes += len(blob)
+            self.kv_bytes += nbytes
 
     def load(self) -> list[Any]:
         from kvfuse.fusion import ChunkKV
@@ -96,11 +92,6 @@ class ColdStore:
 
     def close(self) -> None:
         self.store.close()
-
-
-def _median(xs: list[float | None]) -> float | None:
-    vals = [x for x in xs if x is not None]
-    return statistics.median(vals) if vals else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -156,10 +147,10 @@ def run_speed(
                     per_method[method] = {
                         "method": method, "ratio": r, "context_tokens": n_ctx, "target_context_tokens": ctx,
                         "chunks": len(chunks),
-                        "ttft_s_median": _median([s.ttft_s for s in warm]),
-                        "ttft_cold_s_median": _median([s.kv_load_s + s.ttft_s for s in cold_samples]),
-                        "kv_load_s": _median([s.kv_load_s for s in cold_samples]),
-                        "decode_tok_s": _median([s.decode_tok_s for s in warm]),
+                        "ttft_s_median": median([s.ttft_s for s in warm]),
+                        "ttft_cold_s_median": median([s.kv_load_s + s.ttft_s for s in cold_samples]),
+                        "kv_load_s": median([s.kv_load_s for s in cold_samples]),
+                        "decode_tok_s": median([s.decode_tok_s for s in warm]),
                         "peak_rss_mb": max(s.peak_rss_mb for s in warm),
                         "peak_rss_cold_mb": max((s.peak_rss_mb for s in cold_samples), default=None),
                         "recomputed_tokens": warm[0].recomputed_tokens,

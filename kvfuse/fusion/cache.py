@@ -1,4 +1,4 @@
-"""The fused cache: one preallocated buffer per K and V holding prompt and generated tokens."""
+"""The fused cache: one preallocated buffer per K and V holding the prompt and the generated tokens."""
 
 from __future__ import annotations
 
@@ -43,10 +43,9 @@ class Layout:
 class FusedCache:
     """K/V of every layer, [L, Hkv, capacity, D], filled up to `length`.
 
-    Sized for the prompt plus the tokens to generate, so prefill writes and decode appends never copy it.
-
-    key_bias: None, or an additive [capacity] bias on attention logits onto each key (0 for exact keys),
-    applied by the rows at `bias_from` and after (the question and generated tokens).
+    Sized for the prompt plus the tokens to generate, so prefill writes and decode appends never copy
+    it. Rows are written by position (`write`), as gpt-fast's KVCache.update: recomputed rows overwrite
+    their cached K/V in place, decode steps append at `length`.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
@@ -55,14 +54,6 @@ class FusedCache:
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
-        self.key_bias: torch.Tensor | None = None
-        self.bias_from: int | None = None
-
-    def bias_keys(self, positions: torch.Tensor, bias: float, rows_from: int) -> None:
-        """Rows at `rows_from` and after add `bias` to their logits onto the keys at `positions`."""
-        self.key_bias = torch.zeros(self.capacity, dtype=self.k.dtype, device=self.k.device)
-        self.key_bias[positions] = bias
-        self.bias_from = rows_from
 
     @property
     def capacity(self) -> int:
@@ -75,11 +66,14 @@ class FusedCache:
     def values(self, layer: int, upto: int | None = None) -> torch.Tensor:
         return self.v[layer, :, : self.length if upto is None else upto].unsqueeze(0)
 
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store rows' K/V [1, Hkv, R, D] at their positions [R] of one layer (in place, cast to the
+        cache's dtype)."""
+        self.k[layer].index_copy_(1, positions, k[0].to(self.k.dtype))
+        self.v[layer].index_copy_(1, positions, v[0].to(self.v.dtype))
+
     def place(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy (and cast) a [L, Hkv, n, D] slab into positions start..start+n-1 of every layer."""
         n = k.shape[2]
         self.k[:, :, start : start + n].copy_(k)
         self.v[:, :, start : start + n].copy_(v)
-
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2

@@ -10,10 +10,9 @@ import torch
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import model_loading
 from kvfuse.fusion.cache import FusedCache, Layout
-from kvfuse.fusion.decode import IncrementalDetokenizer, Sampler, StopMatcher
 from kvfuse.fusion.errors import ContextOverflowError, FusionError
-from kvfuse.fusion.methods import get_method
-from kvfuse.fusion.rope import Rope
+from kvfuse.fusion.generation import Generation
+from kvfuse.fusion.methods import FusionMethod, get_method
 from kvfuse.fusion.selection import SelectionContext
 from kvfuse.fusion.transformer import Rows, Transformer
 from kvfuse.fusion.types import (
@@ -40,8 +39,8 @@ class FusionEngine:
         self.dtype_name = dtype
         self.dtype = model_loading.torch_dtype(dtype)
         self.device = next(model.parameters()).device
-        self.tf = Transformer(model)
-        self.rope = Rope(model.model.rotary_emb, model.config, self.device)
+        self.tf = Transformer(model, attention_block_rows)
+        self.rope = self.tf.rope
         self.num_layers = self.tf.num_layers
         self.num_kv_heads = self.tf.num_kv_heads
         self.head_dim = self.tf.head_dim
@@ -78,11 +77,9 @@ class FusionEngine:
                       attention_block_rows=f.attention_block_rows)
         return cls.load(resolve_llm(m.llm, settings.models_dir), **{**kwargs, **overrides})
 
-    def rows(self, positions: torch.Tensor, cache: FusedCache | None = None) -> Rows:
-        """Query rows at sorted positions, with this engine's attention plan sizes (and the key bias of
-        `cache`, if it has one)."""
-        biased_from = cache.bias_from if cache is not None and cache.key_bias is not None else None
-        return Rows(positions, self.rope, self.dtype, self.attention_block_rows, biased_from)
+    def rows(self, positions: torch.Tensor) -> Rows:
+        """Query rows at sorted global positions (cos/sin and causal mask built once for every layer)."""
+        return Rows(positions, self.rope, self.dtype)
 
     # -- prompt ---------------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -219,13 +216,12 @@ class FusionEngine:
                 selected_ctx = torch.unique(method.select(ctx).to(self.device))  # sorted, unique
             if selected_ctx.numel() and (int(selected_ctx[0]) < 0 or int(selected_ctx[-1]) >= n):
                 raise ValueError(f"{options.method}: selected indices outside the context [0, {n})")
-            self._bias_stale(cache, layout, selected_ctx, method.stale_bias(options))
             timings["select_s"] = time.perf_counter() - t
             t = time.perf_counter()
-            h = self._recompute(cache, ctx, selected_ctx, ids)
+            h = self._recompute(method, ctx, selected_ctx)
             timings["recompute_s"] = t_full + time.perf_counter() - t
         cache.length = layout.total
-        logits = self.tf.logits(h[:, -1])
+        logits = self.tf.logits(h[:, -1])[0]
         stats = {
             "prefix_tokens": p, "context_tokens": n, "question_tokens": layout.question_len,
             "recomputed_tokens": int(selected_ctx.numel()), "full_layers": full_layers,
@@ -242,94 +238,51 @@ class FusionEngine:
             if recover:
                 self.rope.shift_keys_(cache.k[:, :, start : start + len(kv)], start)
 
-    def _bias_stale(self, cache: FusedCache, layout: Layout, selected_ctx: torch.Tensor, bias: float) -> None:
-        """The question and generated rows add `bias` to their logits onto the context keys left as cached."""
-        if bias == 0.0:
-            return
-        stale = torch.ones(layout.context_len, dtype=torch.bool, device=self.device)
-        stale[selected_ctx] = False
-        if bool(stale.any()):
-            cache.bias_keys(stale.nonzero().view(-1) + layout.prefix_len, bias, layout.question_start)
-
-    def _recompute(self, cache: FusedCache, ctx: SelectionContext, selected_ctx: torch.Tensor,
-                   ids: torch.Tensor) -> torch.Tensor:
-        """Recompute selected context rows + question rows from the check layer on; returns their hidden."""
-        layout = ctx.layout
-        p, n = layout.prefix_len, layout.context_len
-        local = torch.cat([selected_ctx, torch.arange(n, n + layout.question_len, device=self.device)])
-        rows = self.rows(local + p, cache)
-        start = ctx.check_layer
-        if ctx.projections is not None:
-            # The check layer's q/k/v of every row are exact and already computed: keep all K/V (A³ Eq. 4),
-            # and continue only the recomputed rows.
-            q, k, v = ctx.projections
-            self.tf.write_kv(cache, start, ctx.rows_all(), k, v)
-            h = ctx.hidden[:, local]
-            h = self.tf.finish(start, h, self.tf.attend(cache, start, rows, q[:, :, local]))
-            start += 1
-        elif ctx.hidden is not None:
-            h = ctx.hidden[:, local]
-        else:
-            h = self.tf.embed(ids[local + p])
-        return self.tf.run(cache, h, rows, range(start, self.num_layers))
+    def _recompute(self, method: FusionMethod, ctx: SelectionContext, selected_ctx: torch.Tensor) -> torch.Tensor:
+        """Recompute the selected context rows + every question row through the layers after the full
+        ones (from where `method.recompute_start` says); returns their hidden."""
+        n = ctx.layout.context_len
+        local = torch.cat([selected_ctx, torch.arange(n, n + ctx.layout.question_len, device=self.device)])
+        rows = self.rows(local + ctx.layout.prefix_len)
+        h, start = method.recompute_start(ctx, local, rows)
+        return self.tf.run(ctx.cache, h, rows, range(start, self.num_layers))
 
     # -- decoding -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def decode_step(self, cache: FusedCache, token_id: int) -> torch.Tensor:
         """Append one token at the next position; returns the next-token logits [vocab] (fp32)."""
-        pos = cache.length
-        if pos >= cache.capacity:
-            raise FusionError("the fused cache is full")
-        rows = self.rows(torch.tensor([pos], device=self.device), cache)
-        h = self.tf.run(cache, self.tf.embed(torch.tensor([token_id], device=self.device)), rows,
-                        range(self.num_layers))
-        cache.length = pos + 1
-        return self.tf.logits(h[:, -1])
+        return self.decode_batch([cache], torch.tensor([token_id], device=self.device))[0]
+
+    @torch.inference_mode()
+    def decode_batch(self, caches: list[FusedCache], token_ids: torch.Tensor) -> torch.Tensor:
+        """One decode step for B sequences at once: token_ids [B] (one per cache) are appended, each at
+        its own cache's next position; returns the next-token logits [B, vocab] (fp32). The weights are
+        read once for the whole batch; each sequence attends over its own cache alone."""
+        if len(caches) != token_ids.numel():
+            raise ValueError(f"{len(caches)} caches but {token_ids.numel()} tokens")
+        return self.tf.decode(caches, token_ids.to(self.device))
 
     def generate(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
                  fusion: FusionOptions | None = None, gen: GenerationOptions | None = None,
                  cancel: Callable[[], bool] | None = None) -> Iterator[TokenDelta | GenerationResult]:
-        """Yields TokenDelta as text becomes printable, then one GenerationResult."""
+        """Yields TokenDelta as text becomes printable, then one GenerationResult.
+
+        The batch of one: the same per-sequence state (`Generation`) and batched decode step that the
+        service's scheduler drives for many requests at once. `cancel` is polled before each token."""
         gen = gen or GenerationOptions()
         if gen.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         start = time.perf_counter()
         fused = self.fuse(prefix, chunks, question_ids, fusion, max_tokens=gen.max_tokens)
-        sampler = Sampler(gen.temperature, gen.top_p, gen.seed, self.device)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stops = StopMatcher(list(gen.stop))
-        generated: list[int] = []
-        steps = 0
-        token = sampler(fused.logits)
-        ttft = time.perf_counter() - start
-        finish = "length"
-        stopped = False
-        while True:
-            if cancel is not None and cancel():
-                finish = "cancelled"
-                break
-            if token in self.stop_token_ids:
-                finish = "stop"
-                break
-            generated.append(token)
-            text, stopped = stops.feed(detok.push(token))
+        seq = Generation(self.tokenizer, self.stop_token_ids, gen, self.device)
+        logits = fused.logits
+        ttft = None
+        while seq.finished is None:
+            text = seq.cancel() if cancel is not None and cancel() else seq.accept(logits)
+            ttft = ttft if ttft is not None else time.perf_counter() - start
             if text:
                 yield TokenDelta(text)
-            if stopped:
-                finish = "stop"
-                break
-            if len(generated) >= gen.max_tokens:
-                break
-            token = sampler(self.decode_step(fused.cache, token))
-            steps += 1
-        if not stopped:  # text held back as a possible stop-string start is final now
-            tail = stops.flush()
-            if tail:
-                yield TokenDelta(tail)
+            if seq.finished is None:
+                logits = self.decode_step(fused.cache, seq.last_token)
         timings = dict(fused.timings, ttft_s=ttft, decode_s=time.perf_counter() - start - ttft)
-        usage = {
-            "prefix_tokens": fused.stats["prefix_tokens"], "context_tokens": fused.stats["context_tokens"],
-            "question_tokens": fused.stats["question_tokens"],
-            "recomputed_tokens": fused.stats["recomputed_tokens"], "generated_tokens": len(generated),
-        }
-        yield GenerationResult(stops.text[: stops.emitted], finish, usage, timings, generated, steps)
+        yield seq.result(fused.stats, timings)

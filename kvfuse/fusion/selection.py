@@ -2,11 +2,13 @@
 
 Signals are computed on demand and memoised, so a selector pays only for what it asks for:
 - `check_projections()`: q/k/v of every context and question row at the check layer, from exact
-  hidden states (the engine has run the layers before it in full); the engine reuses them;
+  hidden states (the engine has run the layers before it in full); a check-layer method reuses them
+  when the recompute starts (`CheckLayerMethod.recompute_start`);
 - `question_attention()`: the question rows' attention onto each context token at the check layer;
 - `value_deviation()`: ||V_new - V_cached|| per context token at the check layer;
-- `probe_question_attention()`: a question-only pass through every layer over the cache as assembled,
-  returning each layer's attention onto the context;
+- `question_probe(layers)`: the question alone run through the layers over the cache as assembled
+  (ProphetKV's stage I), with its attention onto the context per layer and head; every probe-based
+  method (prophetkv, anchor) reads this one pass;
 - `chunk_edges(first, last)`.
 All scores are over context tokens, indexed 0..N-1 (the prefix is exact and never selected).
 """
@@ -31,15 +33,16 @@ class SelectionContext:
         self.layout = layout
         self.ids = ids  # every prompt token id, [T]
         self.options = options
-        self.check_layer = check_layer
-        self.make_rows = make_rows  # positions -> Rows with the engine's attention plan sizes
+        self.check_layer = check_layer  # the first layer not run in full for every row
+        self.make_rows = make_rows  # positions -> Rows
         self.budget = scoring.budget(options.recompute_ratio, layout.context_len)
         device = ids.device
         self.context = slice(layout.context_start, layout.question_start)
         self.question_positions = torch.arange(layout.question_start, layout.total, device=device)
         self._rows_all: Rows | None = None
         self.hidden: torch.Tensor | None = None  # [1, N + Qn, hidden] at the check layer's input
-        self.projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._probe: torch.Tensor | None = None  # [layers run, H, N]
 
     @property
     def num_context(self) -> int:
@@ -55,11 +58,12 @@ class SelectionContext:
     # -- signals at the check layer ----------------------------------------------------------------
     def check_projections(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [1,H,N+Qn,D], k/v [1,Hkv,N+Qn,D] of all context + question rows at the check layer."""
-        if self.projections is None:
+        if self._projections is None:
             if self.hidden is None:  # check layer 0: its input is the embeddings
                 self.hidden = self.tf.embed(self.ids[self.layout.context_start :])
-            self.projections = self.tf.project(self.check_layer, self.hidden, self.rows_all())
-        return self.projections
+            rows = self.rows_all()
+            self._projections = self.tf.project(self.check_layer, self.hidden, rows.cos, rows.sin)
+        return self._projections
 
     def question_attention(self) -> torch.Tensor:
         """[H, Qn, N] fp32: each question row's softmax attention onto the context at the check layer.
@@ -82,23 +86,32 @@ class SelectionContext:
         return scoring.value_deviation(v[:, :, :n], cached)
 
     # -- signals from a question-only pass -----------------------------------------------------------
-    def probe_question_attention(self) -> torch.Tensor:
-        """[L, N] fp32: per layer, the question rows' attention onto each context token, averaged over
-        question rows and heads, from a pass of the question alone over the cache as assembled.
+    def question_probe(self, layers: range) -> torch.Tensor:
+        """[len(layers), H, N] fp32: per layer of `layers` and per head, the question rows' attention onto
+        each context token, averaged over question rows, from a pass of the question alone over the
+        cache as assembled.
 
-        The pass writes the question's K/V into the cache; the recompute that follows overwrites them.
+        The pass stops after `layers`' last layer (later layers cannot change the scores). It writes
+        the question's K/V into the cache; the recompute that follows overwrites them.
         """
-        rows = self.make_rows(self.question_positions)
-        h = self.tf.embed(self.ids[self.question_positions])
+        if self._probe is None or self._probe.shape[0] < layers.stop:
+            self._probe = self._run_probe(layers.stop)
+        return self._probe[layers.start : layers.stop]
+
+    def _run_probe(self, stop: int) -> torch.Tensor:
+        tf, cache, positions = self.tf, self.cache, self.question_positions
+        rows = self.make_rows(positions)
+        h = tf.embed(self.ids[positions])
         total = self.layout.total
         per_layer = []
-        for layer in range(self.tf.num_layers):
-            q, k, v = self.tf.project(layer, h, rows)
-            self.tf.write_kv(self.cache, layer, rows, k, v)
-            probs = scoring.attention_probs(q, self.question_positions, self.cache.keys(layer, total), self.tf.scale)
-            per_layer.append(probs[:, :, self.context].mean(dim=(0, 1)))
-            out = scoring.apply_probs(probs, self.cache.values(layer, total)).to(h.dtype)
-            h = self.tf.finish(layer, h, out.transpose(1, 2).reshape(1, rows.count, -1))
+        for layer in range(stop):
+            q, k, v = tf.project(layer, h, rows.cos, rows.sin)
+            cache.write(layer, positions, k, v)
+            probs = scoring.attention_probs(q, positions, cache.keys(layer, total), tf.scale)  # [H, Qn, T]
+            per_layer.append(probs[:, :, self.context].mean(dim=1))
+            if layer + 1 < stop:
+                out = scoring.apply_probs(probs, cache.values(layer, total)).to(h.dtype)
+                h = tf.finish(layer, h, out)
         return torch.stack(per_layer)
 
     # -- structure -----------------------------------------------------------------------------------

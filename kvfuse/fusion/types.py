@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
 import torch
 
-from kvfuse.config import FusionSettings, GenerationSettings
+from kvfuse.config import FusionRequestSettings, GenerationSettings
 
-_FUSION_DEFAULTS = FusionSettings()
 _GEN_DEFAULTS = GenerationSettings()
 
 
@@ -34,18 +33,15 @@ class ChunkKV:
         return len(self.token_ids)
 
 
-@dataclass
-class FusionOptions:
-    """Per-request fusion knobs; defaults come from config.fusion."""
-
-    method: str = _FUSION_DEFAULTS.method
-    recompute_ratio: float = _FUSION_DEFAULTS.recompute_ratio
-    check_layer: int = _FUSION_DEFAULTS.check_layer
-    smooth_window: int = _FUSION_DEFAULTS.smooth_window
-    edge_tokens: int = _FUSION_DEFAULTS.edge_tokens
-    edge_tokens_end: int = _FUSION_DEFAULTS.edge_tokens_end
-    anchor_tokens: int = _FUSION_DEFAULTS.anchor_tokens
-    stale_logit_bias: float = _FUSION_DEFAULTS.stale_logit_bias
+# Per-request fusion knobs: a dataclass with the fields and defaults of config's FusionRequestSettings
+# (declared there once, with their bounds; the HTTP request's `fusion` object derives from it too).
+# Engine knobs (precompute batch size, attention blocks) are not in it: they are config-only.
+FusionOptions = make_dataclass(
+    "FusionOptions",
+    [(name, f.annotation, field(default=f.default)) for name, f in FusionRequestSettings.model_fields.items()],
+    namespace={"__doc__": "Per-request fusion knobs; defaults come from config.fusion (FusionRequestSettings)."},
+)
+FusionOptions.__module__ = __name__  # where pickle finds it
 
 
 @dataclass

@@ -16,23 +16,51 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
 from kvfuse.service.errors import APIError
+from kvfuse.service.protocol import (
+    ERR_CONTEXT_OVERFLOW,
+    ERR_INVALID,
+    ERR_KV_BUDGET,
+    ERR_MAX_TOKENS,
+    ChunkRef,
+    Delta,
+    Plan,
+    QueryJob,
+    Result,
+)
+from kvfuse.service.responses import FusionUsed, QueryAnswer, QuerySources, Source, Timings, Usage
 from kvfuse.service.schemas import FusionIn, GenerationIn
 from kvfuse.service.supervisor import QueueFull, WorkerCrashed, WorkerJobError, WorkerUnavailable
-from kvfuse.service.worker import ERR_CONTEXT_OVERFLOW, ERR_INVALID, ERR_MAX_TOKENS
+
+if TYPE_CHECKING:
+    from kvfuse.service.state import ServiceState
 
 log = logging.getLogger(__name__)
 
-_DOC_TOKEN_CACHE = 256  # documents whose chunk token ids are kept (re-tokenizing an essay costs ~10 ms)
+_DOC_TOKEN_CACHE = 256  # documents whose chunk token ids are kept (so a query does not re-tokenize them)
 _DISCONNECT_POLL_S = 0.25
 
 
 class ClientGone(Exception):
-    """The client disconnected before its answer started."""
+    """The client disconnected before its answer was complete."""
+
+
+async def next_unless_gone(agen: AsyncIterator[Any], request: Request | None) -> Any:
+    """The next item of `agen`, watching for a client that leaves meanwhile (a query waiting in the queue,
+    or a long generation nobody reads any more): then the pending read is cancelled and ClientGone raised."""
+    nxt = asyncio.ensure_future(anext(agen))
+    while True:
+        done, _ = await asyncio.wait({nxt}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return nxt.result()
+        if request is not None and await request.is_disconnected():
+            nxt.cancel()  # the worker job is cancelled by the caller or by the generator's cleanup
+            await asyncio.gather(nxt, return_exceptions=True)
+            raise ClientGone()
 
 
 @dataclass
@@ -43,9 +71,9 @@ class SourceChunk:
     key: str
     token_ids: list[int]
 
-    def public(self) -> dict[str, Any]:
-        return {"document_id": self.document_id, "chunk_index": self.chunk_index, "score": round(self.score, 6),
-                "tokens": len(self.token_ids)}
+    def public(self) -> Source:
+        return Source(document_id=self.document_id, chunk_index=self.chunk_index, score=round(self.score, 6),
+                      tokens=len(self.token_ids))
 
 
 @dataclass
@@ -77,9 +105,15 @@ class QueryRun:
         return (f"{len(self.dropped)} retrieved chunk(s) did not fit the model context beside the question and "
                 "max_tokens and were left out (lowest score first)")
 
+    def retrieved(self) -> QuerySources:
+        """What the answer is built on: the stream's first event, and part of every answer."""
+        fusion = FusionUsed(method=self.plan.fusion["method"], recompute_ratio=self.plan.fusion["recompute_ratio"])
+        return QuerySources(sources=[c.public() for c in self.sources],
+                            dropped_sources=[c.public() for c in self.dropped], warning=self.warning, fusion=fusion)
+
 
 class QueryService:
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: ServiceState) -> None:
         self.state = state
         self._doc_tokens: OrderedDict[tuple[str, str], list[list[int]]] = OrderedDict()
 
@@ -203,11 +237,11 @@ class QueryService:
     # -- running -------------------------------------------------------------------------------------------
     async def start(self, plan: QueryPlan, request: Request | None) -> QueryRun:
         st = self.state
-        payload = {"question": plan.question, "system_prompt": plan.system_prompt, "explicit": plan.explicit,
-                   "fusion": plan.fusion, "generation": plan.generation,
-                   "chunks": [{"key": c.key, "token_ids": c.token_ids, "score": c.score} for c in plan.chunks]}
+        message = QueryJob(question=plan.question, system_prompt=plan.system_prompt, explicit=plan.explicit,
+                           fusion=plan.fusion, generation=plan.generation,
+                           chunks=[ChunkRef(c.key, c.token_ids, c.score) for c in plan.chunks])
         try:
-            job = st.supervisor.submit("query", payload)
+            job = st.supervisor.submit(message)
         except QueueFull as err:
             st.metrics.requests.labels("rejected").inc()
             raise APIError(429, f"the query queue is full ({err}); retry later", code="queue_full",
@@ -216,36 +250,35 @@ class QueryService:
             raise APIError(503, str(err), code="shutting_down") from None
         events = st.supervisor.events(job, plan.deadline)
         try:
-            kind, info = await self._first(events, request)
+            first = await next_unless_gone(events, request)
         except BaseException as err:
             st.supervisor.cancel(job)
             raise self.api_error(err) from None
-        if kind != "plan":
-            raise APIError(500, f"unexpected worker message {kind!r}", code="internal_error")
-        kept = [plan.chunks[i] for i in info["kept"]]
-        dropped = [plan.chunks[i] for i in info["dropped"]]
-        return QueryRun(plan=plan, job=job, events=events, sources=kept, dropped=dropped, plan_info=info)
+        if not isinstance(first, Plan):
+            st.supervisor.cancel(job)
+            raise APIError(500, f"unexpected worker message {type(first).__name__}", code="internal_error")
+        kept = [plan.chunks[i] for i in first.kept]
+        dropped = [plan.chunks[i] for i in first.dropped]
+        return QueryRun(plan=plan, job=job, events=events, sources=kept, dropped=dropped,
+                        plan_info=dataclasses.asdict(first))
 
-    async def _first(self, events: AsyncIterator[tuple[str, dict]], request: Request | None) -> tuple[str, dict]:
-        """The first message, watching for a client that leaves while its query waits in the queue."""
-        nxt = asyncio.ensure_future(anext(events))
-        while True:
-            done, _ = await asyncio.wait({nxt}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return nxt.result()
-            if request is not None and await request.is_disconnected():
-                nxt.cancel()
-                await asyncio.gather(nxt, return_exceptions=True)
-                raise ClientGone()
+    @staticmethod
+    def _worker_event(msg: Any) -> tuple[str, Any]:
+        """A worker message (kvfuse.service.protocol) as this pipeline's (kind, payload)."""
+        if isinstance(msg, Delta):
+            return "delta", {"text": msg.text}
+        if isinstance(msg, Result):
+            return "result", dataclasses.asdict(msg)
+        return "cancelled", {}  # ended before the worker started it
 
     def api_error(self, err: BaseException) -> BaseException:
         """The HTTP error for a failure of a running query (other exceptions pass through)."""
         st = self.state
         if isinstance(err, WorkerJobError):
             st.metrics.requests.labels("refused").inc()
-            if err.kind in (ERR_CONTEXT_OVERFLOW, ERR_MAX_TOKENS):
+            if err.kind in (ERR_CONTEXT_OVERFLOW, ERR_MAX_TOKENS, ERR_KV_BUDGET):
                 return APIError(400, err.message, code=err.kind,
-                                param="max_tokens" if err.kind == ERR_MAX_TOKENS else "document_ids")
+                                param="document_ids" if err.kind == ERR_CONTEXT_OVERFLOW else "max_tokens")
             if err.kind == ERR_INVALID:
                 return APIError(422, err.message, code="invalid_value")
             return APIError(500, f"generation failed: {err.message}", code="generation_failed")
@@ -261,8 +294,8 @@ class QueryService:
             st.metrics.requests.labels("cancelled").inc()
         return err
 
-    async def stream(self, run: QueryRun) -> AsyncIterator[tuple[str, dict]]:
-        """("delta", {"text"}) messages, then ("result", summary). Raises the mapped APIError on failure;
+    async def stream(self, run: QueryRun) -> AsyncIterator[tuple[str, Any]]:
+        """("delta", {"text"}) messages, then ("result", QueryAnswer). Raises the mapped APIError on failure;
         cancels the job if the consumer stops early (client gone, timeout)."""
         st = self.state
         m = st.metrics
@@ -270,7 +303,8 @@ class QueryService:
         last_at = None
         finished = False
         try:
-            async for kind, p in run.events:
+            async for msg in run.events:
+                kind, p = self._worker_event(msg)
                 now = time.monotonic()
                 if kind == "delta":
                     if first_at is None:
@@ -285,8 +319,8 @@ class QueryService:
                     summary = self.summarize(run, p, first_at)
                     m.e2e.observe(now - run.plan.arrived)
                     m.kv_load.observe(p["timings"].get("kv_load_s", 0.0))
-                    m.hit_tokens.inc(summary["usage"]["cached_tokens"])
-                    m.query_tokens.inc(summary["usage"]["prompt_tokens"])
+                    m.hit_tokens.inc(summary.usage.cached_tokens)
+                    m.query_tokens.inc(summary.usage.prompt_tokens)
                     m.rebuilt_chunks.inc(p.get("rebuilt_chunks", 0))
                     m.requests.labels(p["finish_reason"] if p["finish_reason"] == "cancelled" else "ok").inc()
                     yield kind, summary
@@ -299,7 +333,9 @@ class QueryService:
             if not finished:
                 st.supervisor.cancel(run.job)
 
-    def summarize(self, run: QueryRun, result: dict, first_at: float | None) -> dict[str, Any]:
+    def summarize(self, run: QueryRun, result: dict, first_at: float | None) -> QueryAnswer:
+        """The answer from the worker's result: its token counts as the client reads them, and timings
+        measured from the request's arrival."""
         u = result["usage"]
         t = result["timings"]
         prefix, context, question = u.get("prefix_tokens", 0), u.get("context_tokens", 0), u.get("question_tokens", 0)
@@ -309,15 +345,17 @@ class QueryService:
         cached = 0 if vanilla else max(0, prefix + context - recomputed)
         now = time.monotonic()
         ms = lambda s: round(1000.0 * s, 2)  # noqa: E731
-        return {
-            "answer": result["text"],
-            "finish_reason": result["finish_reason"],
-            "usage": {"prompt_tokens": prefix + context + question, "completion_tokens": u.get("generated_tokens", 0),
-                      "context_tokens": context, "cached_tokens": cached, "recomputed_tokens": recomputed},
-            "timings": {"retrieval_ms": ms(run.plan.retrieval_s), "queue_ms": ms((run.job.started_at or now) - run.job.enqueued_at),
-                        "kv_load_ms": ms(t.get("kv_load_s", 0.0)),
-                        "ttft_ms": ms((first_at or now) - run.plan.arrived), "decode_ms": ms(t.get("decode_s", 0.0)),
-                        "total_ms": ms(now - run.plan.arrived), "assemble_ms": ms(t.get("assemble_s", 0.0)),
-                        "select_ms": ms(t.get("select_s", 0.0)), "recompute_ms": ms(t.get("recompute_s", 0.0))},
-            "fusion": {"method": run.plan.fusion["method"], "recompute_ratio": run.plan.fusion["recompute_ratio"]},
-        }
+        job = run.job
+        return QueryAnswer(
+            **dict(run.retrieved()),
+            answer=result["text"],
+            finish_reason=result["finish_reason"],
+            usage=Usage(prompt_tokens=prefix + context + question, completion_tokens=u.get("generated_tokens", 0),
+                        context_tokens=context, cached_tokens=cached, recomputed_tokens=recomputed),
+            timings=Timings(retrieval_ms=ms(run.plan.retrieval_s),
+                            queue_ms=ms((job.started_at or now) - job.enqueued_at),
+                            kv_load_ms=ms(t.get("kv_load_s", 0.0)), assemble_ms=ms(t.get("assemble_s", 0.0)),
+                            select_ms=ms(t.get("select_s", 0.0)), recompute_ms=ms(t.get("recompute_s", 0.0)),
+                            ttft_ms=ms((first_at or now) - run.plan.arrived), decode_ms=ms(t.get("decode_s", 0.0)),
+                            total_ms=ms(now - run.plan.arrived)),
+        )

@@ -18,8 +18,10 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    create_model,
 )
 
+from kvfuse.config import FusionRequestSettings
 from kvfuse.service.errors import APIError
 
 # Document ids travel in URL paths: no slashes, no spaces.
@@ -44,15 +46,13 @@ class DocumentBatchIn(Strict):
     on_conflict: OnConflict | None = None
 
 
-class FusionIn(Strict):
-    method: str | None = None
-    recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
-    check_layer: int | None = Field(None, ge=0)
-    smooth_window: int | None = Field(None, ge=1)
-    edge_tokens: int | None = Field(None, ge=0)
-    edge_tokens_end: int | None = Field(None, ge=0)
-    anchor_tokens: int | None = Field(None, ge=0)
-    stale_logit_bias: float | None = Field(None, ge=-10.0, le=0.0)
+def _all_optional(model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s fields, each optional (None: the configured default) with the same type and bounds."""
+    return {name: (f.rebuild_annotation() | None, None) for name, f in model.model_fields.items()}
+
+
+# The per-request fusion knobs are declared once, in config (FusionRequestSettings): same names, bounds.
+FusionIn = create_model("FusionIn", __base__=Strict, **_all_optional(FusionRequestSettings))
 
 
 class GenerationIn(Strict):

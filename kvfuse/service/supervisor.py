@@ -1,9 +1,19 @@
-"""The API side of the worker: starts it, feeds it one job at a time, routes its replies, restarts it.
+"""The API side of the worker: starts it, sends it jobs as they come, routes its replies, restarts it.
 
-Queries wait in a bounded queue (full -> 429); ingestion precompute jobs wait in their own queue and run
-only when no query waits, so a large ingest never starves readers. Exactly one job is in flight, which
-keeps supervision simple: when the worker dies, that job ends with `WorkerCrashed`, a new worker is
-started, and the queued jobs proceed on it (they were never sent).
+Every job goes to the worker at once (over a writer thread, so a busy worker never blocks the event
+loop); the worker's scheduler decides when it runs, batching many queries into each decode step (see
+`worker.py` and `protocol.py` for the messages). Any number of jobs are in flight; replies are routed
+by job id to each job's event queue.
+
+Admission control lives here only as far as the API must answer at once: a query counts as waiting
+from submission until the worker admits it (its Plan), and when `server.queue_size` queries wait the
+next gets `QueueFull` (429). Cancelling a waiting query ends it here at once; a running one is stopped
+by a Cancel message within one engine step (and, as a last resort, its worker is killed after
+`server.worker_cancel_grace_s`).
+
+When the worker dies every job it held that may have run ends with `WorkerCrashed` (a query past its
+Plan, any precompute sent to it); queries it had not admitted yet are sent again to the new worker,
+which starts at once (with a back-off only while starts keep failing).
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import queue
 import threading
 import time
 from collections import deque
@@ -20,12 +31,11 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from kvfuse.config import Settings
+from kvfuse.service import protocol as P
 from kvfuse.service.metrics import Metrics
 from kvfuse.service.worker import worker_main
 
 log = logging.getLogger(__name__)
-
-FINAL_KINDS = frozenset({"result", "done", "error", "crashed", "cancelled"})
 
 
 class QueueFull(Exception):
@@ -41,7 +51,7 @@ class WorkerUnavailable(Exception):
 
 
 class WorkerJobError(Exception):
-    """The worker refused or failed the job; `kind` is one of kvfuse.service.worker.ERR_*."""
+    """The worker refused or failed the job; `kind` is one of kvfuse.service.protocol.ERR_*."""
 
     def __init__(self, kind: str, message: str, excess_tokens: int | None = None) -> None:
         super().__init__(message)
@@ -50,16 +60,31 @@ class WorkerJobError(Exception):
         self.excess_tokens = excess_tokens
 
 
+@dataclass
+class Crashed:
+    """A job's end on the API side: its worker died (or the service stopped)."""
+
+    message: str
+
+
+@dataclass
+class Cancelled:
+    """A job's end on the API side: cancelled before the worker started it."""
+
+
 @dataclass(eq=False)
 class Job:
     id: int
-    kind: str  # "query" | "precompute"
-    payload: dict
+    message: P.QueryJob | P.PrecomputeJob
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     cancelled: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def kind(self) -> str:
+        return "query" if isinstance(self.message, P.QueryJob) else "precompute"
 
 
 class WorkerSupervisor:
@@ -68,23 +93,21 @@ class WorkerSupervisor:
         self.metrics = metrics
         self.info: dict[str, Any] = {}
         self.last_error: str | None = None
+        self.steps: deque[P.Step] = deque(maxlen=4096)  # the latest engine steps (tests, debugging)
         self.restarts = 0
         self._ctx = mp.get_context("spawn")
         self._proc: Any = None
-        self._conn: Any = None
-        self._cancel: Any = None
+        self._outbox: queue.SimpleQueue | None = None
         self._generation = 0
         self._ready = asyncio.Event()
-        self._work = asyncio.Event()
-        self._queries: deque[Job] = deque()
-        self._ingest: deque[Job] = deque()
-        self._waiting = 0
-        self._current: Job | None = None
+        self._jobs: dict[int, Job] = {}  # submitted, not finished
+        self._sent: set[int] = set()  # of those, sent to the current worker
+        self._waiting = 0  # queries submitted and not yet admitted
+        self._running = 0  # queries admitted and not finished
         self._next_id = 1
         self._closing = False
         self._failures = 0  # consecutive starts that never reached "ready"
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._dispatcher: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -96,10 +119,17 @@ class WorkerSupervisor:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def running(self) -> int:
+        return self._running
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._spawn()
-        self._dispatcher = asyncio.create_task(self._dispatch(), name="kvfuse-dispatcher")
 
     async def wait_ready(self, timeout: float) -> bool:
         try:
@@ -110,38 +140,44 @@ class WorkerSupervisor:
 
     async def stop(self) -> None:
         self._closing = True
-        for task in (self._dispatcher, self._restart_task):
-            if task is not None:
-                task.cancel()
-        for job in [*self._queries, *self._ingest] + ([self._current] if self._current else []):
-            self._finish(job, "crashed", {"message": "the service is shutting down"})
-        proc, conn = self._proc, self._conn
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+        for job in list(self._jobs.values()):
+            self._finish(job, Crashed("the service is shutting down"))
+        proc, outbox = self._proc, self._outbox
         if proc is None:
             return
-        try:
-            conn.send(("shutdown", 0, {}))
-        except OSError:
-            pass
+        if outbox is not None:
+            outbox.put(P.Shutdown())
+            outbox.put(None)
         await asyncio.to_thread(proc.join, self.settings.server.worker_stop_timeout_s)
         if proc.is_alive():
             proc.kill()
             await asyncio.to_thread(proc.join, 5)
-        conn.close()
 
     def _spawn(self) -> None:
         self._generation += 1
         gen = self._generation
         parent, child = self._ctx.Pipe(duplex=True)
-        # A job id the worker polls between decode steps: setting it to a running job's id cancels it.
-        self._cancel = self._ctx.RawValue("q", -1)
-        proc = self._ctx.Process(target=worker_main, args=(self.settings, child, self._cancel),
-                                 name="kvfuse-worker", daemon=True)
+        proc = self._ctx.Process(target=worker_main, args=(self.settings, child), name="kvfuse-worker", daemon=True)
         proc.start()
         child.close()
-        self._proc, self._conn = proc, parent
+        self._proc, self._outbox = proc, queue.SimpleQueue()
+        self._sent = set()
         log.info("worker started (pid %d)", proc.pid)
         threading.Thread(target=self._read, args=(gen, proc, parent), name=f"kvfuse-worker-reader-{gen}",
                          daemon=True).start()
+        threading.Thread(target=self._write, args=(self._outbox, parent), name=f"kvfuse-worker-writer-{gen}",
+                         daemon=True).start()
+
+    @staticmethod
+    def _write(outbox: queue.SimpleQueue, conn: Any) -> None:
+        """Writer thread: sends queued messages in order (a send blocks while the worker is mid-step)."""
+        while (msg := outbox.get()) is not None:
+            try:
+                conn.send(msg)
+            except OSError:
+                return  # the worker is gone; the reader reports it
 
     def _read(self, gen: int, proc: Any, conn: Any) -> None:
         """Reader thread: forwards every worker message to the loop, then reports the exit."""
@@ -157,30 +193,64 @@ class WorkerSupervisor:
             elif proc.sentinel in ready:
                 break
         proc.join(5)
+        # The pipe closes when both threads are done with it (closing it here could pull the descriptor
+        # from under a send in progress).
         self._loop.call_soon_threadsafe(self._on_exit, gen, proc.exitcode)
 
-    def _on_message(self, gen: int, msg: tuple) -> None:
+    def _on_message(self, gen: int, msg: Any) -> None:
         if gen != self._generation:
             return
-        kind, job_id, payload = msg
-        if kind == "ready":
-            self.info = payload
+        if isinstance(msg, P.Step):
+            self._on_step(msg)
+            return
+        if isinstance(msg, P.Ready):
+            self.info = msg.info
             self._failures = 0
             self.last_error = None
             self._ready.set()
-            log.info("worker ready (pid %s, max context %s)", payload.get("pid"), payload.get("max_context_tokens"))
+            log.info("worker ready (pid %s, max context %s)", msg.info.get("pid"), msg.info.get("max_context_tokens"))
+            for job in self._jobs.values():
+                self._send(job)
             return
-        if kind == "fatal":
-            self.last_error = payload.get("message")
+        if isinstance(msg, P.Fatal):
+            self.last_error = msg.message
             log.error("worker failed to start: %s", self.last_error)
             return
-        job = self._current
-        if job is None or job.id != job_id:
+        job = self._jobs.get(getattr(msg, "job_id", -1))
+        if job is None:
             return  # a late message of a job already ended (cancelled, timed out)
-        if kind in FINAL_KINDS:
-            self._finish(job, kind, payload)
+        if isinstance(msg, P.Plan):
+            self._started(job)
+        if isinstance(msg, P.FINAL):
+            if isinstance(msg, P.Result):
+                u = msg.usage
+                self.metrics.generation_tokens.inc(u.get("generated_tokens", 0))
+                self.metrics.prompt_tokens.inc(u.get("prefix_tokens", 0) + u.get("context_tokens", 0)
+                                               + u.get("question_tokens", 0))
+            self._finish(job, msg)
         else:
-            job.events.put_nowait((kind, payload))
+            job.events.put_nowait(msg)
+
+    def _on_step(self, msg: P.Step) -> None:
+        self.steps.append(msg)
+        if msg.batch_size:
+            self.metrics.batch_size.observe(msg.batch_size)
+        if msg.ingest_job is not None and msg.ingest_job in self._jobs:
+            self._started(self._jobs[msg.ingest_job])
+
+    def _started(self, job: Job) -> None:
+        if job.started_at is not None:
+            return
+        job.started_at = time.monotonic()
+        if job.kind == "query":
+            self._waiting -= 1
+            self._running += 1
+            self.metrics.queue_time.observe(job.started_at - job.enqueued_at)
+            self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.waiting.set(self._waiting)
+        self.metrics.running.set(self._running)
 
     def _on_exit(self, gen: int, exitcode: int | None) -> None:
         if gen != self._generation:
@@ -189,8 +259,12 @@ class WorkerSupervisor:
         if self._closing:
             return
         log.error("worker (pid %s) exited with code %s", self._proc.pid if self._proc else "?", exitcode)
-        if self._current is not None:
-            self._finish(self._current, "crashed", {"message": f"the worker process died (exit code {exitcode})"})
+        if self._outbox is not None:
+            self._outbox.put(None)
+        for job in list(self._jobs.values()):
+            # A precompute the worker held may be what killed it: it fails rather than run again.
+            if job.started_at is not None or (job.kind == "precompute" and job.id in self._sent):
+                self._finish(job, Crashed(f"the worker process died (exit code {exitcode})"))
         if not self.info or self.last_error:
             self._failures += 1
         self.metrics.worker_restarts.inc()
@@ -210,109 +284,86 @@ class WorkerSupervisor:
             self._proc.kill()
 
     # -- jobs ----------------------------------------------------------------------------------------------
-    @property
-    def waiting(self) -> int:
-        return self._waiting
+    def _send(self, job: Job) -> None:
+        if job.id in self._sent or not self._ready.is_set() or self._outbox is None:
+            return  # sent when the (next) worker is ready
+        self._sent.add(job.id)
+        self._outbox.put(job.message)
 
-    def submit(self, kind: str, payload: dict) -> Job:
+    def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
+        """Hand a job to the worker; raises QueueFull when `server.queue_size` queries already wait."""
         if self._closing:
             raise WorkerUnavailable("the service is shutting down")
-        job = Job(id=self._next_id, kind=kind, payload=payload)
+        is_query = isinstance(message, P.QueryJob)
+        if is_query and self._waiting >= self.settings.server.queue_size:
+            raise QueueFull(f"{self._waiting} queries are waiting")
+        message.job_id = self._next_id
         self._next_id += 1
-        if kind == "query":
-            if self._waiting >= self.settings.server.queue_size:
-                raise QueueFull(f"{self._waiting} queries are waiting")
+        job = Job(id=message.job_id, message=message)
+        self._jobs[job.id] = job
+        if is_query:
             self._waiting += 1
-            self.metrics.waiting.set(self._waiting)
-            self._queries.append(job)
-        else:
-            self._ingest.append(job)
-        self._work.set()
+            self._gauges()
+        self._send(job)
         return job
 
     def cancel(self, job: Job) -> None:
-        """Cancel a job: dropped if still queued, stopped within one decode step if running."""
+        """Cancel a job: ended at once if not started, stopped within one engine step if running."""
         if job.finished.is_set() or job.cancelled:
             return
         job.cancelled = True
+        if job.id in self._sent and self._outbox is not None:
+            self._outbox.put(P.Cancel(job.id))
         if job.started_at is None:
-            if job.kind == "query":
-                self._waiting -= 1
-                self.metrics.waiting.set(self._waiting)
-            self._finish(job, "cancelled", {})
+            self._finish(job, Cancelled())
             return
-        if self._current is job and self._cancel is not None:
-            self._cancel.value = job.id
-            assert self._loop is not None
-            self._loop.call_later(self.settings.server.worker_cancel_grace_s, self._enforce_cancel, job)
+        assert self._loop is not None
+        self._loop.call_later(self.settings.server.worker_cancel_grace_s, self._enforce_cancel, job)
 
     def _enforce_cancel(self, job: Job) -> None:
-        if self._current is job and not job.finished.is_set():
+        if job.id in self._jobs and not job.finished.is_set():
             log.error("job %d ignored its cancellation for %.0f s: killing the worker", job.id,
                       self.settings.server.worker_cancel_grace_s)
             self.kill_worker()
 
-    def _finish(self, job: Job, kind: str, payload: dict) -> None:
-        if not job.finished.is_set():
-            job.events.put_nowait((kind, payload))
-            job.finished.set()
-
-    async def _dispatch(self) -> None:
-        while True:
-            await self._work.wait()
-            await self._ready.wait()
-            if self._queries:
-                job = self._queries.popleft()
-                if job.finished.is_set():
-                    continue  # cancelled while queued (already uncounted)
+    def _finish(self, job: Job, msg: Any) -> None:
+        if job.finished.is_set():
+            return
+        self._jobs.pop(job.id, None)
+        if job.kind == "query":
+            if job.started_at is None:
                 self._waiting -= 1
-                self.metrics.waiting.set(self._waiting)
-            elif self._ingest:
-                job = self._ingest.popleft()
-                if job.finished.is_set():
-                    continue
             else:
-                self._work.clear()
-                continue
-            job.started_at = time.monotonic()
-            self._current = job
-            is_query = job.kind == "query"
-            if is_query:
-                self.metrics.queue_time.observe(job.started_at - job.enqueued_at)
-                self.metrics.running.inc()
-            try:
-                self._conn.send((job.kind, job.id, job.payload))
-                await job.finished.wait()
-            except OSError as err:
-                self._finish(job, "crashed", {"message": f"the worker is unreachable: {err}"})
-            finally:
-                self._current = None
-                if is_query:
-                    self.metrics.running.dec()
+                self._running -= 1
+            self._gauges()
+        job.events.put_nowait(msg)
+        job.finished.set()
 
-    async def events(self, job: Job, deadline: float | None = None) -> AsyncIterator[tuple[str, dict]]:
-        """The job's messages until its final one; raises on crash/refusal, TimeoutError past `deadline`
-        (monotonic). The caller cancels the job when it stops iterating early."""
+    async def events(self, job: Job, deadline: float | None = None) -> AsyncIterator[Any]:
+        """The job's messages (protocol dataclasses) through its final one (Result, Done or Cancelled);
+        raises WorkerCrashed / WorkerJobError, TimeoutError past `deadline` (monotonic). The caller
+        cancels the job when it stops iterating early."""
         while True:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            kind, payload = await asyncio.wait_for(job.events.get(), timeout)
-            if kind == "crashed":
-                raise WorkerCrashed(payload.get("message", "the worker process died"))
-            if kind == "error":
-                raise WorkerJobError(payload.get("kind", "internal"), payload.get("message", "worker error"),
-                                     payload.get("excess_tokens"))
-            yield kind, payload
-            if kind in FINAL_KINDS:
+            msg = await asyncio.wait_for(job.events.get(), timeout)
+            if isinstance(msg, Crashed):
+                raise WorkerCrashed(msg.message)
+            if isinstance(msg, P.Error):
+                raise WorkerJobError(msg.kind, msg.message, msg.excess_tokens)
+            yield msg
+            if isinstance(msg, (*P.FINAL, Cancelled)):
                 return
 
     async def run(self, kind: str, payload: dict, timeout: float | None = None) -> dict:
-        """Submit a job and return its final payload."""
-        job = self.submit(kind, payload)
+        """Submit a precompute job ({"chunks": [[ids]]}) and return its Done as a dict."""
+        if kind != "precompute":
+            raise ValueError(f"run() takes precompute jobs, not {kind!r}")
+        job = self.submit(P.precompute_job(payload))
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            async for k, p in self.events(job, deadline):
-                if k in FINAL_KINDS:
-                    return p
+            async for msg in self.events(job, deadline):
+                if isinstance(msg, P.Done):
+                    return {"keys": msg.keys, "nbytes": msg.nbytes, "computed": msg.computed}
         finally:
             self.cancel(job)
         raise WorkerCrashed("the job ended without a result")

@@ -1,18 +1,22 @@
-"""The worker process: owns the LLM (FusionEngine) and writes/reads chunk KV in the store itself.
+"""The worker process: owns the LLM (FusionEngine), reads and writes chunk KV in the store itself, and
+serves many queries at once with a batching engine loop.
 
 It runs in its own OS process (spawn), so a crash or a hung kernel never takes the API down, and the API
-process never imports the model. Messages over the pipe carry only chunk keys, token ids and options:
-KV bytes never cross it (LMDB is memory-mapped and both processes open it).
+process never imports the model. Messages over the pipe are the dataclasses of `protocol.py` and carry
+only chunk keys, token ids and options: KV bytes never cross it (LMDB is memory-mapped and both
+processes open it).
 
-Protocol (tuples of plain values):
-  API -> worker  ("precompute", job_id, {"chunks": [[ids]]})
-                 ("query", job_id, {question, system_prompt, explicit, fusion, generation,
-                                    chunks: [{key, token_ids, score}]})  (built by QueryService.start)
-                 ("shutdown", 0, {})
-  worker -> API  ("ready", 0, info) once loaded, or ("fatal", 0, {"message"}) and exit
-                 ("plan", job_id, {...}) ("delta", job_id, {"text"}) ("result", job_id, {...})
-                 ("done", job_id, {...}) ("error", job_id, {"kind", "message", ...})
-One job runs at a time; the API sends the next only after the previous one's final message.
+Protocol: the API sends QueryJob / PrecomputeJob as they arrive (any number in flight), Cancel(job_id)
+to stop one, Shutdown to end. The worker answers Ready once loaded (or Fatal, then exits). A query gets
+an Error at once if it can never run (context or KV budget); otherwise it waits in the scheduler and,
+when admitted, gets Plan (the chunks that fit), then Delta messages as its text grows, then one Result.
+A precompute job gets one Done (or Error). After every engine step the worker sends Step (batch size,
+queue depths), and every message names the step it came from.
+
+The loop (`serve`): drain the pipe (blocking only when idle), then one engine step: admit what the
+scheduler allows (load KV, fused prefill, first token), a piece of ingestion if it is ingestion's turn,
+then one batched decode step for every running sequence; finished, cancelled and failed sequences are
+retired at once, so a Cancel read at the top of a step takes effect in that step.
 """
 
 from __future__ import annotations
@@ -21,21 +25,24 @@ import contextlib
 import logging
 import os
 import signal
-import time
 import traceback
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
 from kvfuse.config import Settings
+from kvfuse.service import protocol as P
+from kvfuse.service.protocol import (  # noqa: F401 - re-exported: the API maps these kinds to statuses
+    ERR_CONTEXT_OVERFLOW,
+    ERR_INTERNAL,
+    ERR_INVALID,
+    ERR_KV_BUDGET,
+    ERR_MAX_TOKENS,
+)
+from kvfuse.service.scheduler import Request, Scheduler, SchedulerLimits
+from kvfuse.service.sequences import IngestTask, QuerySequence, plan_query
 
 log = logging.getLogger("kvfuse.worker")
-
-# Error kinds the API maps to HTTP statuses (see supervisor.WorkerJobError).
-ERR_CONTEXT_OVERFLOW = "context_overflow"   # explicit documents do not fit -> 400
-ERR_MAX_TOKENS = "max_tokens_overflow"      # prompt + max_tokens alone exceed the context -> 400
-ERR_INVALID = "invalid_request"             # the engine refused the options -> 422
-ERR_INTERNAL = "internal"                   # anything else -> 500
 
 _PREFIX_CACHE_ENTRIES = 8  # distinct system prompts kept decoded in the worker
 
@@ -47,22 +54,23 @@ def kv_nbytes(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int
 
 
 class Worker:
-    def __init__(self, settings: Settings, conn: Connection, cancel_flag: Any) -> None:
+    def __init__(self, settings: Settings, conn: Connection) -> None:
         from kvfuse.fusion import FusionEngine
         from kvfuse.store import KVStore
 
         self.settings = settings
         self.conn = conn
-        self.cancel_flag = cancel_flag
         self.engine = FusionEngine.from_settings(settings)
         self.store = KVStore.open(settings)
         self.kv_dtype = settings.store.kv_dtype
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
+        self.scheduler = Scheduler(SchedulerLimits.from_settings(settings.server))
+        self.step_no = 0
         self._prefixes: OrderedDict[str, Any] = OrderedDict()
 
     # -- helpers -------------------------------------------------------------------------------------------
-    def send(self, kind: str, job_id: int, payload: dict) -> None:
-        self.conn.send((kind, job_id, payload))
+    def send(self, msg: Any) -> None:
+        self.conn.send(msg)
 
     def info(self) -> dict:
         from kvfuse.fusion import available_methods
@@ -70,7 +78,9 @@ class Worker:
         e = self.engine
         return {"pid": os.getpid(), "fingerprint": e.fingerprint, "max_context_tokens": self.max_context,
                 "num_layers": e.num_layers, "num_kv_heads": e.num_kv_heads, "head_dim": e.head_dim,
-                "methods": list(available_methods()), "kv_dtype": self.kv_dtype}
+                "methods": list(available_methods()), "kv_dtype": self.kv_dtype,
+                "kv_budget_tokens": self.scheduler.limits.kv_budget_tokens,
+                "max_running_requests": self.scheduler.limits.max_running}
 
     def key_of(self, token_ids: list[int]) -> str:
         from kvfuse import kvblob
@@ -79,16 +89,8 @@ class Worker:
 
     def compute_and_store(self, chunks: list[list[int]]) -> list[tuple[str, int]]:
         """Precompute, encode and store chunks; returns (key, blob bytes) each."""
-        from kvfuse import kvblob
-
-        out = []
-        for ckv in self.engine.precompute(chunks):
-            blob = kvblob.encode(ckv.k, ckv.v, model_fingerprint=self.engine.fingerprint,
-                                 token_ids=ckv.token_ids, dtype=self.kv_dtype)
-            key = self.key_of(ckv.token_ids)
-            self.store.put_chunk(key, blob)
-            out.append((key, len(blob)))
-        return out
+        fp = self.engine.fingerprint
+        return [self.store.put_kv(fp, self.kv_dtype, c.token_ids, c.k, c.v) for c in self.engine.precompute(chunks)]
 
     def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool) -> tuple[Any, bool]:
         """A chunk's ChunkKV from the store; recomputed from its token ids on a miss or a corrupt blob.
@@ -112,9 +114,7 @@ class Worker:
             corrupt = True
         ckv = self.engine.precompute([token_ids])[0]
         if corrupt or write_back:
-            blob = kvblob.encode(ckv.k, ckv.v, model_fingerprint=self.engine.fingerprint, token_ids=token_ids,
-                                 dtype=self.kv_dtype)
-            self.store.put_chunk(key, blob)
+            self.store.put_kv(self.engine.fingerprint, self.kv_dtype, token_ids, ckv.k, ckv.v)
         return ckv, True
 
     def prefix_kv(self, prefix_ids: list[int]) -> Any:
@@ -129,133 +129,140 @@ class Worker:
             self._prefixes.popitem(last=False)
         return ckv
 
-    # -- jobs ----------------------------------------------------------------------------------------------
-    def precompute(self, job_id: int, p: dict) -> None:
-        keys, nbytes, computed = [], [], 0
-        todo: list[list[int]] = []
-        for ids in p["chunks"]:
-            key = self.key_of(ids)
-            keys.append(key)
-            if self.store.has_chunk(key):
-                # Content-addressed: an identical chunk (same model, dtype, tokens) is stored once.
-                nbytes.append(kv_nbytes(len(ids), self.engine.num_layers, self.engine.num_kv_heads,
-                                        self.engine.head_dim, self.kv_dtype))
+    def _error(self, job_id: int, err: BaseException) -> P.Error:
+        if isinstance(err, ValueError | TypeError):
+            # UnknownMethodError / ContextOverflowError are ValueErrors: the request was not servable.
+            log.warning("job %d refused: %s", job_id, err)
+            excess = getattr(err, "excess_tokens", None)
+            kind = ERR_CONTEXT_OVERFLOW if excess is not None else ERR_INVALID
+            return P.Error(job_id, kind, str(err), excess, self.step_no)
+        log.error("job %d failed: %s", job_id, traceback.format_exc())
+        return P.Error(job_id, ERR_INTERNAL, f"{type(err).__name__}: {err}", None, self.step_no)
+
+    # -- arrivals ------------------------------------------------------------------------------------------
+    def receive(self, msg: Any) -> bool:
+        """Handle one message from the API; False on Shutdown."""
+        if isinstance(msg, P.Shutdown):
+            return False
+        try:
+            if isinstance(msg, P.QueryJob):
+                req = plan_query(self, msg)
+                if isinstance(req, P.Error):
+                    self.send(req)
+                else:
+                    self.scheduler.add(req)
+            elif isinstance(msg, P.PrecomputeJob):
+                self.scheduler.add_ingest(Request(msg.job_id, data=IngestTask(msg)))
+            elif isinstance(msg, P.Cancel):
+                self.cancel(msg.job_id)
             else:
-                nbytes.append(-1)
-                todo.append(ids)
-        if todo:
-            stored = dict(self.compute_and_store(todo))
-            computed = len(todo)
-            nbytes = [stored[k] if n < 0 else n for k, n in zip(keys, nbytes, strict=True)]
-        self.send("done", job_id, {"keys": keys, "nbytes": nbytes, "computed": computed})
+                self.send(P.Error(getattr(msg, "job_id", 0), ERR_INTERNAL, f"unknown message {type(msg).__name__}"))
+        except Exception as err:  # noqa: BLE001 - a bad job must not kill the worker
+            self.send(self._error(getattr(msg, "job_id", 0), err))
+        return True
 
-    def query(self, job_id: int, p: dict) -> None:
-        from kvfuse.fusion import ChunkKV, FusionOptions, GenerationOptions
-        from kvfuse.fusion.methods import get_method
+    def cancel(self, job_id: int) -> None:
+        found = self.scheduler.remove(job_id)
+        if found is None:
+            return  # already ended
+        where, req = found
+        if where == "running":
+            seq: QuerySequence = req.data
+            tail = seq.gen.cancel()
+            if tail:
+                self.send(P.Delta(job_id, tail, self.step_no))
+            self.send(seq.result(self.step_no))
+        else:  # never started: nothing to report but the end
+            self.send(P.Error(job_id, ERR_INVALID, "cancelled", None, self.step_no))
 
-        prefix_ids, question_ids = self.engine.prompt_parts(p["question"], p["system_prompt"])
-        max_tokens = p["generation"]["max_tokens"]
-        fixed = len(prefix_ids) + len(question_ids) + max_tokens
-        if fixed > self.max_context:
-            self.send("error", job_id, {
-                "kind": ERR_MAX_TOKENS, "excess_tokens": fixed - self.max_context,
-                "message": f"the prompt ({len(prefix_ids) + len(question_ids)} tokens) plus max_tokens "
-                           f"({max_tokens}) exceed the model context of {self.max_context} tokens by "
-                           f"{fixed - self.max_context}"})
+    # -- the engine step -------------------------------------------------------------------------------------
+    def step(self) -> None:
+        self.step_no += 1
+        plan = self.scheduler.schedule()
+        for req in plan.admit:
+            self._admit(req)
+        if plan.ingest is not None:
+            self._ingest(plan.ingest, plan.ingest_tokens)
+        batch = self.scheduler.decode_batch()
+        if batch:
+            self._decode(batch)
+        self.send(P.Step(self.step_no, len(batch), [r.job_id for r in plan.admit],
+                         plan.ingest.job_id if plan.ingest is not None else None, self.scheduler.num_running,
+                         self.scheduler.num_waiting, self.scheduler.kv_used))
+
+    def _admit(self, req: Request) -> None:
+        seq: QuerySequence = req.data
+        self.send(seq.plan_message(self.step_no))
+        try:
+            text = seq.prefill(self)
+        except Exception as err:  # noqa: BLE001 - fails this request only
+            self.scheduler.retire(req.job_id)
+            self.send(self._error(req.job_id, err))
             return
-        chunks = p["chunks"]
-        budget = self.max_context - fixed
-        kept = list(range(len(chunks)))
-        dropped: list[int] = []
-        total = sum(len(c["token_ids"]) for c in chunks)
-        if total > budget:
-            if p["explicit"]:
-                self.send("error", job_id, {
-                    "kind": ERR_CONTEXT_OVERFLOW, "excess_tokens": total - budget,
-                    "message": f"the requested documents ({total} tokens) do not fit the model context: "
-                               f"{total - budget} tokens too many beside the prompt and max_tokens "
-                               f"({self.max_context} tokens in all)"})
-                return
-            # Retrieved chunks: drop the lowest-scored first until the rest fits.
-            for i in sorted(kept, key=lambda i: chunks[i]["score"]):
-                if total <= budget:
-                    break
-                dropped.append(i)
-                total -= len(chunks[i]["token_ids"])
-            kept = [i for i in kept if i not in set(dropped)]
-        self.send("plan", job_id, {"kept": kept, "dropped": dropped, "context_tokens": total,
-                                   "prefix_tokens": len(prefix_ids), "question_tokens": len(question_ids)})
+        self._emit(req, text)
 
-        fusion = FusionOptions(**p["fusion"])
-        t0 = time.perf_counter()
-        rebuilt = 0
-        loaded = []
-        if get_method(fusion.method).full_prefill:  # prefills from the tokens: no stored KV to read
-            loaded = [ChunkKV(chunks[i]["token_ids"]) for i in kept]
-            prefix = ChunkKV(prefix_ids)
-        else:
-            for i in kept:
-                ckv, was_rebuilt = self.load_or_rebuild(chunks[i]["key"], chunks[i]["token_ids"],
-                                                        write_back=False)
-                loaded.append(ckv)
-                rebuilt += was_rebuilt
-            prefix = self.prefix_kv(prefix_ids)
-        kv_load_s = time.perf_counter() - t0
+    def _decode(self, batch: list[Request]) -> None:
+        import torch
 
-        def cancelled() -> bool:
-            return self.cancel_flag.value == job_id
+        seqs: list[QuerySequence] = [r.data for r in batch]
+        try:
+            tokens = torch.tensor([s.gen.last_token for s in seqs], dtype=torch.long)
+            logits = self.engine.decode_batch([s.cache for s in seqs], tokens)
+        except Exception as err:  # noqa: BLE001 - the batch's sequences fail; the worker goes on
+            for r in batch:
+                self.scheduler.retire(r.job_id)
+                self.send(self._error(r.job_id, err))
+            return
+        for i, r in enumerate(batch):
+            self._emit(r, r.data.accept(logits[i]))
 
-        gen = GenerationOptions(**p["generation"])
-        result = None
-        for ev in self.engine.generate(prefix, loaded, question_ids, fusion, gen, cancel=cancelled):
-            if hasattr(ev, "finish_reason"):
-                result = ev
-            elif ev.text:
-                self.send("delta", job_id, {"text": ev.text})
-        assert result is not None, "generate() ended without a GenerationResult"
-        self.send("result", job_id, {
-            "text": result.text, "finish_reason": result.finish_reason, "usage": dict(result.usage),
-            "timings": {**{k: float(v) for k, v in result.timings.items()}, "kv_load_s": kv_load_s},
-            "rebuilt_chunks": rebuilt})
+    def _emit(self, req: Request, text: str) -> None:
+        seq: QuerySequence = req.data
+        if text:
+            self.send(P.Delta(req.job_id, text, self.step_no))
+        if seq.gen.finished is not None:
+            self.scheduler.retire(req.job_id)
+            self.send(seq.result(self.step_no))
+
+    def _ingest(self, req: Request, budget_tokens: int) -> None:
+        task: IngestTask = req.data
+        try:
+            done = task.run_piece(self, budget_tokens)
+        except Exception as err:  # noqa: BLE001 - fails this job only
+            self.scheduler.ingest_done(req.job_id)
+            self.send(self._error(req.job_id, err))
+            return
+        if done is not None:
+            self.scheduler.ingest_done(req.job_id)
+            done.step = self.step_no
+            self.send(done)
 
     def serve(self) -> None:
-        self.send("ready", 0, self.info())
+        self.send(P.Ready(self.info()))
         while True:
+            timeout = 0.0 if self.scheduler.has_work else None  # block only when idle
             try:
-                kind, job_id, payload = self.conn.recv()
+                while self.conn.poll(timeout):
+                    if not self.receive(self.conn.recv()):
+                        return
+                    timeout = 0.0
             except EOFError:
                 return  # the API went away
-            if kind == "shutdown":
-                return
-            try:
-                if kind == "precompute":
-                    self.precompute(job_id, payload)
-                elif kind == "query":
-                    self.query(job_id, payload)
-                else:
-                    self.send("error", job_id, {"kind": ERR_INTERNAL, "message": f"unknown job kind {kind!r}"})
-            except (ValueError, TypeError) as err:
-                # UnknownMethodError / ContextOverflowError are ValueErrors: the request was not servable.
-                log.warning("job %d refused: %s", job_id, err)
-                excess = getattr(err, "excess_tokens", None)
-                kind_ = ERR_CONTEXT_OVERFLOW if excess is not None else ERR_INVALID
-                self.send("error", job_id, {"kind": kind_, "message": str(err), "excess_tokens": excess})
-            except Exception as err:  # noqa: BLE001 - a failed job must not kill the worker
-                log.error("job %d failed: %s", job_id, traceback.format_exc())
-                self.send("error", job_id, {"kind": ERR_INTERNAL, "message": f"{type(err).__name__}: {err}"})
+            if self.scheduler.has_work:
+                self.step()
 
 
-def worker_main(settings: Settings, conn: Connection, cancel_flag: Any) -> None:
+def worker_main(settings: Settings, conn: Connection) -> None:
     """Entry point of the worker process."""
     # Ctrl-C in a terminal reaches the whole process group: the API decides when the worker stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s worker: %(message)s")
     try:
-        worker = Worker(settings, conn, cancel_flag)
+        worker = Worker(settings, conn)
     except Exception as err:  # noqa: BLE001 - reported to the API, which decides to retry
         log.error("worker failed to start: %s", traceback.format_exc())
         with contextlib.suppress(OSError):
-            conn.send(("fatal", 0, {"message": f"{type(err).__name__}: {err}"}))
+            conn.send(P.Fatal(f"{type(err).__name__}: {err}"))
         return
     try:
         worker.serve()

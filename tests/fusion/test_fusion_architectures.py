@@ -40,9 +40,12 @@ def build(kind: str, vocab: int):
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["llama3-rope", "mistral", "qwen2"])
+@pytest.fixture(scope="module", params=["llama3-rope", "mistral", "qwen2", "qwen2-dense"])
 def tiny(request, tokenizer):
-    return FusionEngine(build(request.param, len(tokenizer)), tokenizer, dtype="float32")
+    """The engine on each tiny model; `-dense`: attention by the dense reference path (no blocked CPU kernel)."""
+    kind = request.param.removesuffix("-dense")
+    block_rows = 0 if request.param.endswith("-dense") else 128
+    return FusionEngine(build(kind, len(tokenizer)), tokenizer, dtype="float32", attention_block_rows=block_rows)
 
 
 def chunks_of(engine, sizes):

@@ -3,36 +3,31 @@
 What it selects, within round(r * N) context tokens (anchors count toward the budget):
 1. Anchors: the first `anchor_tokens` tokens of every chunk (config `fusion.anchor_tokens`). A chunk
    cached alone computed them as the start of a sequence, so they carry attention-sink states; after
-   fusion every chunk contributes such a sink and together they drain attention from the real content. Recomputing them at their true
-   positions removes the extra sinks. On SmolLM2-135M this one change takes A³ from 0.15 to 0.95 on the
-   needle task, and it is why CacheBlend works at all (98.5 % of chunk-start tokens land in its set).
-2. Evidence: the rest of the budget goes to the tokens the question reads. A question-only pass runs
-   through the layers over the position-recovered cache (ProphetKV's stage I), and each context token
-   is scored by the question's attention onto it in a window of middle-to-deep layers, where this
-   model's question-to-evidence attention lives (layer 1, A³'s check layer, mostly attends to `.`,
-   `,`, `the`: no better than random on a 135M model). Per layer and head the attention is
-   renormalised over the non-anchor context, so every head votes with the same weight whatever mass it
-   leaves on the sinks, the prefix or the question; the votes are averaged over question rows, heads
-   and window layers. A width-`neighbours` max-pool then spreads each peak to its neighbours, so a
-   found fact is recomputed whole (its value digits, not just its key word).
+   fusion every chunk contributes such a sink and together they drain attention from the real
+   content. Recomputing them at their true positions removes the extra sinks. This is most of what
+   separates A³ from CacheBlend and EPIC on the needle task (docs/default_fusion.md).
+2. Evidence: the rest of the budget goes to the tokens the question reads. The question-only probe
+   (`SelectionContext.question_probe`, ProphetKV's stage I) runs through the layers over the
+   position-recovered cache, and each context token is scored by the question's attention onto it in
+   a window of middle-to-deep layers, where question-to-evidence attention lives (early layers, A³'s
+   check layer among them, mostly attend to punctuation and function words). Per layer and head the
+   attention is renormalised over the non-anchor context, so every head votes with the same weight
+   whatever mass it leaves on the sinks, the prefix or the question; the votes are averaged over
+   question rows, heads and window layers. A width-`neighbours` max-pool then spreads each peak to its
+   neighbours, so a found fact is recomputed whole (its value digits, not just its key word).
 3. Stage II (the engine): the selected tokens plus every question token are recomputed through all
    layers in one pass, attending over the whole fused cache.
-4. Stale scaling (off by default): with `fusion.stale_logit_bias` = b < 0 the question and generated
-   tokens add b to their attention logits onto every context key left as cached, i.e. those keys get
-   e^b of their weight before the softmax renormalises. This is the scaling factor S of APE (Yang et
-   al., 2025, "Adaptive Parallel Encoding"), applied only to the keys not recomputed and without APE's
-   temperature. It lowered the first-token KL to vanilla on a few examples, but it breaks copying: a
-   7-digit number read from a cached sentence stops after one or two digits ("15." for "1541022."),
-   because the copy attention onto the stale digits is scaled down and "." wins. On 20 needle examples
-   every needle `anchor` lost was lost this way and comes back at b = 0 (docs/default_fusion.md).
 
-Cost: no layer runs in full. Stage I is |Q| rows through the first `window_end` layers, attention over
-T keys each (|Q| is tens of tokens: ~|Q| / N of a prefill), against CacheBlend's and A³'s full layer 0
-over all N + |Q| rows. Stage II is the same selective pass every method pays.
+Scaling down the question's attention onto the keys left as cached (APE's factor S) was studied and
+dropped: it breaks copying from cached text (docs/default_fusion.md).
+
+Cost: no layer runs in full. The probe is |Q| rows through the first `window_end` layers, attention
+over T keys each (|Q| is tens of tokens), against CacheBlend's and A³'s full layer 0 over all N + |Q|
+rows. Stage II is the same selective pass every method pays.
 
 Departures from the papers it combines: ProphetKV averages the probe over all layers and heads with no
 anchors and no head normalisation; A³ scores at one early layer after a full layer 0; EPIC recomputes
-fixed edges only; APE scales every context key (its contexts are never recomputed). The probe's question K/V are discarded (the recompute overwrites them), as ProphetKV's.
+fixed edges only. The probe's question K/V are discarded (the recompute overwrites them), as ProphetKV's.
 """
 
 from __future__ import annotations
@@ -43,10 +38,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvfuse.fusion import scoring
 from kvfuse.fusion.methods.base import FusionMethod, register
 from kvfuse.fusion.selection import SelectionContext
-from kvfuse.fusion.types import FusionOptions
 
 
 def layer_window(num_layers: int, start_frac: float, end_frac: float) -> range:
@@ -54,30 +47,6 @@ def layer_window(num_layers: int, start_frac: float, end_frac: float) -> range:
     lo = min(num_layers - 1, max(0, math.floor(start_frac * num_layers)))
     hi = max(lo + 1, min(num_layers, math.ceil(end_frac * num_layers)))
     return range(lo, hi)
-
-
-def probe_head_attention(ctx: SelectionContext, layers: range) -> torch.Tensor:
-    """[len(layers), H, N] fp32: per window layer and head, the question rows' attention onto each context
-    token, averaged over question rows, from a question-only pass over the cache as assembled.
-
-    The pass stops after the window's last layer (later layers cannot change the scores). It writes the
-    question's K/V into the cache; the recompute that follows overwrites them.
-    """
-    tf, layout = ctx.tf, ctx.layout
-    rows = ctx.make_rows(ctx.question_positions)
-    h = tf.embed(ctx.ids[ctx.question_positions])
-    total = layout.total
-    out = []
-    for layer in range(layers.stop):
-        q, k, v = tf.project(layer, h, rows)
-        tf.write_kv(ctx.cache, layer, rows, k, v)
-        probs = scoring.attention_probs(q, ctx.question_positions, ctx.cache.keys(layer, total), tf.scale)
-        if layer in layers:
-            out.append(probs[:, :, ctx.context].mean(dim=1))
-        if layer + 1 < layers.stop:
-            attn = scoring.apply_probs(probs, ctx.cache.values(layer, total)).to(h.dtype)
-            h = tf.finish(layer, h, attn.transpose(1, 2).reshape(1, rows.count, -1))
-    return torch.stack(out)
 
 
 def evidence_scores(head_attn: torch.Tensor, exclude: torch.Tensor) -> torch.Tensor:
@@ -101,16 +70,10 @@ def spread(scores: torch.Tensor, width: int) -> torch.Tensor:
 @register
 class Anchor(FusionMethod):
     name = "anchor"
-    # Study: docs/default_fusion.md (measured on SmolLM2-135M; the window is a share of depth so it
+    # Study: docs/default_fusion.md (chosen on the default model; the window is a share of depth so it
     # scales to other depths, but the right window is a property of the model: measure it per model).
-    window: ClassVar[tuple[float, float]] = (0.24, 0.83)  # probe layers as shares of depth: 7..24 of 30
+    window: ClassVar[tuple[float, float]] = (0.24, 0.83)  # probe layers as shares of depth
     neighbours: ClassVar[int] = 3  # max-pool width spreading each evidence peak to its neighbours
-
-    def probe_layers(self, num_layers: int) -> int:
-        return layer_window(num_layers, *self.window).stop  # the probe stops after the window
-
-    def stale_bias(self, options: FusionOptions) -> float:
-        return options.stale_logit_bias
 
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         n, budget = ctx.num_context, ctx.budget
@@ -122,7 +85,7 @@ class Anchor(FusionMethod):
         if rest <= 0:
             return anchors
         layers = layer_window(ctx.tf.num_layers, *self.window)
-        scores = spread(evidence_scores(probe_head_attention(ctx, layers), chosen), self.neighbours)
+        scores = spread(evidence_scores(ctx.question_probe(layers), chosen), self.neighbours)
         scores = scores.masked_fill(chosen, float("-inf"))
         chosen[torch.topk(scores, rest, sorted=False).indices] = True
         return chosen.nonzero().view(-1)

@@ -3,7 +3,8 @@
 A method decides which context tokens are recomputed. The engine does everything else: assembles the
 cache (position recovery unless `recover_positions` is False), runs the first `full_layers()` layers in
 full for every context and question row, asks `select()` for context indices (0..N-1), then recomputes
-those rows plus every question row through the remaining layers, attending over the whole fused cache.
+those rows plus every question row through the remaining layers, attending over the whole fused cache,
+from where `recompute_start()` says.
 
 A new method is one module in this package with a subclass decorated by `@register`; modules here are
 imported automatically. Build `select()` from the signals of `SelectionContext` and `kvfuse.fusion.scoring`.
@@ -16,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from kvfuse.fusion.selection import SelectionContext
+from kvfuse.fusion.transformer import Rows
 from kvfuse.fusion.types import FusionOptions
 
 _REGISTRY: dict[str, type[FusionMethod]] = {}
@@ -30,18 +32,17 @@ class FusionMethod:
         """Layers run in full for all context rows before `select()` (their hidden states are then exact)."""
         return 0
 
-    def probe_layers(self, num_layers: int) -> int:
-        """Layers a question-only probe runs inside `select()` (0: none); the arithmetic floor counts it."""
-        return 0
-
-    def stale_bias(self, options: FusionOptions) -> float:
-        """Added to the question's and the generated tokens' attention logits onto the context keys that
-        were not recomputed (0: none). Every paper method keeps 0."""
-        return 0.0
-
     def select(self, ctx: SelectionContext) -> torch.Tensor:
         """Context indices (0..N-1) to recompute; question rows are always recomputed."""
         return torch.empty(0, dtype=torch.long, device=ctx.ids.device)
+
+    def recompute_start(self, ctx: SelectionContext, local: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, int]:
+        """(hidden [1, R, hidden], layer): where the recompute of `rows` starts. `local` indexes the rows
+        among the context and question rows (0..N+Qn-1). Default: the output of the full layers, or the
+        embeddings when none ran."""
+        if ctx.hidden is not None:
+            return ctx.hidden[:, local], ctx.check_layer
+        return ctx.tf.embed(ctx.ids[rows.positions]), 0
 
 
 class CheckLayerMethod(FusionMethod):
@@ -50,6 +51,16 @@ class CheckLayerMethod(FusionMethod):
 
     def full_layers(self, options: FusionOptions, num_layers: int) -> int:
         return options.check_layer
+
+    def recompute_start(self, ctx: SelectionContext, local: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, int]:
+        """The check layer's q/k/v of every row are exact (the layers before it ran in full) and were
+        computed for `select()`: every row's K/V is kept there (A³ Eq. 4), and only the recomputed rows
+        go on, from the check layer's attention."""
+        q, k, v = ctx.check_projections()
+        layer, tf = ctx.check_layer, ctx.tf
+        ctx.cache.write(layer, ctx.rows_all().positions, k, v)
+        h = tf.finish(layer, ctx.hidden[:, local], tf.attend(ctx.cache, layer, rows, q[:, :, local]))
+        return h, layer + 1
 
 
 def register(cls: type[FusionMethod]) -> type[FusionMethod]:

@@ -19,8 +19,6 @@ from kvfuse.fusion.selection import SelectionContext
 class ProphetKV(FusionMethod):
     name = "prophetkv"
 
-    def probe_layers(self, num_layers: int) -> int:
-        return num_layers  # stage I runs the question through every layer
-
     def select(self, ctx: SelectionContext) -> torch.Tensor:
-        return scoring.top_k(ctx.probe_question_attention().mean(dim=0), ctx.budget)
+        per_layer = ctx.question_probe(range(ctx.tf.num_layers)).mean(dim=1)  # [L, N]: mean over heads
+        return scoring.top_k(per_layer.mean(dim=0), ctx.budget)

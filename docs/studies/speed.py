@@ -1,6 +1,7 @@
-"""Quick TTFT check of the fused prefill against vanilla (the full benchmark lives in kvfuse.bench).
+"""Study: quick TTFT check of the fused prefill against vanilla, with each method's arithmetic floor
+(the full benchmark is `kvfuse bench speed`).
 
-    python -m kvfuse.fusion.speed --contexts 8,16 --ratio 0.15 --threads 1
+    python docs/studies/speed.py --essays ../shared/data/paul_graham_essays --contexts 8,16 --ratio 0.15 --threads 1
 
 Chunks are 512-token pieces of the Paul Graham essays; stored KV is cast to `--kv-dtype` first, as the
 store keeps it. Each measurement is the minimum over `--repeats` runs, methods interleaved with vanilla.
@@ -17,10 +18,17 @@ from pathlib import Path
 import torch
 
 from kvfuse.fusion import ChunkKV, FusionEngine, FusionOptions
-from kvfuse.fusion.methods import get_method
+from kvfuse.fusion.methods.anchor import Anchor, layer_window
 from kvfuse.fusion.model_loading import torch_dtype
 
-ESSAYS = Path(__file__).resolve().parents[3] / "shared" / "data" / "paul_graham_essays"
+
+def probe_layers(method: str, num_layers: int) -> int:
+    """Layers the method's question-only probe runs (0: none): prophetkv all, anchor up to its window's end."""
+    if method == "prophetkv":
+        return num_layers
+    if method == "anchor":
+        return layer_window(num_layers, *Anchor.window).stop
+    return 0
 
 
 def work_share(engine: FusionEngine, stats: dict, selected: torch.Tensor, method: str) -> float:
@@ -42,7 +50,7 @@ def work_share(engine: FusionEngine, stats: dict, selected: torch.Tensor, method
     question = torch.arange(p + n, total)
     rows = torch.cat([selected.cpu(), question])
     work = full * cost(everything[p:]) + (layers - full) * cost(rows) if full < layers else layers * cost(everything)
-    work += get_method(method).probe_layers(layers) * cost(question)
+    work += probe_layers(method, layers) * cost(question)
     return work / (layers * cost(everything))
 
 
@@ -56,7 +64,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--kv-dtype", default="float16")
-    ap.add_argument("--essays", default=str(ESSAYS))
+    ap.add_argument("--essays", required=True, help="folder of the Paul Graham essays (text files)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 

@@ -1,0 +1,343 @@
+"""`kvfuse bench load`: how the service holds up with many users, measured through its real HTTP API.
+
+A single-request benchmark cannot show what batching buys: with one stream a server that runs one
+request at a time and one that batches look the same. So this sends streamed queries at once -- a
+closed-loop sweep over concurrency levels (each of N users sends its next query when its answer ends)
+and optionally an open-loop run at a fixed arrival rate (Poisson, seeded), where queueing shows as
+time to first token -- for each fusion method (the default and `vanilla`) over the same documents,
+given explicitly so every request fuses the same contexts. Per level: TTFT and inter-token latency
+p50/p95 as the client sees them, generated tokens/s and requests/s over the level's wall time.
+
+It starts a server (`kvfuse serve` on a free loopback port with a fresh data dir) unless `--url` names
+one; the plot (matplotlib, imported only to draw) puts throughput and TTFT against concurrency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+QUESTIONS = ("What is the main argument of these essays?", "What advice does the author give?",
+             "Which examples does the author use?", "What does the author say about startups?")
+
+
+@dataclass
+class Sample:
+    """One streamed query as its client saw it."""
+
+    ok: bool
+    status: int = 200
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    gaps_s: list[float] = field(default_factory=list)  # between token events (an event may hold several tokens)
+    completion_tokens: int = 0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between ranks; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    ok = [s for s in samples if s.ok]
+    ttft = [s.ttft_s for s in ok]
+    gaps = [g for s in ok for g in s.gaps_s]
+    tokens = sum(s.completion_tokens for s in ok)
+    r = lambda v: None if v is None else round(v, 4)  # noqa: E731
+    failed = sorted({s.status for s in samples if not s.ok})
+    return {"requests": len(samples), "errors": len(samples) - len(ok), "error_statuses": failed,
+            "wall_s": round(wall_s, 3),
+            "ttft_p50_s": r(percentile(ttft, 50)), "ttft_p95_s": r(percentile(ttft, 95)),
+            "itl_p50_s": r(percentile(gaps, 50)), "itl_p95_s": r(percentile(gaps, 95)),
+            "e2e_p50_s": r(percentile([s.e2e_s for s in ok], 50)), "generated_tokens": tokens,
+            "tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else None,
+            "requests_per_s": round(len(ok) / wall_s, 4) if wall_s > 0 else None}
+
+
+async def stream_query(client: Any, body: dict[str, Any]) -> Sample:
+    """POST a streamed /v1/query and time its token events."""
+    t0 = time.perf_counter()
+    sample = Sample(ok=False)
+    last = None
+    event = None
+    async with client.stream("POST", "/v1/query", json={**body, "stream": True}) as resp:
+        sample.status = resp.status_code
+        if resp.status_code != 200:
+            await resp.aread()
+            return sample
+        async for line in resp.aiter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                now = time.perf_counter()
+                if event == "token":
+                    if last is None:
+                        sample.ttft_s = now - t0
+                    else:
+                        sample.gaps_s.append(now - last)
+                    last = now
+                elif event == "done":
+                    done = json.loads(line[6:])
+                    sample.completion_tokens = int(done.get("usage", {}).get("completion_tokens", 0))
+                    sample.ok = True
+                elif event == "error":
+                    sample.ok = False
+                event = None
+    sample.e2e_s = time.perf_counter() - t0
+    return sample
+
+
+def _body(cfg: LoadConfig, method: str, i: int) -> dict[str, Any]:
+    return {"query": QUESTIONS[i % len(QUESTIONS)], "document_ids": cfg.document_ids, "max_tokens": cfg.max_tokens,
+            "temperature": 0.0, "fusion": {"method": method}}
+
+
+@dataclass
+class LoadConfig:
+    url: str
+    api_key: str | None
+    document_ids: list[str]
+    methods: list[str]
+    concurrency: list[int]
+    rounds: int = 2  # queries per user per level (closed loop)
+    max_tokens: int = 32
+    rate: float | None = None  # open loop: arrivals per second
+    open_requests: int = 16
+    seed: int = 0
+    timeout_s: float = 600.0
+
+
+def _client(cfg: LoadConfig) -> Any:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    return httpx.AsyncClient(base_url=cfg.url, headers=headers, timeout=cfg.timeout_s,
+                             limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+
+
+async def closed_loop(cfg: LoadConfig, method: str, users: int) -> dict[str, Any]:
+    async with _client(cfg) as client:
+        await stream_query(client, _body(cfg, method, 0))  # warm: the documents' KV in the worker's hot tier
+
+        async def user(u: int) -> list[Sample]:
+            return [await stream_query(client, _body(cfg, method, u * cfg.rounds + k)) for k in range(cfg.rounds)]
+
+        t0 = time.perf_counter()
+        per_user = await asyncio.gather(*(user(u) for u in range(users)))
+        wall = time.perf_counter() - t0
+    return {"method": method, "mode": "closed", "concurrency": users,
+            **summarize([s for group in per_user for s in group], wall)}
+
+
+async def open_loop(cfg: LoadConfig, method: str) -> dict[str, Any]:
+    assert cfg.rate
+    rng = random.Random(cfg.seed)
+    async with _client(cfg) as client:
+        t0 = time.perf_counter()
+        tasks = []
+        for i in range(cfg.open_requests):
+            tasks.append(asyncio.create_task(stream_query(client, _body(cfg, method, i))))
+            await asyncio.sleep(rng.expovariate(cfg.rate))
+        samples = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    return {"method": method, "mode": "open", "rate": cfg.rate, "concurrency": None, **summarize(samples, wall)}
+
+
+def run_load(cfg: LoadConfig, on_row: Any = None) -> list[dict[str, Any]]:
+    """Every method × level (then the open-loop run per method); `on_row(rows)` after each."""
+    rows: list[dict[str, Any]] = []
+    for method in cfg.methods:
+        for users in cfg.concurrency:
+            rows.append(asyncio.run(closed_loop(cfg, method, users)))
+            if on_row is not None:
+                on_row(rows)
+        if cfg.rate:
+            rows.append(asyncio.run(open_loop(cfg, method)))
+            if on_row is not None:
+                on_row(rows)
+    return rows
+
+
+# -- a server to measure ------------------------------------------------------------------------------------
+class LocalServer:
+    """`kvfuse serve` in a subprocess on a free loopback port, with its own data dir (removed after)."""
+
+    def __init__(self, env: dict[str, str] | None = None, start_timeout_s: float = 600.0) -> None:
+        self.env = env or {}
+        self.start_timeout_s = start_timeout_s
+        self.tmp = tempfile.TemporaryDirectory(prefix="kvfuse-load-")
+        self.proc: subprocess.Popen | None = None
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LocalServer:
+        import httpx
+
+        env = {**os.environ, "KVFUSE_DATA_DIR": str(Path(self.tmp.name) / "data"), "KVFUSE_SERVER__HOST": "127.0.0.1",
+               "KVFUSE_SERVER__PORT": str(self.port), "KVFUSE_SERVER__API_KEYS": "", **self.env}
+        log = open(Path(self.tmp.name) / "server.log", "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvfuse.cli", "serve"], env=env, stdout=log,
+                                     stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}: see {self.tmp.name}/server.log")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise TimeoutError(f"the server was not ready after {self.start_timeout_s} s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.tmp.cleanup()
+
+
+def ingest_documents(url: str, api_key: str | None, texts: list[tuple[str, str]], context_tokens: int,
+                     docs: int = 4) -> tuple[list[str], int]:
+    """Ingest `docs` essay openings of about context_tokens / docs tokens each (cut on a word boundary);
+    returns their ids and their tokens in all."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    chars = max(200, int(context_tokens / docs * 3.5))  # English prose: ~3.5-4 characters per token
+    ids, total = [], 0
+    with httpx.Client(base_url=url, headers=headers, timeout=600) as c:
+        for name, text in texts[:docs]:
+            cut = text[:chars]
+            cut = cut[: cut.rfind(" ")] if " " in cut and len(text) > chars else cut
+            doc_id = f"load-{name}"
+            resp = c.post("/v1/documents?wait=true", json={"id": doc_id, "text": cut, "on_conflict": "overwrite"})
+            resp.raise_for_status()
+            ids.append(doc_id)
+            total += c.get(f"/v1/documents/{doc_id}").json()["tokens"]
+    return ids, total
+
+
+def plot(rows: list[dict[str, Any]], png: Path) -> Path:
+    """Throughput and TTFT p50 against concurrency, one line per method (closed-loop rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = [r for r in rows if r["method"] == method and r["mode"] == "closed"]
+        xs = [r["concurrency"] for r in pts]
+        ax1.plot(xs, [r["tokens_per_s"] for r in pts], marker="o", label=method)
+        ax2.plot(xs, [r["ttft_p50_s"] for r in pts], marker="o", label=method)
+    for ax, title in ((ax1, "generated tokens/s"), (ax2, "TTFT p50 (s)")):
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def config_dict(cfg: LoadConfig) -> dict[str, Any]:
+    out = asdict(cfg)
+    out.pop("api_key", None)
+    return out
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+def command(args: Any) -> int:
+    from kvfuse.bench import report
+    from kvfuse.bench.data import load_essays, resolve_data_dir
+    from kvfuse.bench.machine import command_line, load_info, machine_info
+
+    json_path = Path(args.json)
+    methods = list(dict.fromkeys([*args.methods, "vanilla"]))
+    command_text = command_line("kvfuse bench load", args.parser, args)
+
+    def run(url: str, api_key: str | None) -> list[dict[str, Any]]:
+        essays = list(load_essays(resolve_data_dir(args.data_dir)))
+        random.Random(args.seed).shuffle(essays)
+        doc_ids, context = ingest_documents(url, api_key, essays, args.context_tokens, args.docs)
+        cfg = LoadConfig(url=url, api_key=api_key, document_ids=doc_ids, methods=methods,
+                         concurrency=args.concurrency, rounds=args.rounds, max_tokens=args.max_tokens,
+                         rate=args.rate, open_requests=args.open_requests, seed=args.seed)
+        machine = machine_info()
+
+        def save(rows: list[dict[str, Any]], partial: bool = True) -> None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            payload = {"kind": "load", "command": command_text, "machine": {**machine, **load_info()},
+                       "params": {**config_dict(cfg), "context_tokens": context}, "partial": partial, "rows": rows}
+            json_path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+
+        rows = run_load(cfg, save)
+        save(rows, partial=False)
+        return rows
+
+    if args.url:
+        rows = run(args.url, args.api_key)
+    else:
+        with LocalServer() as server:
+            rows = run(server.url, None)
+    png = plot(rows, json_path.with_suffix(".png"))
+    cols = ("method", "mode", "concurrency", "ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s", "tokens_per_s",
+            "requests_per_s", "errors")
+    print(report.markdown_table(rows, [(c, c) for c in cols]))
+    print(f"\nwrote {json_path}, {png}", file=sys.stderr)
+    return 0
+
+
+def register(bsub: Any) -> None:
+    """Add `kvfuse bench load` (imports nothing heavy)."""
+    import argparse
+
+    from kvfuse.bench.report import SCRATCH_DIR
+
+    def ints(text: str) -> list[int]:
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from err
+
+    p = bsub.add_parser("load", help="many concurrent streamed queries through a real server: TTFT, ITL, tokens/s")
+    p.add_argument("--concurrency", type=ints, default=[1, 2, 4, 8, 16], help="concurrent streams per level")
+    p.add_argument("--rounds", type=int, default=2, help="queries each stream sends per level")
+    p.add_argument("--rate", type=float, default=None, help="also an open-loop run at this many requests/s")
+    p.add_argument("--open-requests", type=int, default=32, help="requests of the open-loop run")
+    p.add_argument("--methods", type=lambda t: [m for m in t.split(",") if m], default=["anchor"],
+                   help="fusion methods (vanilla always runs too)")
+    p.add_argument("--context-tokens", type=int, default=4096, help="tokens of the documents every query uses")
+    p.add_argument("--docs", type=int, default=4, help="documents (essay openings) that make up the context")
+    p.add_argument("--max-tokens", type=int, default=32, help="answer length limit")
+    p.add_argument("--seed", type=int, default=0, help="document choice and open-loop arrivals")
+    p.add_argument("--url", default=None, help="measure this server instead of starting one")
+    p.add_argument("--api-key", default=None, help="API key for --url")
+    p.add_argument("--data-dir", default=None, help="evaluation data (essays)")
+    p.add_argument("--json", default=str(SCRATCH_DIR / "load.json"), help="result file; the .png plot goes beside it")
+    p.set_defaults(func=command, parser=p)

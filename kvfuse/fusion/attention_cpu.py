@@ -1,0 +1,105 @@
+"""Blocked attention for the CPU: the same result as the transformer's dense call, with less work.
+
+Why: the dense path is one masked `scaled_dot_product_attention` call over every key up to the last
+row, and the CPU kernel reads and adds the mask for every head and key, masked or not. Here the rows
+go in blocks of `block_rows`, and a block's keys are covered by two kernel calls merged by their
+log-sum-exp: an unmasked call over the keys every row of the block sees (all keys before its first
+row) and a masked call over the short tail up to its last row. Query heads that share a KV head are
+folded into the rows of a call, so each key is read once per KV head and the kernel tiles taller
+query blocks. The speed-up and how it was measured: docs/DESIGN.md (Fusion).
+
+The kernel that also returns the log-sum-exp is private to torch (present since 2.2, GQA-aware);
+without it, or off the CPU, the transformer keeps the dense path. tests/fusion/test_attention_blocks.py
+pins this module to the dense path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+_LSE_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def supports(device: torch.device) -> bool:
+    """Whether the blocked kernel can run on `device`."""
+    return device.type == "cpu" and _LSE_ATTENTION is not None
+
+
+@dataclass
+class Block:
+    """Query rows [start, stop) of a Rows; they read keys [0, key_len): [0, visible) are seen by every
+    row of the block, the tail [visible, key_len) is causal (the rows are exactly those positions) or
+    masked by `tail_mask`."""
+
+    start: int
+    stop: int
+    visible: int
+    key_len: int
+    tail_mask: torch.Tensor | None  # additive [rows * group, key_len - visible], heads folded; None: causal
+    no_tail: torch.Tensor | None  # bool [rows * group]: rows that see none of the tail (their partial is empty)
+
+
+def plan(positions: torch.Tensor, mask: torch.Tensor | None, block_rows: int, group: int) -> list[Block]:
+    """The blocks of rows at sorted `positions` whose dense mask is `mask` ([R, stop] additive, None for
+    rows 0..stop-1), with `group` query heads per KV head folded into each tail mask."""
+    count, first, last = int(positions.numel()), int(positions[0]), int(positions[-1])
+    if count == 1:  # one row (a decode step): it sees every key up to its position
+        return [Block(0, 1, last + 1, last + 1, None, None)]
+    if mask is None or last - first + 1 == count:  # contiguous: keys before the rows, then their causal square
+        return [Block(0, count, first, last + 1, None, None)]
+    blocks = []
+    for a in range(0, count, block_rows):
+        b = min(a + block_rows, count)
+        visible, key_len = int(positions[a]) + 1, int(positions[b - 1]) + 1
+        tail_mask = no_tail = None
+        if key_len > visible:
+            tail = mask[a:b, visible:key_len]
+            tail_mask, no_tail = tail.repeat(group, 1), torch.isinf(tail).all(dim=1).repeat(group)
+        blocks.append(Block(a, b, visible, key_len, tail_mask, no_tail))
+    return blocks
+
+
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Attention over two key sets from each set's output [..., R, D] and log-sum-exp [..., R]."""
+    lse = torch.logaddexp(l1, l2)
+    return o1 * torch.exp(l1 - lse).unsqueeze(-1) + o2 * torch.exp(l2 - lse).unsqueeze(-1)
+
+
+class BlockedAttention:
+    """Rows q [1, H, R, D] attending causally by position over k/v [1, Hkv, stop, D]: [1, H, R, D]."""
+
+    def __init__(self, block_rows: int, scale: float) -> None:
+        self.block_rows = block_rows
+        self.scale = scale
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
+        """rows: kvfuse.fusion.transformer.Rows (its blocks are planned once, on the first layer)."""
+        if rows.plan is None:
+            rows.plan = plan(rows.positions, rows.mask, self.block_rows, q.shape[1] // k.shape[1])
+        outs = [self._block(q[:, :, b.start : b.stop], k[:, :, : b.key_len], v[:, :, : b.key_len], b, rows)
+                for b in rows.plan]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Block, rows) -> torch.Tensor:
+        h, hkv, r, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+        vis, scale = b.visible, self.scale
+        if b.key_len == vis:  # every row sees every key: heads folded, no mask
+            out = F.scaled_dot_product_attention(q.reshape(1, hkv, (h // hkv) * r, d), k, v, scale=scale)
+            return out.view(1, h, r, d)
+        if vis == 0 and b.tail_mask is None:  # rows 0..n-1: the kernel's own causal mask
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        if vis == 0:  # nothing every row sees: the dense call on the block's slice of the mask
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask[b.start : b.stop, : b.key_len],
+                                                  scale=scale, enable_gqa=True)
+        if b.tail_mask is None:  # causal tail: row i of the square sees tail keys 0..i (heads unfolded)
+            o1, l1 = _LSE_ATTENTION(q, k[:, :, :vis], v[:, :, :vis], scale=scale)
+            o2, l2 = _LSE_ATTENTION(q, k[:, :, vis:], v[:, :, vis:], is_causal=True, scale=scale)
+            return _merge(o1, l1, o2, l2).to(q.dtype)
+        qf = q.reshape(1, hkv, (h // hkv) * r, d)
+        o1, l1 = _LSE_ATTENTION(qf, k[:, :, :vis], v[:, :, :vis], scale=scale)
+        o2, l2 = _LSE_ATTENTION(qf, k[:, :, vis:], v[:, :, vis:], attn_mask=b.tail_mask, scale=scale)
+        l2 = l2.masked_fill(b.no_tail, float("-inf"))  # the kernel reports an all-masked row as lse 0, output 0
+        return _merge(o1, l1, o2, l2).to(q.dtype).view(1, h, r, d)

@@ -1,0 +1,81 @@
+"""One request's decoding state, kept apart from the forward pass so that many requests can share it.
+
+A batched decode step produces one row of logits per running sequence; everything that makes a request
+*that* request -- its sampler and seed, its incremental detokenizer, its stop strings, `max_tokens`, EOS
+and cancellation -- lives here, per sequence. `FusionEngine.generate` (the batch of one) and the
+service's scheduler (the batch of many) both drive this class, so a request decodes the same tokens
+alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfuse.fusion.decode import IncrementalDetokenizer, Sampler, StopMatcher
+from kvfuse.fusion.types import FinishReason, GenerationOptions, GenerationResult
+
+
+class Generation:
+    """Turns successive next-token logits into text deltas until the request is finished.
+
+    Call `accept(logits)` with the prefill's logits, then with each decode step's row; feed
+    `last_token` to the next decode step while `finished` is None.
+    """
+
+    def __init__(self, tokenizer, stop_token_ids: set[int], options: GenerationOptions,
+                 device: torch.device | str = "cpu") -> None:
+        if options.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        self.options = options
+        self.stop_token_ids = stop_token_ids
+        self.sampler = Sampler(options.temperature, options.top_p, options.seed, torch.device(device))
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopMatcher(list(options.stop))
+        self.token_ids: list[int] = []
+        self.last_token: int | None = None
+        self.finished: FinishReason | None = None
+        self.accepted = 0  # logits rows consumed: the prefill's, then one per decode step
+
+    @property
+    def decode_steps(self) -> int:
+        """Forward steps after the prefill (one more than tokens kept when EOS ended it)."""
+        return max(0, self.accepted - 1)
+
+    def accept(self, logits: torch.Tensor) -> str:
+        """Choose the next token from `logits` [vocab]; returns the text now safe to emit (may be "")."""
+        if self.finished is not None:
+            raise RuntimeError("the generation is finished")
+        self.accepted += 1
+        token = self.sampler(logits)
+        self.last_token = token
+        if token in self.stop_token_ids:
+            return self._finish("stop")
+        self.token_ids.append(token)
+        text, stopped = self.stops.feed(self.detok.push(token))
+        if stopped:
+            self.finished = "stop"  # the text after the stop string is dropped, not flushed
+            return text
+        if len(self.token_ids) >= self.options.max_tokens:
+            return text + self._finish("length")
+        return text
+
+    def cancel(self) -> str:
+        """End now (client gone); returns the held-back tail, which is final."""
+        return "" if self.finished is not None else self._finish("cancelled")
+
+    def _finish(self, reason: FinishReason) -> str:
+        self.finished = reason
+        return self.stops.flush()  # text held back as a possible stop-string start is final now
+
+    @property
+    def text(self) -> str:
+        return self.stops.text[: self.stops.emitted]
+
+    def result(self, stats: dict[str, int], timings: dict[str, float]) -> GenerationResult:
+        usage = {
+            "prefix_tokens": stats["prefix_tokens"], "context_tokens": stats["context_tokens"],
+            "question_tokens": stats["question_tokens"], "recomputed_tokens": stats["recomputed_tokens"],
+            "generated_tokens": len(self.token_ids),
+        }
+        return GenerationResult(self.text, self.finished or "length", usage, timings, list(self.token_ids),
+                                self.decode_steps)

@@ -1,0 +1,142 @@
+"""The messages between the API process and the worker, one small dataclass each.
+
+They cross a multiprocessing pipe (pickled), so they hold plain values only: chunk keys, token ids and
+options, never KV bytes (the worker reads the store itself). One module, so both ends agree on the
+shape of every message and a type checker can see it.
+
+API -> worker: QueryJob, PrecomputeJob, Cancel, Shutdown.
+Worker -> API: Ready or Fatal once at start; per job: Plan (a query was admitted), Delta (new text),
+Result (a query's end), Done (a precompute's end), Error (refused or failed); Step after each engine
+step (batch size and queue depths, for metrics and tests). Every job message carries `job_id`; messages
+about a job also carry the engine `step` they were produced in, so ordering can be checked without
+clocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Error kinds the API maps to HTTP statuses (see query.QueryService.api_error).
+ERR_CONTEXT_OVERFLOW = "context_overflow"   # explicit documents do not fit -> 400
+ERR_MAX_TOKENS = "max_tokens_overflow"      # prompt + max_tokens alone exceed the context -> 400
+ERR_KV_BUDGET = "kv_budget_exceeded"        # prompt + max_tokens alone exceed the worker's KV budget -> 400
+ERR_INVALID = "invalid_request"             # the engine refused the options -> 422
+ERR_INTERNAL = "internal"                   # anything else -> 500
+
+
+# -- API -> worker ---------------------------------------------------------------------------------------
+@dataclass
+class ChunkRef:
+    key: str
+    token_ids: list[int]
+    score: float = 1.0
+
+
+@dataclass
+class QueryJob:
+    question: str
+    system_prompt: str | None
+    explicit: bool  # the caller chose the documents: overflow is an error, not a reason to drop chunks
+    fusion: dict[str, Any]
+    generation: dict[str, Any]
+    chunks: list[ChunkRef]
+    job_id: int = 0  # assigned by the supervisor
+
+
+@dataclass
+class PrecomputeJob:
+    chunks: list[list[int]]
+    job_id: int = 0
+
+
+@dataclass
+class Cancel:
+    job_id: int
+
+
+@dataclass
+class Shutdown:
+    job_id: int = 0
+
+
+Job = QueryJob | PrecomputeJob
+
+
+# -- worker -> API ---------------------------------------------------------------------------------------
+@dataclass
+class Ready:
+    info: dict[str, Any]
+
+
+@dataclass
+class Fatal:
+    message: str
+
+
+@dataclass
+class Plan:
+    job_id: int
+    kept: list[int]
+    dropped: list[int]
+    context_tokens: int
+    prefix_tokens: int
+    question_tokens: int
+    step: int = 0
+
+
+@dataclass
+class Delta:
+    job_id: int
+    text: str
+    step: int = 0
+
+
+@dataclass
+class Result:
+    job_id: int
+    text: str
+    finish_reason: str
+    usage: dict[str, int]
+    timings: dict[str, float]
+    rebuilt_chunks: int = 0
+    step: int = 0
+
+
+@dataclass
+class Done:
+    job_id: int
+    keys: list[str]
+    nbytes: list[int]
+    computed: int
+    step: int = 0
+
+
+@dataclass
+class Error:
+    job_id: int
+    kind: str
+    message: str
+    excess_tokens: int | None = None
+    step: int = 0
+
+
+@dataclass
+class Step:
+    """One engine step: what it did and the queues after it."""
+
+    step: int
+    batch_size: int  # sequences in this step's batched decode (0: no decode)
+    admitted: list[int] = field(default_factory=list)
+    ingest_job: int | None = None  # the precompute job that got a share of this step
+    running: int = 0
+    waiting: int = 0
+    kv_tokens: int = 0
+
+
+FINAL = (Result, Done, Error)
+
+
+def precompute_job(payload: dict) -> PrecomputeJob:
+    """The typed job of an ingestion batch given as {"chunks": [[ids]]}."""
+    return PrecomputeJob(chunks=[list(c) for c in payload["chunks"]])

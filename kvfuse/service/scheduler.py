@@ -1,0 +1,153 @@
+"""Which requests the worker runs in each engine step: pure policy, no process, pipe or model code.
+
+The shape is nano-vllm's `engine/scheduler.py`: a waiting queue and a running set. Each step the worker
+asks `schedule()` what to do, runs it (the fused prefill of the admitted requests, an ingestion piece,
+then one batched decode step for every running sequence) and reports back with `retire()`.
+
+Admission is bounded three ways, so neither memory nor a burst of arrivals can hurt the running streams:
+- KV memory: a running request holds its cache for prompt + max_tokens tokens (the fused cache is
+  preallocated), and the sum stays within `kv_budget_tokens`; a request that does not fit waits.
+- Batch size: at most `max_running` sequences decode together.
+- Prefill work per step: admitted prompts add up to at most `prefill_tokens_per_step` (one request is
+  always allowed, since a fused prefill cannot be split), so a long prefill delays the running streams
+  by one step, not one per waiting request.
+Admission is first come, first served: the head of the queue is never overtaken, so a large request
+cannot starve behind a stream of small ones.
+
+Ingestion (chunk KV precompute) shares the steps under one rule: queries first, but while ingestion
+work is pending it is guaranteed `ingest_share` of the steps in which queries are active (a credit that
+grows by the share each step and pays one ingest piece per whole unit), and every step when no query
+needs the worker. So a large ingest neither blocks readers nor starves.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_running: int = 16
+    kv_budget_tokens: int = 65536
+    prefill_tokens_per_step: int = 4096
+    ingest_share: float = 0.25
+
+    @classmethod
+    def from_settings(cls, server: Any) -> SchedulerLimits:
+        """From kvfuse.config.ServerSettings."""
+        return cls(max_running=server.max_running_requests, kv_budget_tokens=server.kv_budget_tokens,
+                   prefill_tokens_per_step=server.prefill_tokens_per_step, ingest_share=server.ingest_step_share)
+
+
+@dataclass(eq=False)
+class Request:
+    """One unit of work: a query (waiting, then running) or an ingestion job. `data` is the caller's."""
+
+    job_id: int
+    kv_tokens: int = 0  # cache tokens held while running: prompt + max_tokens
+    prefill_tokens: int = 0  # prefill work on admission (an estimate in tokens)
+    data: Any = None
+
+
+@dataclass
+class StepPlan:
+    admit: list[Request] = field(default_factory=list)  # now running: prefill them, then decode with the rest
+    ingest: Request | None = None  # run a piece of this ingestion job (up to `ingest_tokens` tokens)
+    ingest_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits) -> None:
+        self.limits = limits
+        self.waiting: deque[Request] = deque()
+        self.running: OrderedDict[int, Request] = OrderedDict()
+        self.ingest: deque[Request] = deque()
+        self.kv_used = 0
+        self._credit = 0.0
+
+    # -- state ----------------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.ingest)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def fits_alone(self, kv_tokens: int) -> bool:
+        """Whether a request could ever run (on an idle worker); one that cannot is refused, not queued."""
+        return kv_tokens <= self.limits.kv_budget_tokens
+
+    # -- arrivals and departures ------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if not self.fits_alone(req.kv_tokens):
+            raise ValueError(f"request {req.job_id} needs {req.kv_tokens} KV tokens, over the budget of "
+                             f"{self.limits.kv_budget_tokens}")
+        self.waiting.append(req)
+
+    def add_ingest(self, req: Request) -> None:
+        self.ingest.append(req)
+
+    def retire(self, job_id: int) -> Request | None:
+        """A running request ended (finished, cancelled or failed): its KV budget is free again."""
+        req = self.running.pop(job_id, None)
+        if req is not None:
+            self.kv_used -= req.kv_tokens
+        return req
+
+    def ingest_done(self, job_id: int) -> None:
+        self.ingest = deque(r for r in self.ingest if r.job_id != job_id)
+
+    def remove(self, job_id: int) -> tuple[str, Request] | None:
+        """Take a request out wherever it is (cancellation): ("waiting" | "running" | "ingest", request)."""
+        for r in self.waiting:
+            if r.job_id == job_id:
+                self.waiting.remove(r)
+                return "waiting", r
+        if job_id in self.running:
+            return "running", self.retire(job_id)
+        for r in self.ingest:
+            if r.job_id == job_id:
+                self.ingest_done(job_id)
+                return "ingest", r
+        return None
+
+    # -- the policy -------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """What the next step does. Admitted requests move to `running` and hold their KV tokens."""
+        lim = self.limits
+        plan = StepPlan()
+        prefill = 0
+        while self.waiting and len(self.running) < lim.max_running:
+            head = self.waiting[0]
+            if self.kv_used + head.kv_tokens > lim.kv_budget_tokens:
+                break
+            if plan.admit and prefill + head.prefill_tokens > lim.prefill_tokens_per_step:
+                break
+            self.waiting.popleft()
+            self.running[head.job_id] = head
+            self.kv_used += head.kv_tokens
+            prefill += head.prefill_tokens
+            plan.admit.append(head)
+        if self.ingest:
+            if not (self.running or self.waiting):
+                plan.ingest, self._credit = self.ingest[0], 0.0
+            else:
+                self._credit = min(1.0, self._credit + lim.ingest_share)
+                if self._credit >= 1.0 - 1e-9:
+                    plan.ingest, self._credit = self.ingest[0], 0.0
+            if plan.ingest is not None:
+                plan.ingest_tokens = lim.prefill_tokens_per_step
+        else:
+            self._credit = 0.0
+        return plan
+
+    def decode_batch(self) -> list[Request]:
+        """Every running request, in admission order: one batched decode step covers them all."""
+        return list(self.running.values())

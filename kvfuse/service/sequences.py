@@ -1,0 +1,174 @@
+"""The worker's per-job state: a query from arrival to its last token, and an ingestion job in pieces.
+
+Kept apart from the engine loop (`worker.py`) so that the loop reads as the step it is: admit, ingest,
+decode, retire. A query is checked on arrival (does it fit the context and the KV budget at all?) and
+planned (which retrieved chunks fit), waits in the scheduler, and on admission loads its chunk KV, runs
+the fused prefill and takes its first token; after that each batched decode step hands it one row of
+logits. An ingestion job is precomputed a piece at a time (up to the step's token budget), so a large
+document shares the worker with running queries instead of holding it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvfuse.service import protocol as P
+from kvfuse.service.scheduler import Request
+
+if TYPE_CHECKING:
+    from kvfuse.service.worker import Worker
+
+
+def plan_query(worker: Worker, job: P.QueryJob) -> Request | P.Error:
+    """The scheduler request of a query, or the Error that refuses it (it could never run)."""
+    from kvfuse.fusion import FusionOptions, GenerationOptions
+    from kvfuse.fusion.methods import get_method
+
+    engine, step = worker.engine, worker.step_no
+    fusion = FusionOptions(**job.fusion)
+    gen = GenerationOptions(**job.generation)
+    full_prefill = get_method(fusion.method).full_prefill  # unknown method -> ValueError -> 422
+    if gen.max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    prefix_ids, question_ids = engine.prompt_parts(job.question, job.system_prompt)
+    limit = worker.max_context
+    fixed = len(prefix_ids) + len(question_ids) + gen.max_tokens
+    if fixed > limit:
+        return P.Error(job.job_id, P.ERR_MAX_TOKENS,
+                       f"the prompt ({len(prefix_ids) + len(question_ids)} tokens) plus max_tokens "
+                       f"({gen.max_tokens}) exceed the model context of {limit} tokens by {fixed - limit}",
+                       fixed - limit, step)
+    chunks = job.chunks
+    budget = limit - fixed
+    kept = list(range(len(chunks)))
+    dropped: list[int] = []
+    total = sum(len(c.token_ids) for c in chunks)
+    if total > budget:
+        if job.explicit:
+            return P.Error(job.job_id, P.ERR_CONTEXT_OVERFLOW,
+                           f"the requested documents ({total} tokens) do not fit the model context: "
+                           f"{total - budget} tokens too many beside the prompt and max_tokens "
+                           f"({limit} tokens in all)", total - budget, step)
+        for i in sorted(kept, key=lambda i: chunks[i].score):  # drop the lowest-scored first
+            if total <= budget:
+                break
+            dropped.append(i)
+            total -= len(chunks[i].token_ids)
+        gone = set(dropped)
+        kept = [i for i in kept if i not in gone]
+    kv_tokens = fixed + total
+    kv_budget = worker.scheduler.limits.kv_budget_tokens
+    if not worker.scheduler.fits_alone(kv_tokens):
+        return P.Error(job.job_id, P.ERR_KV_BUDGET,
+                       f"the prompt plus max_tokens ({kv_tokens} tokens) exceed the server's KV budget of "
+                       f"{kv_budget} tokens (server.kv_budget_tokens): lower max_tokens or use fewer documents",
+                       kv_tokens - kv_budget, step)
+    # Prefill work: a full prefill runs every prompt token; a fusion method mainly its recomputed rows.
+    prompt = len(prefix_ids) + total + len(question_ids)
+    prefill = prompt if full_prefill else int(fusion.recompute_ratio * total) + len(question_ids)
+    seq = QuerySequence(job, prefix_ids, question_ids, kept, dropped, total, fusion, gen, full_prefill)
+    return Request(job.job_id, kv_tokens=kv_tokens, prefill_tokens=prefill, data=seq)
+
+
+class QuerySequence:
+    """One admitted (or waiting) query: its fused cache and its decoding state."""
+
+    def __init__(self, job: P.QueryJob, prefix_ids: list[int], question_ids: list[int], kept: list[int],
+                 dropped: list[int], context_tokens: int, fusion: Any, gen: Any, full_prefill: bool) -> None:
+        self.job = job
+        self.prefix_ids = prefix_ids
+        self.question_ids = question_ids
+        self.kept = kept
+        self.dropped = dropped
+        self.context_tokens = context_tokens
+        self.fusion = fusion
+        self.gen_options = gen
+        self.full_prefill = full_prefill
+        self.gen: Any = None  # kvfuse.fusion.generation.Generation, from the prefill on
+        self.cache: Any = None
+        self.stats: dict[str, int] = {}
+        self.timings: dict[str, float] = {}
+        self.rebuilt = 0
+        self._t_first = 0.0
+
+    def plan_message(self, step: int) -> P.Plan:
+        return P.Plan(self.job.job_id, self.kept, self.dropped, self.context_tokens, len(self.prefix_ids),
+                      len(self.question_ids), step)
+
+    def prefill(self, worker: Worker) -> str:
+        """Load the chunks' KV, run the fused prefill and take the first token; returns its text."""
+        from kvfuse.fusion import ChunkKV
+        from kvfuse.fusion.generation import Generation
+
+        engine = worker.engine
+        chunks = [self.job.chunks[i] for i in self.kept]
+        t0 = time.perf_counter()
+        if self.full_prefill:  # prefills from the tokens: no stored KV to read
+            loaded = [ChunkKV(c.token_ids) for c in chunks]
+            prefix = ChunkKV(self.prefix_ids)
+        else:
+            loaded = []
+            for c in chunks:
+                ckv, was_rebuilt = worker.load_or_rebuild(c.key, c.token_ids, write_back=False)
+                loaded.append(ckv)
+                self.rebuilt += was_rebuilt
+            prefix = worker.prefix_kv(self.prefix_ids)
+        t1 = time.perf_counter()
+        fused = engine.fuse(prefix, loaded, self.question_ids, self.fusion, max_tokens=self.gen_options.max_tokens)
+        self.cache, self.stats = fused.cache, fused.stats
+        self.gen = Generation(engine.tokenizer, engine.stop_token_ids, self.gen_options, engine.device)
+        text = self.gen.accept(fused.logits)
+        self._t_first = time.perf_counter()
+        self.timings = {**fused.timings, "kv_load_s": t1 - t0, "ttft_s": self._t_first - t1}
+        return text
+
+    def accept(self, logits: Any) -> str:
+        return self.gen.accept(logits)
+
+    def result(self, step: int) -> P.Result:
+        timings = {k: float(v) for k, v in self.timings.items()}
+        timings["decode_s"] = time.perf_counter() - self._t_first
+        r = self.gen.result(self.stats, timings)
+        return P.Result(self.job.job_id, r.text, r.finish_reason, dict(r.usage), r.timings, self.rebuilt, step)
+
+
+class IngestTask:
+    """A precompute job, run a piece (up to a token budget, at least one chunk) per ingestion step."""
+
+    def __init__(self, job: P.PrecomputeJob) -> None:
+        self.job = job
+        self.keys: list[str] | None = None
+        self.nbytes: list[int] = []
+        self.todo: list[int] = []  # chunk indices still to compute
+        self.computed = 0
+
+    def run_piece(self, worker: Worker, budget_tokens: int) -> P.Done | None:
+        """Compute the next piece; the job's Done once every chunk is stored."""
+        from kvfuse.service.worker import kv_nbytes
+
+        chunks = self.job.chunks
+        if self.keys is None:
+            e = worker.engine
+            self.keys = [worker.key_of(ids) for ids in chunks]
+            for i, (key, ids) in enumerate(zip(self.keys, chunks, strict=True)):
+                if worker.store.has_chunk(key):
+                    # Content-addressed: an identical chunk (same model, dtype, tokens) is stored once.
+                    self.nbytes.append(kv_nbytes(len(ids), e.num_layers, e.num_kv_heads, e.head_dim,
+                                                 worker.kv_dtype))
+                else:
+                    self.nbytes.append(-1)
+                    self.todo.append(i)
+        piece, tokens = [], 0
+        while self.todo and (not piece or tokens + len(chunks[self.todo[0]]) <= budget_tokens):
+            i = self.todo.pop(0)
+            piece.append(i)
+            tokens += len(chunks[i])
+        if piece:
+            stored = dict(worker.compute_and_store([chunks[i] for i in piece]))
+            for i in piece:
+                self.nbytes[i] = stored[self.keys[i]]
+            self.computed += len(piece)
+        if self.todo:
+            return None
+        return P.Done(self.job.job_id, list(self.keys), list(self.nbytes), self.computed)

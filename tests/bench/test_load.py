@@ -1,0 +1,55 @@
+"""`kvfuse bench load`: its statistics and plot, and a tiny real run through a server it starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfuse.bench.load import Sample, percentile, plot, summarize
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([4.0, 1.0, 3.0, 2.0], 100) == 4.0
+
+
+def test_summary_counts_only_successful_requests_toward_latency_and_throughput() -> None:
+    samples = [Sample(ok=True, ttft_s=0.5, gaps_s=[0.1, 0.2], completion_tokens=3, e2e_s=0.8),
+               Sample(ok=True, ttft_s=1.5, gaps_s=[0.3], completion_tokens=2, e2e_s=1.8),
+               Sample(ok=False, status=429)]
+    row = summarize(samples, wall_s=2.0)
+    assert row["requests"] == 3 and row["errors"] == 1
+    assert row["ttft_p50_s"] == 1.0 and row["itl_p50_s"] == 0.2
+    assert row["tokens_per_s"] == 2.5 and row["requests_per_s"] == 1.0
+
+
+def test_plot_has_one_line_per_method(tmp_path: Path) -> None:
+    rows = [{"method": m, "mode": "closed", "concurrency": c, "tokens_per_s": c * k, "ttft_p50_s": 0.1 * c}
+            for m, k in (("anchor", 3), ("vanilla", 1)) for c in (1, 2, 4)]
+    png = plot(rows, tmp_path / "load.png")
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_tiny_load_run_through_a_real_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             shared_data: Path, default_llm_path: str) -> None:
+    from kvfuse.cli import main
+
+    monkeypatch.setenv("KVFUSE_MODEL_CACHE_DIR", str(Path(default_llm_path).parent))
+    monkeypatch.setenv("KVFUSE_MODEL__MAX_CONTEXT_TOKENS", "1024")
+    out = tmp_path / "load.json"
+    rc = main(["bench", "load", "--concurrency", "1,2", "--rounds", "1", "--max-tokens", "4",
+               "--context-tokens", "400", "--rate", "4", "--open-requests", "2", "--data-dir", str(shared_data),
+               "--json", str(out)])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    rows = payload["rows"]
+    assert {(r["method"], r["mode"], r["concurrency"]) for r in rows} == {
+        (m, "closed", c) for m in ("anchor", "vanilla") for c in (1, 2)} | {("anchor", "open", None),
+                                                                             ("vanilla", "open", None)}
+    assert all(r["errors"] == 0 and r["generated_tokens"] > 0 and r["ttft_p50_s"] > 0 for r in rows)
+    assert out.with_suffix(".png").is_file() and not payload["partial"]

@@ -1,0 +1,94 @@
+"""The scheduler's policy on its own: admission by KV budget, batch size and prefill work per step, first
+come first served, and ingestion's guaranteed share of the steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfuse.config import ServerSettings
+from kvfuse.service.scheduler import Request, Scheduler, SchedulerLimits
+
+
+def sched(**kw) -> Scheduler:
+    return Scheduler(SchedulerLimits(**{"max_running": 4, "kv_budget_tokens": 1000, "prefill_tokens_per_step": 300,
+                                        "ingest_share": 0.25, **kw}))
+
+
+def ids(reqs: list[Request]) -> list[int]:
+    return [r.job_id for r in reqs]
+
+
+def test_limits_come_from_the_server_settings() -> None:
+    s = ServerSettings(max_running_requests=3, kv_budget_tokens=500, prefill_tokens_per_step=64, ingest_step_share=0.5)
+    assert SchedulerLimits.from_settings(s) == SchedulerLimits(3, 500, 64, 0.5)
+
+
+def test_kv_budget_holds_back_the_next_request_until_one_retires() -> None:
+    s = sched(prefill_tokens_per_step=10_000)
+    for i in range(4):
+        s.add(Request(i, kv_tokens=300, prefill_tokens=100))
+    assert ids(s.schedule().admit) == [0, 1, 2]  # a fourth would hold 1200 > 1000
+    assert s.kv_used == 900 and s.num_waiting == 1
+    assert s.schedule().admit == []
+    s.retire(1)
+    assert ids(s.schedule().admit) == [3]
+    assert ids(s.decode_batch()) == [0, 2, 3] and s.kv_used == 900
+
+
+def test_a_request_larger_than_the_budget_is_refused_not_queued() -> None:
+    s = sched()
+    assert s.fits_alone(1000) and not s.fits_alone(1001)
+    with pytest.raises(ValueError, match="over the budget"):
+        s.add(Request(1, kv_tokens=1001))
+
+
+def test_batch_size_and_prefill_work_per_step_are_bounded() -> None:
+    s = sched(max_running=3, kv_budget_tokens=10_000)
+    for i in range(5):
+        s.add(Request(i, kv_tokens=10, prefill_tokens=200))
+    assert ids(s.schedule().admit) == [0]  # 200 + 200 > 300: one prefill this step
+    assert ids(s.schedule().admit) == [1]
+    assert ids(s.schedule().admit) == [2]
+    assert s.schedule().admit == [] and s.num_running == 3  # max_running
+    big = sched()
+    big.add(Request(9, kv_tokens=10, prefill_tokens=5000))  # larger than a step's budget: admitted alone
+    assert ids(big.schedule().admit) == [9]
+
+
+def test_the_head_of_the_queue_is_never_overtaken() -> None:
+    s = sched(prefill_tokens_per_step=10_000)
+    s.add(Request(0, kv_tokens=600))
+    s.schedule()
+    s.add(Request(1, kv_tokens=600))  # does not fit beside 0
+    s.add(Request(2, kv_tokens=100))  # would fit, but waits its turn
+    assert s.schedule().admit == []
+    s.retire(0)
+    assert ids(s.schedule().admit) == [1, 2]
+
+
+def test_cancel_removes_a_request_wherever_it_is() -> None:
+    s = sched()
+    s.add(Request(1, kv_tokens=100))
+    s.schedule()
+    s.add(Request(2, kv_tokens=100))
+    s.add_ingest(Request(3))
+    assert s.remove(2)[0] == "waiting"
+    assert s.remove(1)[0] == "running" and s.kv_used == 0
+    assert s.remove(3)[0] == "ingest"
+    assert s.remove(4) is None and not s.has_work
+
+
+def test_ingestion_gets_its_share_of_busy_steps_and_every_idle_step() -> None:
+    s = sched(ingest_share=0.25)
+    s.add_ingest(Request(100))
+    assert s.schedule().ingest.job_id == 100  # no query needs the worker: ingestion runs
+    s.add(Request(1, kv_tokens=100, prefill_tokens=10))
+    turns = [s.schedule().ingest is not None for _ in range(12)]
+    assert turns == [False, False, False, True] * 3  # one step in four while a query runs
+    plan = sched(ingest_share=1.0)
+    plan.add(Request(1, kv_tokens=1))
+    plan.add_ingest(Request(7))
+    p = plan.schedule()
+    assert ids(p.admit) == [1] and p.ingest.job_id == 7 and p.ingest_tokens == 300
+    s.ingest_done(100)
+    assert s.schedule().ingest is None
