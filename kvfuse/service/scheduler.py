@@ -29,10 +29,12 @@ from typing import Any
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    max_running: int = 16
-    kv_budget_tokens: int = 65536
-    prefill_tokens_per_step: int = 4096
-    ingest_share: float = 0.25
+    """The scheduler's limits; their defaults are declared once, in config.ServerSettings."""
+
+    max_running: int
+    kv_budget_tokens: int
+    prefill_tokens_per_step: int
+    ingest_share: float
 
     @classmethod
     def from_settings(cls, server: Any) -> SchedulerLimits:
