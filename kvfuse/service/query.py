@@ -262,15 +262,6 @@ class QueryService:
         return QueryRun(plan=plan, job=job, events=events, sources=kept, dropped=dropped,
                         plan_info=dataclasses.asdict(first))
 
-    @staticmethod
-    def _worker_event(msg: Any) -> tuple[str, Any]:
-        """A worker message (kvfuse.service.protocol) as this pipeline's (kind, payload)."""
-        if isinstance(msg, Delta):
-            return "delta", {"text": msg.text}
-        if isinstance(msg, Result):
-            return "result", dataclasses.asdict(msg)
-        return "cancelled", {}  # ended before the worker started it
-
     def api_error(self, err: BaseException) -> BaseException:
         """The HTTP error for a failure of a running query (other exceptions pass through)."""
         st = self.state
@@ -304,18 +295,18 @@ class QueryService:
         finished = False
         try:
             async for msg in run.events:
-                kind, p = self._worker_event(msg)
                 now = time.monotonic()
-                if kind == "delta":
+                if isinstance(msg, Delta):
                     if first_at is None:
                         first_at = now
                         m.ttft.observe(now - run.plan.arrived)
                     else:
                         m.itl.observe(now - last_at)
                     last_at = now
-                    yield kind, p
-                elif kind == "result":
+                    yield "delta", {"text": msg.text}
+                elif isinstance(msg, Result):
                     finished = True
+                    p = dataclasses.asdict(msg)
                     summary = self.summarize(run, p, first_at)
                     m.e2e.observe(now - run.plan.arrived)
                     m.kv_load.observe(p["timings"].get("kv_load_s", 0.0))
@@ -323,8 +314,8 @@ class QueryService:
                     m.query_tokens.inc(summary.usage.prompt_tokens)
                     m.rebuilt_chunks.inc(p.get("rebuilt_chunks", 0))
                     m.requests.labels(p["finish_reason"] if p["finish_reason"] == "cancelled" else "ok").inc()
-                    yield kind, summary
-                elif kind == "cancelled":
+                    yield "result", summary
+                else:  # Cancelled: ended before the worker started it
                     finished = True
                     return
         except BaseException as err:
