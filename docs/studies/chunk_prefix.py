@@ -2,7 +2,7 @@
 
 Usage: python docs/studies/chunk_prefix.py N TASKS [SEED]   e.g. 4 needle,multikey,multivalue,musique,vartrack 0
 Run from the repository root with the project's environment; the data directory defaults to
-../shared/data beside the repository. Prints, per task, each variant's mean score, median and mean
+the evaluation data (setting bench.data_dir). Prints, per task, each variant's mean score, median and mean
 first-token KL to vanilla (nats) and how many answers equal vanilla's, on the fidelity benchmark's own
 examples (8 chunks x 512 tokens, r = 0.15, greedy, the configured system prompt).
 """
@@ -11,17 +11,17 @@ import dataclasses
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from kvfuse.bench.data import resolve_data_dir
 from kvfuse.bench.fidelity import EngineBackend, kl_divergence
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import load_settings
 from kvfuse.fusion.types import ChunkKV
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+DATA = resolve_data_dir()  # the setting bench.data_dir (KVFUSE_BENCH__DATA_DIR)
 
 n, tasks = int(sys.argv[1]), sys.argv[2].split(",")
 seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0

@@ -7,7 +7,7 @@ anchor_pc: half the evidence budget split evenly across chunks.
 
 Usage: python docs/studies/selection_oracle.py N TASKS [SEED]   e.g. 4 needle,multikey,multivalue,musique 0
 Run from the repository root with the project's environment; the data directory defaults to
-../shared/data beside the repository. Prints, per task, each variant's mean score, median and mean
+the evaluation data (setting bench.data_dir). Prints, per task, each variant's mean score, median and mean
 first-token KL to vanilla (nats) and how many answers equal vanilla's, on the fidelity benchmark's own
 examples (8 chunks x 512 tokens, r = 0.15, greedy, the configured system prompt).
 """
@@ -16,11 +16,11 @@ import dataclasses
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
+from kvfuse.bench.data import resolve_data_dir
 from kvfuse.bench.fidelity import EngineBackend, kl_divergence
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
@@ -29,7 +29,7 @@ from kvfuse.fusion.cache import FusedCache, Layout
 from kvfuse.fusion.methods import anchor as A
 from kvfuse.fusion.methods.base import FusionMethod, register
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+DATA = resolve_data_dir()  # the setting bench.data_dir (KVFUSE_BENCH__DATA_DIR)
 ORACLE = {}  # the current example's oracle scores
 
 @register

@@ -24,11 +24,11 @@ after it.
 import dataclasses
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kvfuse.bench.data import resolve_data_dir
 from kvfuse.bench.fidelity import EngineBackend, kl_divergence
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
@@ -37,7 +37,7 @@ from kvfuse.fusion import transformer
 from kvfuse.fusion.methods import anchor as A
 from kvfuse.fusion.methods.base import register
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+DATA = resolve_data_dir()  # the setting bench.data_dir (KVFUSE_BENCH__DATA_DIR)
 TAIL = 64  # SamKV's local segment is two 64-token blocks; one is kept here (chunks are ~500 tokens)
 VARIANTS = {  # name -> (visible share of stale tokens, keep chunk tails, logit bias, key scale)
     "drop 0.5": (0.5, False, 0.0, 1.0),

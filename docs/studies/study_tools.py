@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 
 from kvfuse.bench import report
+from kvfuse.bench.data import resolve_data_dir
 from kvfuse.bench.fidelity import Outcome, aggregate, kl_divergence, outcome_dicts
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.fusion.methods import anchor as A
 from kvfuse.fusion.methods.base import register
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+DATA = resolve_data_dir()  # the setting bench.data_dir (KVFUSE_BENCH__DATA_DIR)
 FACT: dict = {}  # "mask": the current example's fact tokens over the context [N] (for anchor_fact)
 
 

@@ -9,7 +9,7 @@ given explicitly so every request fuses the same contexts. Per level: TTFT and i
 p50/p95 as the client sees them, generated tokens/s and requests/s over the level's wall time.
 
 It starts a server (`kvfuse serve` on a free loopback port with a fresh data dir) unless `--url` names
-one; the plot (matplotlib, imported only to draw) puts throughput and TTFT against concurrency.
+one; the plot (the optional extra `kvfuse[bench]`, see plots.py) puts throughput and TTFT against concurrency.
 """
 
 from __future__ import annotations
@@ -243,11 +243,9 @@ def ingest_documents(url: str, api_key: str | None, texts: list[tuple[str, str]]
 
 def plot(rows: list[dict[str, Any]], png: Path) -> Path:
     """Throughput and TTFT p50 against concurrency, one line per method (closed-loop rows)."""
-    import matplotlib
+    from kvfuse.bench.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for method in dict.fromkeys(r["method"] for r in rows):
         pts = [r for r in rows if r["method"] == method and r["mode"] == "closed"]
@@ -317,6 +315,7 @@ def register(bsub: Any) -> None:
     """Add `kvfuse bench load` (imports nothing heavy)."""
     import argparse
 
+    from kvfuse.bench.data import DATA_DIR_HELP
     from kvfuse.bench.report import SCRATCH_DIR
 
     def ints(text: str) -> list[int]:
@@ -338,6 +337,6 @@ def register(bsub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="document choice and open-loop arrivals")
     p.add_argument("--url", default=None, help="measure this server instead of starting one")
     p.add_argument("--api-key", default=None, help="API key for --url")
-    p.add_argument("--data-dir", default=None, help="evaluation data (essays)")
+    p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
     p.add_argument("--json", default=str(SCRATCH_DIR / "load.json"), help="result file; the .png plot goes beside it")
     p.set_defaults(func=command, parser=p)

@@ -22,6 +22,7 @@ from kvfuse.service.dependencies import State
 from kvfuse.service.errors import ErrorBody, error_body, install_error_handlers
 from kvfuse.service.middleware import GuardMiddleware
 from kvfuse.service.responses import Health, Readiness
+from kvfuse.service.schemas import add_body_schemas
 from kvfuse.service.state import ServiceState
 
 
@@ -42,6 +43,14 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(documents_api.router)
     app.include_router(query_api.router)
     app.include_router(openai_api.router)
+    fastapi_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = add_body_schemas(fastapi_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.get("/health")
     async def health(state: State) -> Health:

@@ -15,6 +15,7 @@ from kvfuse.service.schemas import (
     DocumentIn,
     OnConflict,
     decode_utf8,
+    documented_body,
     parse_json,
     validate,
 )
@@ -42,7 +43,8 @@ def _parse_documents(request: Request, raw: bytes, doc_id: str | None, on_confli
     return [doc], False, on_conflict or "skip"
 
 
-@router.post("/v1/documents", status_code=202, response_model=JobOut | Submitted | SubmittedBatch)
+@router.post("/v1/documents", status_code=202, response_model=JobOut | Submitted | SubmittedBatch,
+             openapi_extra=documented_body(DocumentIn, DocumentBatchIn, text=True))
 async def create_documents(request: Request, response: Response, state: ReadyState, wait: bool = False,
                            id: str | None = None, on_conflict: OnConflict | None = None
                            ) -> JobOut | Submitted | SubmittedBatch:

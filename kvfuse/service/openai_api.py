@@ -32,7 +32,7 @@ from kvfuse.service.responses import (
     ModelCard,
     ModelList,
 )
-from kvfuse.service.schemas import ChatIn, parse_json, validate
+from kvfuse.service.schemas import ChatIn, documented_body, parse_json, validate
 from kvfuse.service.state import ServiceState
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -54,7 +54,7 @@ def _finish(reason: str) -> Literal["stop", "length"]:
     return "length" if reason == "length" else "stop"
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion)
+@router.post("/v1/chat/completions", response_model=ChatCompletion, openapi_extra=documented_body(ChatIn))
 async def chat_completions(request: Request, state: State, queries: Queries) -> ChatCompletion | Response:
     """The body is read by hand, as for /v1/query; its schema is `ChatIn`."""
     arrived = time.monotonic()

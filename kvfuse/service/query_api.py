@@ -15,7 +15,7 @@ from kvfuse.service.dependencies import Queries
 from kvfuse.service.errors import ERROR_RESPONSES, APIError
 from kvfuse.service.query import ClientGone, QueryRun, QueryService, next_unless_gone
 from kvfuse.service.responses import QueryAnswer
-from kvfuse.service.schemas import QueryIn, parse_json, validate
+from kvfuse.service.schemas import QueryIn, documented_body, parse_json, validate
 
 router = APIRouter(responses=ERROR_RESPONSES)
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the access log does
@@ -41,7 +41,7 @@ async def start_query(queries: QueryService, request: Request, body: Any, *, que
     return await queries.start(plan, request)
 
 
-@router.post("/v1/query", response_model=QueryAnswer, responses=_STREAM_DOC)
+@router.post("/v1/query", response_model=QueryAnswer, responses=_STREAM_DOC, openapi_extra=documented_body(QueryIn))
 async def query(request: Request, queries: Queries) -> QueryAnswer | Response:
     """The body is read by hand (not declared) so that malformed JSON, bad UTF-8 and wrong types get this
     service's error codes; its schema is `QueryIn`."""

@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
     create_model,
 )
+from pydantic.json_schema import models_json_schema
 
 from kvfuse.config import FusionRequestSettings
 from kvfuse.service.errors import APIError
@@ -104,6 +105,29 @@ class ChatIn(GenerationIn, RetrievalIn):
     stream_options: StreamOptions | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=1)
+
+
+# Bodies read by hand (see `documented_body`), listed in /openapi.json all the same.
+BODY_MODELS: tuple[type[BaseModel], ...] = (DocumentIn, DocumentBatchIn, QueryIn, ChatIn)
+
+
+def documented_body(*models: type[BaseModel], text: bool = False) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads its body by hand (so that bad JSON, bad UTF-8 and wrong
+    types get this service's error codes, see `parse_json`/`validate`): the body's schema still appears
+    in /openapi.json. The components it refers to are added by `add_body_schemas`."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    content: dict[str, Any] = {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}
+    if text:
+        content["text/plain"] = {"schema": {"type": "string"}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def add_body_schemas(openapi: dict[str, Any]) -> dict[str, Any]:
+    """`openapi` with the JSON schemas of every hand-read request body among its components."""
+    _, top = models_json_schema([(m, "validation") for m in BODY_MODELS],
+                                ref_template="#/components/schemas/{model}")
+    openapi.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
+    return openapi
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -92,3 +92,30 @@ def test_cli_help_lists_the_service_commands() -> None:
     out = subprocess.run([sys.executable, "-m", "kvfuse.cli", "query", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--method" in out.stdout and "--doc" in out.stdout
+
+
+def _refs(node: object) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return own + [r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
+def test_openapi_documents_the_bodies_read_by_hand() -> None:
+    from kvfuse.config import load_settings
+    from kvfuse.service.app import create_app
+
+    spec = create_app(load_settings()).openapi()
+    body = {path: spec["paths"][path]["post"]["requestBody"]["content"]
+            for path in ("/v1/query", "/v1/chat/completions", "/v1/documents")}
+    assert body["/v1/query"]["application/json"]["schema"] == {"$ref": "#/components/schemas/QueryIn"}
+    assert body["/v1/chat/completions"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatIn"}
+    assert "text/plain" in body["/v1/documents"]
+    schemas = spec["components"]["schemas"]
+    assert {"query", "fusion", "top_k"} <= set(schemas["QueryIn"]["properties"])
+    assert "recompute_ratio" in json.dumps(schemas["FusionIn"])
+    # Every reference in the document resolves to a component.
+    missing = {r for r in _refs(spec) if r.removeprefix("#/components/schemas/") not in schemas}
+    assert not missing
