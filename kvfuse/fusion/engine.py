@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import torch
 
@@ -167,13 +167,27 @@ class FusionEngine:
                 f"prompt ({total_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model context "
                 f"({self.max_context_tokens}) by {excess} tokens", excess_tokens=excess)
 
-    @torch.inference_mode()
     def fuse(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
              options: FusionOptions | None = None, *, max_tokens: int = 0) -> FusedPrefill:
         """Assemble the cache of prefix + chunks + question and prefill it with `options.method`.
 
         The returned cache has room for `max_tokens` generated tokens; the prompt must fit with them.
         """
+        steps = self.fuse_steps(prefix, chunks, question_ids, options, max_tokens=max_tokens)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    @torch.inference_mode()
+    def fuse_steps(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
+                   options: FusionOptions | None = None, *, max_tokens: int = 0
+                   ) -> Generator[int, None, FusedPrefill]:
+        """`fuse` as a generator that pauses after every decoder layer it runs, yielding the rows that
+        layer ran (the unit of prefill work), and returns the FusedPrefill. The scheduler spreads a long
+        prefill over several engine steps this way, so the running streams keep decoding meanwhile.
+        Selection and assembly run whole."""
         options = options or FusionOptions()
         method = get_method(options.method)
         prefix = prefix if prefix is not None else self._empty_chunk()
@@ -194,7 +208,7 @@ class FusionEngine:
         t = time.perf_counter()
         if method.full_prefill:
             rows = self.rows(torch.arange(layout.total, device=self.device))
-            h = self.tf.run(cache, self.tf.embed(ids), rows, range(self.num_layers))
+            h = yield from self._layers(cache, self.tf.embed(ids), rows, range(self.num_layers))
             selected_ctx = torch.arange(n, device=self.device)
             timings["recompute_s"] = time.perf_counter() - t
             full_layers = self.num_layers
@@ -207,7 +221,7 @@ class FusionEngine:
             ctx = SelectionContext(self.tf, cache, layout, ids, options, full_layers, self.rows)
             t = time.perf_counter()
             if full_layers > 0:
-                ctx.hidden = self.tf.run(cache, self.tf.embed(ids[p:]), ctx.rows_all(), range(full_layers))
+                ctx.hidden = yield from self._layers(cache, self.tf.embed(ids[p:]), ctx.rows_all(), range(full_layers))
             t_full = time.perf_counter() - t
             t = time.perf_counter()
             if n == 0:  # nothing to select from
@@ -218,7 +232,7 @@ class FusionEngine:
                 raise ValueError(f"{options.method}: selected indices outside the context [0, {n})")
             timings["select_s"] = time.perf_counter() - t
             t = time.perf_counter()
-            h = self._recompute(method, ctx, selected_ctx)
+            h = yield from self._recompute(method, ctx, selected_ctx)
             timings["recompute_s"] = t_full + time.perf_counter() - t
         cache.length = layout.total
         logits = self.tf.logits(h[:, -1])[0]
@@ -238,14 +252,23 @@ class FusionEngine:
             if recover:
                 self.rope.shift_keys_(cache.k[:, :, start : start + len(kv)], start)
 
-    def _recompute(self, method: FusionMethod, ctx: SelectionContext, selected_ctx: torch.Tensor) -> torch.Tensor:
+    def _layers(self, cache: FusedCache, h: torch.Tensor, rows: Rows, layers: range
+                ) -> Generator[int, None, torch.Tensor]:
+        """`Transformer.run` a layer at a time, yielding the rows run after each; returns the hidden."""
+        for i in layers:
+            h = self.tf.run(cache, h, rows, range(i, i + 1))
+            yield rows.count
+        return h
+
+    def _recompute(self, method: FusionMethod, ctx: SelectionContext, selected_ctx: torch.Tensor
+                   ) -> Generator[int, None, torch.Tensor]:
         """Recompute the selected context rows + every question row through the layers after the full
         ones (from where `method.recompute_start` says); returns their hidden."""
         n = ctx.layout.context_len
         local = torch.cat([selected_ctx, torch.arange(n, n + ctx.layout.question_len, device=self.device)])
         rows = self.rows(local + ctx.layout.prefix_len)
         h, start = method.recompute_start(ctx, local, rows)
-        return self.tf.run(ctx.cache, h, rows, range(start, self.num_layers))
+        return (yield from self._layers(ctx.cache, h, rows, range(start, self.num_layers)))
 
     # -- decoding -------------------------------------------------------------------------------------------
     @torch.inference_mode()

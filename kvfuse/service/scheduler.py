@@ -8,9 +8,10 @@ Admission is bounded three ways, so neither memory nor a burst of arrivals can h
 - KV memory: a running request holds its cache for prompt + max_tokens tokens (the fused cache is
   preallocated), and the sum stays within `kv_budget_tokens`; a request that does not fit waits.
 - Batch size: at most `max_running` sequences decode together.
-- Prefill work per step: admitted prompts add up to at most `prefill_tokens_per_step` (one request is
-  always allowed, since a fused prefill cannot be split), so a long prefill delays the running streams
-  by one step, not one per waiting request.
+- Prefill work: a request is admitted only while the prefill work of the admitted requests that are
+  still prefilling stays within `prefill_tokens_per_step` (or none is), and the worker runs at most
+  that much prefill per step (a fused prefill pauses between decoder layers, `FusionEngine.fuse_steps`),
+  so a long prompt delays the running streams by a bounded amount per step, not by its whole length.
 Admission is first come, first served: the head of the queue is never overtaken, so a large request
 cannot starve behind a stream of small ones.
 
@@ -51,6 +52,7 @@ class Request:
     kv_tokens: int = 0  # cache tokens held while running: prompt + max_tokens
     prefill_tokens: int = 0  # prefill work on admission (an estimate in tokens)
     data: Any = None
+    prefilled: bool = False  # its prefill is complete: it decodes with the batch
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Scheduler:
         self.running: OrderedDict[int, Request] = OrderedDict()
         self.ingest: deque[Request] = deque()
         self.kv_used = 0
+        self.prefill_pending = 0  # prefill tokens of running requests whose prefill is not complete
         self._credit = 0.0
 
     # -- state ----------------------------------------------------------------------------------------
@@ -101,7 +104,16 @@ class Scheduler:
         req = self.running.pop(job_id, None)
         if req is not None:
             self.kv_used -= req.kv_tokens
+            if not req.prefilled:
+                self.prefill_pending -= req.prefill_tokens
         return req
+
+    def prefilled(self, job_id: int) -> None:
+        """A running request's prefill is complete: from now on it decodes with the batch."""
+        req = self.running[job_id]
+        if not req.prefilled:
+            req.prefilled = True
+            self.prefill_pending -= req.prefill_tokens
 
     def ingest_done(self, job_id: int) -> None:
         self.ingest = deque(r for r in self.ingest if r.job_id != job_id)
@@ -125,17 +137,16 @@ class Scheduler:
         """What the next step does. Admitted requests move to `running` and hold their KV tokens."""
         lim = self.limits
         plan = StepPlan()
-        prefill = 0
         while self.waiting and len(self.running) < lim.max_running:
             head = self.waiting[0]
             if self.kv_used + head.kv_tokens > lim.kv_budget_tokens:
                 break
-            if plan.admit and prefill + head.prefill_tokens > lim.prefill_tokens_per_step:
+            if self.prefill_pending and self.prefill_pending + head.prefill_tokens > lim.prefill_tokens_per_step:
                 break
             self.waiting.popleft()
             self.running[head.job_id] = head
             self.kv_used += head.kv_tokens
-            prefill += head.prefill_tokens
+            self.prefill_pending += head.prefill_tokens
             plan.admit.append(head)
         if self.ingest:
             if not (self.running or self.waiting):
@@ -150,6 +161,11 @@ class Scheduler:
             self._credit = 0.0
         return plan
 
+    def prefilling(self) -> list[Request]:
+        """Running requests whose prefill is not complete, in admission order (the first gets the
+        step's prefill budget first)."""
+        return [r for r in self.running.values() if not r.prefilled]
+
     def decode_batch(self) -> list[Request]:
-        """Every running request, in admission order: one batched decode step covers them all."""
-        return list(self.running.values())
+        """Every running request past its prefill, in admission order: one batched decode step covers them."""
+        return [r for r in self.running.values() if r.prefilled]

@@ -2,9 +2,9 @@
 
 Kept apart from the engine loop (`worker.py`) so that the loop reads as the step it is: admit, ingest,
 decode, retire. A query is checked on arrival (does it fit the context and the KV budget at all?) and
-planned (which retrieved chunks fit), waits in the scheduler, and on admission loads its chunk KV, runs
-the fused prefill and takes its first token; after that each batched decode step hands it one row of
-logits. An ingestion job is precomputed a piece at a time (up to the step's token budget), so a large
+planned (which retrieved chunks fit), waits in the scheduler, and on admission loads its chunk KV; its
+fused prefill then runs a few decoder layers per engine step (within the step's prefill budget) until it
+takes its first token; after that each batched decode step hands it one row of logits. An ingestion job is precomputed a piece at a time (up to the step's token budget), so a large
 document shares the worker with running queries instead of holding it.
 """
 
@@ -90,16 +90,16 @@ class QuerySequence:
         self.stats: dict[str, int] = {}
         self.timings: dict[str, float] = {}
         self.rebuilt = 0
-        self._t_first = 0.0
+        self._steps: Any = None  # the fused prefill in progress (FusionEngine.fuse_steps)
+        self._t_loaded = self._t_first = 0.0
 
     def plan_message(self, step: int) -> P.Plan:
         return P.Plan(self.job.job_id, self.kept, self.dropped, self.context_tokens, len(self.prefix_ids),
                       len(self.question_ids), step)
 
-    def prefill(self, worker: Worker) -> str:
-        """Load the chunks' KV, run the fused prefill and take the first token; returns its text."""
+    def start(self, worker: Worker) -> None:
+        """Load the chunks' KV and set up the fused prefill, which `advance` then runs in pieces."""
         from kvfuse.fusion import ChunkKV
-        from kvfuse.fusion.generation import Generation
 
         engine = worker.engine
         chunks = [self.job.chunks[i] for i in self.kept]
@@ -114,14 +114,33 @@ class QuerySequence:
                 loaded.append(ckv)
                 self.rebuilt += was_rebuilt
             prefix = worker.prefix_kv(self.prefix_ids)
-        t1 = time.perf_counter()
-        fused = engine.fuse(prefix, loaded, self.question_ids, self.fusion, max_tokens=self.gen_options.max_tokens)
+        self._t_loaded = time.perf_counter()
+        self.timings = {"kv_load_s": self._t_loaded - t0}
+        self._steps = engine.fuse_steps(prefix, loaded, self.question_ids, self.fusion,
+                                        max_tokens=self.gen_options.max_tokens)
+
+    def advance(self, worker: Worker, budget: int) -> tuple[int, str | None]:
+        """Run the prefill for about `budget` rows x layers (at least one layer): (work done, the first
+        token's text once the prefill is complete, else None)."""
+        from kvfuse.fusion.generation import Generation
+
+        spent = 0
+        try:
+            while spent < budget:
+                spent += next(self._steps)
+        except StopIteration as done:
+            fused = done.value
+        else:
+            return spent, None
+        engine = worker.engine
+        self._steps = None
         self.cache, self.stats = fused.cache, fused.stats
         self.gen = Generation(engine.tokenizer, engine.stop_token_ids, self.gen_options, engine.device)
         text = self.gen.accept(fused.logits)
         self._t_first = time.perf_counter()
-        self.timings = {**fused.timings, "kv_load_s": t1 - t0, "ttft_s": self._t_first - t1}
-        return text
+        # ttft_s counts from the loaded KV to the first token, including steps spent on other sequences.
+        self.timings.update(fused.timings, ttft_s=self._t_first - self._t_loaded)
+        return spent, text
 
     def accept(self, logits: Any) -> str:
         return self.gen.accept(logits)

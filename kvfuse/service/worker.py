@@ -14,8 +14,9 @@ A precompute job gets one Done (or Error). After every engine step the worker se
 queue depths), and every message names the step it came from.
 
 The loop (`serve`): drain the pipe (blocking only when idle), then one engine step: admit what the
-scheduler allows (load KV, fused prefill, first token), a piece of ingestion if it is ingestion's turn,
-then one batched decode step for every running sequence; finished, cancelled and failed sequences are
+scheduler allows (send Plan, load KV), run the step's share of prefill (decoder layers of the prefilling
+sequences, oldest first; a completed prefill takes its first token), a piece of ingestion if it is
+ingestion's turn, then one batched decode step for every sequence past its prefill; finished, cancelled and failed sequences are
 retired at once, so a Cancel read at the top of a step takes effect in that step.
 """
 
@@ -166,13 +167,13 @@ class Worker:
         if found is None:
             return  # already ended
         where, req = found
-        if where == "running":
+        if where == "running" and req.prefilled:
             seq: QuerySequence = req.data
             tail = seq.gen.cancel()
             if tail:
                 self.send(P.Delta(job_id, tail, self.step_no))
             self.send(seq.result(self.step_no))
-        else:  # never started: nothing to report but the end
+        else:  # no token yet: nothing to report but the end
             self.send(P.Error(job_id, ERR_INVALID, "cancelled", None, self.step_no))
 
     # -- the engine step -------------------------------------------------------------------------------------
@@ -180,7 +181,8 @@ class Worker:
         self.step_no += 1
         plan = self.scheduler.schedule()
         for req in plan.admit:
-            self._admit(req)
+            self._start(req)
+        self._prefill(self.scheduler.limits.prefill_tokens_per_step * self.engine.num_layers)
         if plan.ingest is not None:
             self._ingest(plan.ingest, plan.ingest_tokens)
         batch = self.scheduler.decode_batch()
@@ -190,16 +192,32 @@ class Worker:
                          plan.ingest.job_id if plan.ingest is not None else None, self.scheduler.num_running,
                          self.scheduler.num_waiting, self.scheduler.kv_used))
 
-    def _admit(self, req: Request) -> None:
+    def _start(self, req: Request) -> None:
         seq: QuerySequence = req.data
         self.send(seq.plan_message(self.step_no))
         try:
-            text = seq.prefill(self)
+            seq.start(self)
         except Exception as err:  # noqa: BLE001 - fails this request only
             self.scheduler.retire(req.job_id)
             self.send(self._error(req.job_id, err))
-            return
-        self._emit(req, text)
+
+    def _prefill(self, budget: int) -> None:
+        """Advance the prefilling sequences, oldest first, by up to `budget` rows x layers in all; a
+        sequence whose prefill completes takes its first token and joins this step's decode batch."""
+        for req in self.scheduler.prefilling():
+            if budget <= 0:
+                return
+            seq: QuerySequence = req.data
+            try:
+                spent, text = seq.advance(self, budget)
+            except Exception as err:  # noqa: BLE001 - fails this request only
+                self.scheduler.retire(req.job_id)
+                self.send(self._error(req.job_id, err))
+                continue
+            budget -= spent
+            if text is not None:
+                self.scheduler.prefilled(req.job_id)
+                self._emit(req, text)
 
     def _decode(self, batch: list[Request]) -> None:
         import torch

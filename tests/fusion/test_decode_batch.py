@@ -77,3 +77,31 @@ def test_full_cache_is_refused(engine, prompts):
     with pytest.raises(FusionError, match="sequence 1"):
         engine.decode_batch([other.cache, fused.cache], torch.tensor([1, 2]))
     assert other.cache.length == len(prompts[0].ids)  # nothing was appended
+
+
+@pytest.mark.parametrize("method", ["vanilla", "anchor", "a3"])
+def test_a_prefill_run_a_layer_at_a_time_is_the_prefill(engine, prompts, method) -> None:
+    """fuse_steps pauses after every decoder layer (the scheduler spreads a long prefill over steps):
+    the pauses change nothing, and each reports the rows that layer ran."""
+    p = prompts[2]
+    whole = _fused(engine, p, method)
+    steps = engine.fuse_steps(p.prefix, p.chunks, p.question_ids, FusionOptions(method=method, recompute_ratio=0.3),
+                              max_tokens=STEPS)
+    work = []
+    while True:
+        try:
+            work.append(next(steps))
+        except StopIteration as done:
+            stepped = done.value
+            break
+    total = whole.stats["prefix_tokens"] + whole.stats["context_tokens"] + whole.stats["question_tokens"]
+    if method == "vanilla":
+        assert work == [total] * engine.num_layers
+    else:  # the recomputed rows through the layers after the full ones (a3: its check layers first)
+        rows = whole.stats["recomputed_tokens"] + whole.stats["question_tokens"]
+        assert rows in work and len(work) >= engine.num_layers - whole.stats["full_layers"] - 1
+    assert torch.equal(stepped.logits, whole.logits)
+    n = whole.cache.length
+    assert stepped.cache.length == n
+    assert torch.equal(stepped.cache.k[:, :, :n], whole.cache.k[:, :, :n])
+    assert torch.equal(stepped.cache.v[:, :, :n], whole.cache.v[:, :, :n])

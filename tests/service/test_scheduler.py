@@ -32,6 +32,8 @@ def test_kv_budget_holds_back_the_next_request_until_one_retires() -> None:
     assert s.schedule().admit == []
     s.retire(1)
     assert ids(s.schedule().admit) == [3]
+    for i in (0, 2, 3):
+        s.prefilled(i)
     assert ids(s.decode_batch()) == [0, 2, 3] and s.kv_used == 900
 
 
@@ -46,13 +48,27 @@ def test_batch_size_and_prefill_work_per_step_are_bounded() -> None:
     s = sched(max_running=3, kv_budget_tokens=10_000)
     for i in range(5):
         s.add(Request(i, kv_tokens=10, prefill_tokens=200))
-    assert ids(s.schedule().admit) == [0]  # 200 + 200 > 300: one prefill this step
-    assert ids(s.schedule().admit) == [1]
-    assert ids(s.schedule().admit) == [2]
-    assert s.schedule().admit == [] and s.num_running == 3  # max_running
+    assert ids(s.schedule().admit) == [0]  # 200 + 200 > 300: one prefill in flight
+    assert s.schedule().admit == []  # 0 is still prefilling
+    for i in range(3):
+        s.prefilled(i)
+        assert ids(s.schedule().admit) == ([i + 1] if i < 2 else [])
+    assert s.num_running == 3  # max_running
     big = sched()
     big.add(Request(9, kv_tokens=10, prefill_tokens=5000))  # larger than a step's budget: admitted alone
     assert ids(big.schedule().admit) == [9]
+
+
+def test_only_sequences_past_their_prefill_decode() -> None:
+    s = sched(prefill_tokens_per_step=1000)
+    for i in range(3):
+        s.add(Request(i, kv_tokens=10, prefill_tokens=300))
+    assert ids(s.schedule().admit) == [0, 1, 2] and s.prefill_pending == 900
+    assert ids(s.prefilling()) == [0, 1, 2] and s.decode_batch() == []
+    s.prefilled(1)
+    assert ids(s.prefilling()) == [0, 2] and ids(s.decode_batch()) == [1]
+    s.retire(0)  # cancelled while prefilling: its pending work is gone with it
+    assert s.prefill_pending == 300 and s.kv_used == 20
 
 
 def test_the_head_of_the_queue_is_never_overtaken() -> None:

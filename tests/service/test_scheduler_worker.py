@@ -243,3 +243,20 @@ def test_worker_killed_with_four_running_ends_each_cleanly_and_restarts(harness:
     assert late.result.finish_reason in ("stop", "length") and late.result.text  # re-sent to the new worker
     nxt = harness.run_all([query(chunks, [5], max_tokens=4)])[0]
     assert nxt.result.text
+
+
+def test_a_long_prefill_is_spread_over_steps_while_the_running_stream_decodes(harness: Harness, chunks) -> None:
+    streaming = query(chunks, [30], method="pie", max_tokens=40)
+    long = query(chunks, list(range(12)), method="vanilla", max_tokens=4)  # ~830 prompt rows, 256 per step
+    alone = [harness.run_all([j])[0] for j in (streaming, long)]
+    together = harness.run_all([streaming, long])
+    for a, b in zip(alone, together, strict=True):
+        assert not isinstance(b, BaseException), b
+        assert (b.result.text, b.result.usage) == (a.result.text, a.result.usage)
+    s_out, l_out = together
+    first = l_out.deltas[0].step
+    assert first - l_out.plan.step >= 3  # the prefill took several steps...
+    by_step = {s.step: s for s in harness.sup.steps}
+    between = [by_step[i] for i in range(l_out.plan.step, first)]
+    assert all(s.batch_size == 1 for s in between)  # ...in each of which the running stream decoded
+    assert s_out.result.step > first  # (it was still running throughout)
