@@ -49,7 +49,7 @@ class ServerSettings(_Section):
     worker_stop_timeout_s: float = Field(10.0, gt=0)
     max_running_requests: int = Field(16, ge=1)
     kv_budget_tokens: int = Field(65536, ge=1)
-    prefill_tokens_per_step: int = Field(4096, ge=1)
+    prefill_tokens_per_step: int = Field(2048, ge=1)
     ingest_step_share: float = Field(0.25, gt=0.0, le=1.0)
     url: str = ""
 
