@@ -15,6 +15,7 @@ one; the plot (the optional extra `kvfuse[bench]`, see plots.py) puts throughput
 from __future__ import annotations
 
 import asyncio
+import datetime as _dt
 import json
 import os
 import random
@@ -66,6 +67,9 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
             "ttft_p50_s": r(percentile(ttft, 50)), "ttft_p95_s": r(percentile(ttft, 95)),
             "itl_p50_s": r(percentile(gaps, 50)), "itl_p95_s": r(percentile(gaps, 95)),
             "e2e_p50_s": r(percentile([s.e2e_s for s in ok], 50)), "generated_tokens": tokens,
+            # vLLM's TPOT: a request's decode time over its tokens after the first (events may hold several)
+            "tpot_p50_s": r(percentile([(s.e2e_s - s.ttft_s) / (s.completion_tokens - 1)
+                                        for s in ok if s.completion_tokens > 1], 50)),
             "tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else None,
             "requests_per_s": round(len(ok) / wall_s, 4) if wall_s > 0 else None}
 
@@ -263,6 +267,35 @@ def plot(rows: list[dict[str, Any]], png: Path) -> Path:
     return png
 
 
+LOAD_TABLE = (("method", "method"), ("mode", "mode"), ("concurrency", "streams"), ("requests", "requests"),
+              ("errors", "errors"), ("ttft_p50_s", "TTFT p50 (s)"), ("ttft_p95_s", "TTFT p95 (s)"),
+              ("itl_p50_s", "ITL p50 (s)"), ("itl_p95_s", "ITL p95 (s)"), ("tpot_p50_s", "TPOT p50 (s)"),
+              ("tokens_per_s", "tokens/s"), ("requests_per_s", "requests/s"))
+
+
+def scaling(rows: list[dict[str, Any]], at: int = 8) -> list[dict[str, Any]]:
+    """Per method, what batching buys: closed-loop tokens/s and ITL p50 at `at` streams over 1 stream,
+    and requests/s at `at` streams over vanilla's."""
+    closed = {(r["method"], r["concurrency"]): r for r in rows if r["mode"] == "closed"}
+    ratio = lambda a, b: round(a / b, 3) if a is not None and b else None  # noqa: E731
+    out = []
+    for method in dict.fromkeys(m for m, _ in closed):
+        one, many, van = closed.get((method, 1)), closed.get((method, at)), closed.get(("vanilla", at))
+        if one is None or many is None:
+            continue
+        out.append({"method": method, "streams": at,
+                    "tokens_per_s_vs_1": ratio(many["tokens_per_s"], one["tokens_per_s"]),
+                    "itl_p50_vs_1": ratio(many["itl_p50_s"], one["itl_p50_s"]),
+                    "tpot_p50_vs_1": ratio(many.get("tpot_p50_s"), one.get("tpot_p50_s")),
+                    "requests_per_s_vs_vanilla": ratio(many["requests_per_s"], van and van["requests_per_s"])})
+    return out
+
+
+SCALING_TABLE = (("method", "method"), ("streams", "streams"), ("tokens_per_s_vs_1", "tokens/s vs 1 stream"),
+                 ("itl_p50_vs_1", "ITL p50 vs 1 stream"), ("tpot_p50_vs_1", "TPOT p50 vs 1 stream"),
+                 ("requests_per_s_vs_vanilla", "requests/s vs vanilla"))
+
+
 def config_dict(cfg: LoadConfig) -> dict[str, Any]:
     out = asdict(cfg)
     out.pop("api_key", None)
@@ -287,10 +320,12 @@ def command(args: Any) -> int:
                          concurrency=args.concurrency, rounds=args.rounds, max_tokens=args.max_tokens,
                          rate=args.rate, open_requests=args.open_requests, seed=args.seed)
         machine = machine_info()
+        created = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
         def save(rows: list[dict[str, Any]], partial: bool = True) -> None:
             json_path.parent.mkdir(parents=True, exist_ok=True)
-            payload = {"kind": "load", "command": command_text, "machine": {**machine, **load_info()},
+            payload = {"kind": "load", "command": command_text, "created": created,
+                       "machine": {**machine, **load_info()},
                        "params": {**config_dict(cfg), "context_tokens": context}, "partial": partial, "rows": rows}
             json_path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
 
@@ -303,11 +338,9 @@ def command(args: Any) -> int:
     else:
         with LocalServer() as server:
             rows = run(server.url, None)
-    png = plot(rows, json_path.with_suffix(".png"))
-    cols = ("method", "mode", "concurrency", "ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s", "tokens_per_s",
-            "requests_per_s", "errors")
-    print(report.markdown_table(rows, [(c, c) for c in cols]))
-    print(f"\nwrote {json_path}, {png}", file=sys.stderr)
+    md, png = report.render(json.loads(json_path.read_text(encoding="utf-8")), json_path)
+    print(report.markdown_table(rows, LOAD_TABLE))
+    print(f"\nwrote {json_path}, {md}, {png}", file=sys.stderr)
     return 0
 
 
