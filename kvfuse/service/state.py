@@ -47,6 +47,7 @@ class ServiceState:
         self.chunker: Chunker | None = None
         self.startup_error: str | None = None
         self._loader: asyncio.Task | None = None
+        self._watch_model: asyncio.Task | None = None
         self._components = asyncio.Event()
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -58,13 +59,29 @@ class ServiceState:
     async def _load(self) -> None:
         try:
             await asyncio.to_thread(self._load_components)
+            self.ingest.recover()
             self.ingest.start()
             self._components.set()
+            self._watch_model = asyncio.create_task(self._on_model(), name="kvfuse-model-check")
             self.refresh_document_gauge()
             log.info("store, index and embedder ready")
         except Exception as err:  # noqa: BLE001 - surfaced by /ready and every request
             self.startup_error = f"{type(err).__name__}: {err}"
             log.exception("service failed to start")
+
+    async def _on_model(self) -> None:
+        """Once the worker reports its model: record its fingerprint in the store (what `kvfuse store
+        check` compares blob headers with) and rebuild the documents built for another model."""
+        while not await self.supervisor.wait_ready(self.settings.server.worker_start_timeout_s):
+            pass
+        fp = self.supervisor.info["fingerprint"]
+        try:
+            await asyncio.to_thread(self.store.set_model_fingerprint, fp)
+            n = self.ingest.rebuild_stale(fp)
+            if n:
+                log.warning("%d documents have KV of another model or lost KV: rebuilding them", n)
+        except Exception:  # noqa: BLE001 - queries still rebuild stale KV one chunk at a time
+            log.exception("could not check the stored KV against the model")
 
     def _load_components(self) -> None:
         from kvfuse.model_files import resolve_embedder, resolve_llm
@@ -95,7 +112,7 @@ class ServiceState:
             index.save()
             return index
 
-    def _all_documents(self) -> list[DocumentRecord]:
+    def all_documents(self) -> list[DocumentRecord]:
         docs, offset = [], 0
         while True:
             page, total = self.store.list_documents(offset=offset, limit=500)
@@ -106,7 +123,7 @@ class ServiceState:
 
     def _embedded_documents(self) -> Iterator[tuple[str, np.ndarray, dict]]:
         """(id, chunk vectors, metadata) of every ready document, re-embedded from its stored text."""
-        for rec in self._all_documents():
+        for rec in self.all_documents():
             if rec.status != "ready":
                 continue
             text = self.store.get_text(rec.id)
@@ -116,9 +133,9 @@ class ServiceState:
             yield rec.id, self.embedder.embed([c.text for c in chunks]), rec.metadata
 
     def _reconcile(self) -> None:
-        """After a crash: documents caught mid-ingestion are failed (and rolled back), and the index holds
-        exactly the ready documents."""
-        docs = self._all_documents()
+        """After a crash: the index holds exactly the ready documents. (Unfinished jobs resume from the
+        store; a document record left pending by an older version without durable jobs is failed.)"""
+        docs = self.all_documents()
         for rec in docs:
             if rec.status in ("pending", "processing"):
                 log.warning("document %s was interrupted during ingestion: marking it failed", rec.id)
@@ -138,8 +155,9 @@ class ServiceState:
 
     async def stop(self) -> None:
         await self.ingest.stop()
-        if self._loader is not None:
-            self._loader.cancel()
+        for task in (self._loader, self._watch_model):
+            if task is not None:
+                task.cancel()
         await self.supervisor.stop()
         if self.index is not None:
             await asyncio.to_thread(self.index.save)
@@ -168,6 +186,11 @@ class ServiceState:
     def index_add(self, doc_id: str, vectors: np.ndarray, metadata: dict) -> None:
         self.index.add(doc_id, vectors, metadata)
         self.index.save()
+
+    def index_replace(self, doc_id: str, vectors: np.ndarray, metadata: dict) -> None:
+        """A document's new version's vectors in place of the old ones, saved once."""
+        self.index.remove(doc_id)
+        self.index_add(doc_id, vectors, metadata)
 
     def index_remove(self, doc_id: str) -> None:
         if self.index.remove(doc_id):

@@ -20,6 +20,7 @@ from kvfuse.store.catalog import DocumentCatalog
 from kvfuse.store.chunk_store import Entry, TieredStore
 from kvfuse.store.hot_tier import HotTier
 from kvfuse.store.index import DocumentIndex, EmbeddedIndex
+from kvfuse.store.jobs import JobStore
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.lmdb_tier import LmdbTier
 from kvfuse.store.records import DocumentRecord
@@ -36,6 +37,7 @@ class KVStore:
         self.catalog = DocumentCatalog(
             env, self.blobs, index, forget=self.chunks.evict, rebuild_on_empty=s.rebuild_index_on_empty
         )
+        self.jobs = JobStore(env, self.catalog)
 
     @classmethod
     def open(cls, settings: Settings, *, readonly: bool = False) -> KVStore:
@@ -93,6 +95,21 @@ class KVStore:
         """(k, v, header) from the first tier that has it (kvfuse.store.chunk_store); None = miss. Raises
         CorruptBlobError (rebuild it from the chunk's token ids)."""
         return self.chunks.get(key)
+
+    def blob_fingerprint(self, key: str) -> str | None:
+        """The model fingerprint in a stored blob's header (None if the blob is not stored or unreadable)."""
+        return self.blobs.fingerprint(key)
+
+    # --- the model the stored KV is for (`kvfuse store check` compares blob headers with it)
+    def model_fingerprint(self) -> str:
+        """The fingerprint of the model the service last ran with ("" if none ever did)."""
+        with self.env.read() as txn:
+            raw = txn.get(b"model_fingerprint", db=self.env.db("meta"))
+            return "" if raw is None else bytes(raw).decode()
+
+    def set_model_fingerprint(self, fingerprint: str) -> None:
+        if fingerprint != self.model_fingerprint():
+            self.env.write(lambda txn: txn.put(b"model_fingerprint", fingerprint.encode(), db=self.env.db("meta")))
 
     # --- documents (kvfuse.store.catalog)
     def put_document(self, doc: DocumentRecord, text: str | None = None) -> None:
