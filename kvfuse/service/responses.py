@@ -284,14 +284,17 @@ class WorkerHealth(BaseModel):
 
 
 class Health(BaseModel):
-    """`GET /health`: the API process answers; the worker's state is reported, not required."""
+    """`GET /health`: the API process answers; the worker's state is reported, not required. With API
+    keys set, only a request with a valid key sees the worker's details (pid, last error)."""
 
     status: Literal["ok"] = "ok"
     version: str
-    worker: WorkerHealth
+    worker: WorkerHealth | None = _optional("the worker's state: without API keys, or with a valid key")
 
     @classmethod
-    def of(cls, version: str, sup: WorkerSupervisor) -> Health:
+    def of(cls, version: str, sup: WorkerSupervisor, details: bool = True) -> Health:
+        if not details:
+            return cls(version=version)
         return cls(version=version, worker=WorkerHealth(pid=sup.pid, ready=sup.ready, restarts=sup.restarts,
                                                         last_error=sup.last_error))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_INDEX_RETRY_FIRST_S = 0.5  # first pause before retrying a document index (Redis) that is not up
+_INDEX_RETRY_MAX_S = 10.0  # the pause doubles up to this
+
 
 class ServiceState:
     """The API process's settings, worker supervisor, metrics, ingestion jobs, query pipeline and, once
@@ -46,6 +50,8 @@ class ServiceState:
         self.embedder: Embedder | None = None
         self.chunker: Chunker | None = None
         self.startup_error: str | None = None
+        self.waiting_for: str | None = None  # what startup is waiting for (a Redis not up yet)
+        self._stopping = threading.Event()
         self._loader: asyncio.Task | None = None
         self._watch_model: asyncio.Task | None = None
         self._components = asyncio.Event()
@@ -86,17 +92,35 @@ class ServiceState:
     def _load_components(self) -> None:
         from kvfuse.model_files import resolve_embedder, resolve_llm
         from kvfuse.retriever import Chunker, Embedder
-        from kvfuse.store import KVStore
 
         s = self.settings
         # The hot tier of decoded KV lives in the worker, which reads KV; here it would only waste RAM.
         api_settings = s.model_copy(update={"store": s.store.model_copy(update={"hot_tier_mb": 0})})
-        self.store = KVStore.open(api_settings)
+        self.store = self._open_store(api_settings)
         self.chunker = Chunker.from_pretrained(resolve_llm(s.model.llm, s.models_dir), s.retriever.chunk_tokens)
         self.embedder = Embedder(resolve_embedder(s.model.embedder), device="cpu",
                                  batch_size=s.model.embed_batch_size)
         self.index = self._open_index()
         self._reconcile()
+
+    def _open_store(self, settings: Settings) -> KVStore:
+        """Open the store, waiting for its index: a Redis that is not up yet is retried with a growing
+        pause (`/ready` says what it waits for), so the service becomes ready when Redis comes."""
+        from kvfuse.store import IndexUnavailableError, KVStore
+
+        pause, attempt = _INDEX_RETRY_FIRST_S, 0
+        while True:
+            try:
+                store = KVStore.open(settings)
+                self.waiting_for = None
+                return store
+            except IndexUnavailableError as err:
+                attempt += 1
+                self.waiting_for = f"the document index (Redis): attempt {attempt} failed, next in {pause:g} s"
+                log.warning("waiting for %s: %s", self.waiting_for, err)
+                if self._stopping.wait(pause):
+                    raise RuntimeError("the service stopped while waiting for the document index") from None
+                pause = min(pause * 2, _INDEX_RETRY_MAX_S)
 
     def _open_index(self) -> VectorIndex:
         from kvfuse.retriever import VectorIndex
@@ -154,6 +178,7 @@ class ServiceState:
             self.index.save()
 
     async def stop(self) -> None:
+        self._stopping.set()
         await self.ingest.stop()
         for task in (self._loader, self._watch_model):
             if task is not None:
@@ -165,9 +190,20 @@ class ServiceState:
             self.store.close()
 
     # -- readiness -----------------------------------------------------------------------------------------
-    def readiness(self) -> dict[str, bool]:
+    def readiness(self, document_index: bool = True) -> dict[str, bool]:
+        """Which parts are up; `document_index` is whether the store's index answers now (Redis)."""
         return {"store": self.store is not None, "index": self.index is not None and self._components.is_set(),
-                "embedder": self.embedder is not None, "model": self.supervisor.ready}
+                "embedder": self.embedder is not None, "model": self.supervisor.ready,
+                "document_index": self.store is not None and document_index}
+
+    async def document_index_available(self) -> bool:
+        """Whether the store's document index (Redis, when configured) answers now."""
+        if self.store is None:
+            return False
+        try:
+            return await asyncio.to_thread(self.store.catalog.index_available)
+        except Exception:  # noqa: BLE001 - any failure means not available
+            return False
 
     def require_components(self) -> None:
         """Raise 503 until store, index and embedder are loaded."""

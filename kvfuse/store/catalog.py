@@ -274,6 +274,18 @@ class DocumentCatalog:
         snap.owners = {k: frozenset(v) for k, v in owners.items()}
         return snap
 
+    def index_available(self) -> bool:
+        """Whether document reads can be answered now (a mirror that failed is re-checked, and rebuilt
+        if it came back empty)."""
+        if self.mirror is None:
+            return True
+        try:
+            with self._mirrored(write=False) as m:
+                m.ping()
+            return True
+        except IndexUnavailableError:
+            return False
+
     # --- the mirror (a Redis index) kept in step
     def rebuild_index(self) -> dict:
         """Replace the mirror with the LMDB records (nothing to do when embedded); returns counts."""
