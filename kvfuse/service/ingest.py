@@ -187,15 +187,23 @@ class IngestManager:
         self._queue.put_nowait(job)
 
     def cancel(self, doc_id: str) -> IngestJob | None:
+        """Stop the document's job: one still queued ends now; a running one at its next step."""
         job = self.active.get(doc_id)
-        if job is not None:
-            job.cancelled = True
+        if job is None:
+            return None
+        job.cancelled = True
+        if job.rec.status == "pending" and not job.rec.staged_keys:  # not started: nothing to undo
+            self.state.store.jobs.abandon(job.rec, "cancelled", "the document was deleted before ingestion")
+            del self.active[doc_id]
+            job.done.set()
         return job
 
     # -- the runner ----------------------------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
             job = await self._queue.get()
+            if job.done.is_set():  # cancelled while queued
+                continue
             try:
                 await self._ingest(job)
             except asyncio.CancelledError:
