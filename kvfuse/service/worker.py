@@ -62,7 +62,7 @@ class Worker:
         self.settings = settings
         self.conn = conn
         self.engine = FusionEngine.from_settings(settings)
-        self.store = KVStore.open(settings)
+        self.store = KVStore.open(settings, require_index=False)
         self.kv_dtype = settings.store.kv_dtype
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
         self.scheduler = Scheduler(SchedulerLimits.from_settings(settings.server))

@@ -60,6 +60,7 @@ class DocumentCatalog:
         *,
         forget: Callable[[Iterable[str]], None],
         rebuild_on_empty: bool = True,
+        require_index: bool = True,
     ) -> None:
         self.env = env
         self.blobs = blobs
@@ -74,7 +75,13 @@ class DocumentCatalog:
         self._mirror_lock = threading.RLock()
         self.store_id = self._ensure_store_id()
         if self.mirror is not None:
-            self._sync_mirror()
+            try:
+                self._sync_mirror()
+            except IndexUnavailableError:
+                if require_index:
+                    raise
+                log.warning("the %s index is not available yet: it is checked again at its first use", index.kind)
+                self._mirror_lost = True
 
     def close(self) -> None:
         self.index.close()

@@ -27,7 +27,7 @@ from kvfuse.store.records import DocumentRecord
 
 
 class KVStore:
-    def __init__(self, settings: Settings, env: LmdbEnv, index: DocumentIndex) -> None:
+    def __init__(self, settings: Settings, env: LmdbEnv, index: DocumentIndex, *, require_index: bool = True) -> None:
         s = settings.store
         self.settings = settings
         self.env = env
@@ -35,12 +35,15 @@ class KVStore:
         self.blobs = LmdbTier(env, verify=s.verify_checksums)
         self.chunks = TieredStore(self.hot, self.blobs)
         self.catalog = DocumentCatalog(
-            env, self.blobs, index, forget=self.chunks.evict, rebuild_on_empty=s.rebuild_index_on_empty
+            env, self.blobs, index, forget=self.chunks.evict, rebuild_on_empty=s.rebuild_index_on_empty,
+            require_index=require_index,
         )
         self.jobs = JobStore(env, self.catalog)
 
     @classmethod
-    def open(cls, settings: Settings, *, readonly: bool = False) -> KVStore:
+    def open(cls, settings: Settings, *, readonly: bool = False, require_index: bool = True) -> KVStore:
+        """Open the store. With require_index=False a Redis index that is down does not fail the open
+        (the model worker, which reads blobs from LMDB, must not wait for it); it is checked at first use."""
         s = settings.store
         env = LmdbEnv(settings.lmdb_dir, map_size=s.lmdb_map_size_mb << 20, max_readers=s.lmdb_max_readers,
                       readonly=readonly)
@@ -51,7 +54,7 @@ class KVStore:
                 index: DocumentIndex = RedisIndex(settings.redis_url, s.redis_namespace, timeout_s=s.redis_timeout_s)
             else:
                 index = EmbeddedIndex(env)
-            return cls(settings, env, index)
+            return cls(settings, env, index, require_index=require_index)
         except BaseException:
             env.close()
             raise
