@@ -43,6 +43,7 @@ class ServerSettings(_Section):
     queue_size: int = Field(16, ge=1)
     retry_after_s: int = Field(1, ge=0)
     ingest_wait_timeout_s: float = Field(600.0, gt=0)
+    job_history_s: float = Field(7 * 86400.0, ge=0)
     precompute_batch_chunks: int = Field(4, ge=1)
     worker_start_timeout_s: float = Field(300.0, gt=0)
     worker_cancel_grace_s: float = Field(30.0, gt=0)

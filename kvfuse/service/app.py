@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfuse import __version__
 from kvfuse.config import Settings
 from kvfuse.service import documents_api, openai_api, query_api
+from kvfuse.service.auth import key_is_valid, presented_key
 from kvfuse.service.dependencies import State
 from kvfuse.service.errors import ErrorBody, error_body, install_error_handlers
 from kvfuse.service.middleware import GuardMiddleware
@@ -52,20 +53,28 @@ def create_app(settings: Settings) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
 
+    def authorized(request: Request) -> bool:
+        """Whether the open probes may show details (no keys set, or a valid key presented)."""
+        keys = settings.server.api_keys
+        return not keys or key_is_valid(presented_key(request), keys)
+
     @app.get("/health")
-    async def health(state: State) -> Health:
-        return Health.of(__version__, state.supervisor)
+    async def health(state: State, request: Request) -> Health:
+        return Health.of(__version__, state.supervisor, details=authorized(request))
 
     not_ready = {"model": ErrorBody, "description": "not ready: the error, beside the Readiness fields"}
 
     @app.get("/ready", response_model=Readiness, responses={503: not_ready})
-    async def ready(state: State) -> Readiness | JSONResponse:
-        parts = Readiness(ready=False, components=state.readiness())
+    async def ready(state: State, request: Request) -> Readiness | JSONResponse:
+        parts = Readiness(ready=False, components=state.readiness(await state.document_index_available()))
         if all(parts.components.values()) and not state.startup_error:
             parts.ready = True
             return parts
         missing = ", ".join(k for k, ok in parts.components.items() if not ok)
-        reason = state.startup_error or state.supervisor.last_error or f"waiting for: {missing}"
+        reason = (state.startup_error or state.supervisor.last_error
+                  or (f"waiting for {state.waiting_for}" if state.waiting_for else f"waiting for: {missing}"))
+        if not authorized(request):  # errors may name hosts and ports: only for a valid key
+            reason = f"waiting for: {missing}" if missing else "the service failed to start"
         body = error_body(503, f"not ready: {reason}", code="not_ready")
         return JSONResponse({**body, **parts.model_dump()}, status_code=503)
 

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="when a document id exists already (default: skip)")
     p.add_argument("--batch", type=int, default=16, help="documents per request (default: 16)")
     p.add_argument("--no-wait", action="store_true", help="return once queued instead of waiting for ready")
-    p.set_defaults(func=_ingest)
+    p.set_defaults(func=_unreachable_is_one_line("ingest", _ingest))
 
     p = sub.add_parser("query", help="ask a question; the answer streams as it is generated")
     p.add_argument("question")
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="answer from exactly these documents, in this order (repeatable)")
     p.add_argument("--top-k", type=int, help="chunks to retrieve (default: retriever.top_k)")
     p.add_argument("--max-tokens", type=int, help="answer length limit (default: generation.max_tokens)")
-    p.set_defaults(func=_query)
+    p.set_defaults(func=_unreachable_is_one_line("query", _query))
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +72,30 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server_url(args: argparse.Namespace) -> str:
+    from kvfuse.config import get_settings
+
+    return args.url or get_settings().server.base_url
+
+
+def _unreachable_is_one_line(name: str, command: Any) -> Any:
+    """A server that cannot be reached is one line naming the URL and what to check, not a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        import httpx
+
+        try:
+            return command(args)
+        except httpx.TransportError as err:
+            url = _server_url(args)
+            what = "timed out" if isinstance(err, httpx.TimeoutException) else "cannot connect"
+            print(f"kvfuse {name}: {what} to {url} ({type(err).__name__}: {err or 'no detail'}); "
+                  f"is kvfuse serve running on {url}? (--url or server.url picks another server)", file=sys.stderr)
+            return 1
+
+    return run
+
+
 def _client(args: argparse.Namespace) -> Any:
     import logging
     import os
@@ -84,7 +108,7 @@ def _client(args: argparse.Namespace) -> Any:
     s = get_settings().server
     key = args.api_key or os.environ.get("KVFUSE_API_KEY") or (s.api_keys[0] if s.api_keys else None)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=args.url or s.base_url, headers=headers,
+    return httpx.Client(base_url=_server_url(args), headers=headers,
                         timeout=httpx.Timeout(args.timeout, connect=10.0))
 
 
@@ -179,6 +203,7 @@ def _ingest(args: argparse.Namespace) -> int:
             args.url = stack.enter_context(local_server(args.timeout))
             args.no_wait = False  # the local service ends with this command: wait for every job
         http = stack.enter_context(_client(args))
+        http.get("/health")  # an unreachable server is reported before any progress bar is drawn
         bar = stack.enter_context(tqdm(total=len(docs), unit="doc", desc="ingest"))
         for i in range(0, len(docs), max(1, args.batch)):
             batch = docs[i : i + args.batch]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Query, Request, Response
 
 from kvfuse.service.dependencies import ReadyState, State
 from kvfuse.service.errors import ERROR_RESPONSES, APIError
-from kvfuse.service.ingest import default_doc_id
+from kvfuse.service.ingest import IngestJob, default_doc_id
 from kvfuse.service.responses import Deleted, DocumentOut, DocumentPage, JobOut, Submitted, SubmittedBatch
 from kvfuse.service.schemas import (
     DocumentBatchIn,
@@ -19,6 +20,9 @@ from kvfuse.service.schemas import (
     parse_json,
     validate,
 )
+
+if TYPE_CHECKING:
+    from kvfuse.service.state import ServiceState
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
@@ -74,7 +78,7 @@ async def create_documents(request: Request, response: Response, state: ReadySta
         items.append((doc_id, d, d.on_conflict or default_conflict))
     for doc_id, _, policy in items:
         state.ingest.check_conflict(doc_id, policy)
-    results = [state.ingest.submit(doc_id, d.text, dict(d.metadata), policy) for doc_id, d, policy in items]
+    results = state.ingest.submit_all([(doc_id, d.text, dict(d.metadata), policy) for doc_id, d, policy in items])
     jobs = [job for job, _ in results if job is not None]
     if not wait:
         response.status_code = 202 if jobs else 200
@@ -82,7 +86,7 @@ async def create_documents(request: Request, response: Response, state: ReadySta
         return SubmittedBatch(documents=out) if batch else out[0]
     if jobs:
         await asyncio.wait([asyncio.create_task(j.done.wait()) for j in jobs], timeout=srv.ingest_wait_timeout_s)
-    out = [JobOut.of(job) if job is not None else item for job, item in results]
+    out = [_waited(request, state, job) if job is not None else item for job, item in results]
     if not batch:
         job = results[0][0]
         if job is not None and job.status == "failed":
@@ -94,6 +98,19 @@ async def create_documents(request: Request, response: Response, state: ReadySta
     pending = any(not job.done.is_set() for job in jobs)
     response.status_code = 202 if pending else 201 if created else 200
     return SubmittedBatch(documents=out)
+
+
+def _waited(request: Request, state: ServiceState, job: IngestJob) -> JobOut:
+    """A job after ?wait=true: one still running says so, and where to follow it."""
+    out = JobOut.of(job)
+    if not job.done.is_set():
+        out.status_url = str(request.url_for("get_job", job_id=job.id))
+        ahead = sum(1 for j in state.ingest.active.values() if j.created_at < job.created_at)
+        timeout_s = state.settings.server.ingest_wait_timeout_s
+        out.detail = (f"job {job.id} is still {out.status} after waiting {timeout_s:g} s "
+                      f"(server.ingest_wait_timeout_s; {ahead} earlier ingestion jobs were still unfinished); "
+                      f"it goes on: follow it at {out.status_url}")
+    return out
 
 
 @router.get("/v1/documents")
@@ -137,8 +154,8 @@ async def delete_document(state: ReadyState, doc_id: str) -> Deleted:
 
 @router.get("/v1/jobs/{job_id}")
 async def get_job(state: State, job_id: str) -> JobOut:
-    job = state.ingest.jobs.get(job_id)
+    job = await asyncio.to_thread(state.ingest.get, job_id)
     if job is None:
-        raise APIError(404, f"job {job_id!r} not found (jobs are kept in memory until a restart)",
-                       code="job_not_found")
+        raise APIError(404, f"job {job_id!r} not found (finished jobs are kept for server.job_history_s = "
+                       f"{state.settings.server.job_history_s:g} s)", code="job_not_found")
     return JobOut.of(job)

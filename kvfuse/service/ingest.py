@@ -1,10 +1,13 @@
-"""Ingestion jobs: chunk -> embed -> precompute KV in the worker -> store + vector index -> `ready`.
+"""Ingestion jobs: chunk -> embed -> precompute KV in the worker -> swap the new version in -> `ready`.
 
-Ordering makes a failure roll back cleanly: the document record (with its chunk keys, so the store
-counts references to those blobs) and its text are written first, the blobs next (by the worker), the
-vectors last. Any failure, or a DELETE meanwhile, removes the vectors and the document (which frees blobs
-no other document uses) and leaves a `failed` record with the reason. Jobs live in memory; documents and
-their status persist in the store.
+Jobs are durable (kvfuse.store.jobs): each is written to LMDB, with its text, before the API answers
+202, and a restart runs every unfinished job again from its text (chunks already stored are not
+computed again). A job builds its version beside the stored one: its chunk keys are staged under the
+job, the worker writes the blobs, and one LMDB transaction swaps the new record, text and refs in; the
+vectors follow (job status `indexing` inside, `processing` outside, until they are in). Until the swap,
+queries answer from the old version; a failure, or a DELETE meanwhile, releases the staged blobs and
+leaves the old version as it was (a document with no good version gets a `failed` record with the
+reason). See docs/DESIGN.md, Durability.
 """
 
 from __future__ import annotations
@@ -16,18 +19,20 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvfuse.service.errors import APIError
 from kvfuse.service.responses import Submitted
 from kvfuse.service.supervisor import WorkerCrashed, WorkerJobError
+from kvfuse.store.jobs import JobRecord
 
 if TYPE_CHECKING:
     from kvfuse.service.state import ServiceState
 
 log = logging.getLogger(__name__)
 
-_MAX_JOBS_KEPT = 10_000  # finished jobs remembered for GET /v1/jobs/{id}
+_MAX_JOBS_KEPT = 10_000  # jobs kept in memory; older ones are read from the store
+_PURGE_EVERY_S = 3600.0  # how often finished jobs past server.job_history_s are deleted
 
 
 def content_hash(text: str) -> str:
@@ -41,23 +46,14 @@ def default_doc_id(text: str) -> str:
 
 @dataclass(eq=False)
 class IngestJob:
-    id: str
-    document_id: str
-    text: str
-    metadata: dict
-    overwrite: bool
-    status: str = "pending"  # pending | processing | ready | failed | cancelled
-    error: str | None = None
-    worker_crashed: bool = False  # the failure was the worker dying (retryable: 503), not the document
-    created_at: float = field(default_factory=time.time)
-    updated_at: float = field(default_factory=time.time)
-    chunks_total: int = 0
-    chunks_done: int = 0
+    """A job's stored record plus what only this process needs (its end event, a pending cancel)."""
+
+    rec: JobRecord
     cancelled: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def set(self, status: str, error: str | None = None) -> None:
-        self.status, self.error, self.updated_at = status, error, time.time()
+    def __getattr__(self, name: str) -> Any:  # id, document_id, status, error, progress ... from the record
+        return getattr(self.__dict__["rec"], name)
 
 
 class Cancelled(Exception):
@@ -70,16 +66,38 @@ class IngestManager:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
         self.jobs: OrderedDict[str, IngestJob] = OrderedDict()
-        self.active: dict[str, IngestJob] = {}  # document id -> its pending/processing job
+        self.active: dict[str, IngestJob] = {}  # document id -> its unfinished job
         self._queue: asyncio.Queue[IngestJob] = asyncio.Queue()
         self._runner: asyncio.Task | None = None
+        self._purged_at = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._runner = asyncio.create_task(self._run(), name="kvfuse-ingest")
 
     async def stop(self) -> None:
         if self._runner is not None:
             self._runner.cancel()
+
+    def recover(self) -> int:
+        """Queue the jobs a previous run left unfinished, oldest first (call before `start`)."""
+        self._purge()
+        jobs = self.state.store.jobs.unfinished()
+        for rec in jobs:
+            log.info("resuming ingestion job %s of %s (was %s)", rec.id, rec.document_id, rec.status)
+            self._register(IngestJob(rec))
+        return len(jobs)
+
+    def _purge(self) -> None:
+        self._purged_at = time.time()
+        n = self.state.store.jobs.purge(self.state.settings.server.job_history_s)
+        if n:
+            log.info("forgot %d finished jobs older than server.job_history_s", n)
+
+    def get(self, job_id: str) -> IngestJob | JobRecord | None:
+        job = self.jobs.get(job_id)
+        return job if job is not None else self.state.store.jobs.get(job_id)
 
     # -- submission (synchronous: check and register with no await in between) -----------------------------
     def check_conflict(self, doc_id: str, on_conflict: str) -> None:
@@ -95,33 +113,97 @@ class IngestManager:
                 raise APIError(409, f"document {doc_id!r} already exists (on_conflict=fail)",
                                code="document_exists", param="id")
 
-    def submit(self, doc_id: str, text: str, metadata: dict, on_conflict: str) -> tuple[IngestJob | None, Submitted]:
-        """Queue a job (after check_conflict, with no await in between); (None, item) when skipped."""
+    def submit_all(self, items: list[tuple[str, str, dict, str]]) -> list[tuple[IngestJob | None, Submitted]]:
+        """Queue a job per (doc id, text, metadata, on_conflict) (after check_conflict, with no await in
+        between); (None, item) when skipped. The jobs are stored in one transaction before this returns:
+        a 202 is a promise that survives a restart."""
+        out: list[tuple[IngestJob | None, Submitted]] = []
+        new: list[IngestJob] = []
+        for doc_id, text, metadata, on_conflict in items:
+            if doc_id in self.active:
+                job = self.active[doc_id]
+                out.append((None, Submitted(document_id=doc_id, job_id=job.id, status=job.status, skipped=True)))
+                continue
+            existing = self.state.store.get_document(doc_id)
+            if existing is not None and existing.status != "failed" and on_conflict == "skip":
+                out.append((None, Submitted(document_id=doc_id, job_id=None, status=existing.status, skipped=True)))
+                continue
+            job = IngestJob(JobRecord(id="job-" + uuid.uuid4().hex[:16], document_id=doc_id, text=text,
+                                      metadata=metadata, created_at=time.time()))
+            new.append(job)
+            out.append((job, Submitted(document_id=doc_id, job_id=job.id, status=job.status)))
+        if new:
+            try:
+                self.state.store.jobs.put_many([j.rec for j in new])
+            except Exception as err:  # noqa: BLE001 - nothing was promised yet
+                raise APIError(503, f"the ingestion jobs could not be stored: {err}", code="store_unavailable") from err
+            for job in new:
+                self._register(job)
+        return out
+
+    def resubmit(self, doc_id: str, reason: str) -> IngestJob | None:
+        """Build a stored document again from its stored text (its KV is from another model, or lost);
+        the stored version answers until the new one is in. None if a job is already on it."""
         if doc_id in self.active:
-            job = self.active[doc_id]
-            return None, Submitted(document_id=doc_id, job_id=job.id, status=job.status, skipped=True)
-        existing = self.state.store.get_document(doc_id)
-        if existing is not None and existing.status != "failed" and on_conflict == "skip":
-            return None, Submitted(document_id=doc_id, job_id=None, status=existing.status, skipped=True)
-        job = IngestJob(id="job-" + uuid.uuid4().hex[:16], document_id=doc_id, text=text, metadata=metadata,
-                        overwrite=existing is not None)
+            return None
+        rec, text = self.state.store.get_document(doc_id), self.state.store.get_text(doc_id)
+        if rec is None or not text:
+            return None
+        log.info("rebuilding %s from its stored text: %s", doc_id, reason)
+        job, _ = self.submit_all([(doc_id, text, dict(rec.metadata), "overwrite")])[0]
+        return job
+
+    def resubmit_soon(self, doc_id: str, reason: str) -> None:
+        """`resubmit` from any thread (a query prepared in a worker thread finds a stale document)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._resubmit_logged, doc_id, reason)
+
+    def _resubmit_logged(self, doc_id: str, reason: str) -> None:
+        try:
+            self.resubmit(doc_id, reason)
+        except Exception:  # noqa: BLE001 - the stored version still answers; retried at the next start
+            log.exception("could not queue the rebuild of %s", doc_id)
+
+    def rebuild_stale(self, fingerprint: str) -> int:
+        """At start, once the worker says which model runs: queue a rebuild of every document whose KV
+        is from another model (its first blob's header says so) or was found lost (`kv_lost`)."""
+        from kvfuse.store.records import KV_LOST
+
+        st, n = self.state, 0
+        for rec in st.all_documents():
+            if rec.status == "ready" and rec.chunk_keys:
+                found = st.store.blob_fingerprint(rec.chunk_keys[0])
+                if found is not None and found != fingerprint:
+                    n += self.resubmit(rec.id, "its KV is from another model") is not None
+            elif rec.status == "failed" and (rec.error or "").startswith(KV_LOST):
+                n += self.resubmit(rec.id, rec.error or KV_LOST) is not None
+        return n
+
+    def _register(self, job: IngestJob) -> None:
         self.jobs[job.id] = job
         while len(self.jobs) > _MAX_JOBS_KEPT:
             self.jobs.popitem(last=False)
-        self.active[doc_id] = job
+        self.active[job.document_id] = job
         self._queue.put_nowait(job)
-        return job, Submitted(document_id=doc_id, job_id=job.id, status=job.status)
 
     def cancel(self, doc_id: str) -> IngestJob | None:
+        """Stop the document's job: one still queued ends now; a running one at its next step."""
         job = self.active.get(doc_id)
-        if job is not None:
-            job.cancelled = True
+        if job is None:
+            return None
+        job.cancelled = True
+        if job.rec.status == "pending" and not job.rec.staged_keys:  # not started: nothing to undo
+            self.state.store.jobs.abandon(job.rec, "cancelled", "the document was deleted before ingestion")
+            del self.active[doc_id]
+            job.done.set()
         return job
 
     # -- the runner ----------------------------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
             job = await self._queue.get()
+            if job.done.is_set():  # cancelled while queued
+                continue
             try:
                 await self._ingest(job)
             except asyncio.CancelledError:
@@ -129,8 +211,11 @@ class IngestManager:
             except Exception:  # noqa: BLE001 - _ingest records failures; this guards the runner itself
                 log.exception("ingest runner error on %s", job.id)
             finally:
-                self.active.pop(job.document_id, None)
+                if self.active.get(job.document_id) is job:
+                    del self.active[job.document_id]
                 job.done.set()
+            if time.time() - self._purged_at > _PURGE_EVERY_S:
+                await asyncio.to_thread(self._purge)
 
     def _check(self, job: IngestJob) -> None:
         if job.cancelled:
@@ -140,26 +225,24 @@ class IngestManager:
         from kvfuse import kvblob
         from kvfuse.store.records import DocumentRecord
 
-        st = self.state
+        st, rec, jobs = self.state, job.rec, self.state.store.jobs
         t0 = time.perf_counter()
         doc_id = job.document_id
-        self._check(job)
-        job.set("processing")
-        added_vectors = False
         try:
-            if job.overwrite:
-                await self._remove(doc_id)
+            if rec.status == "indexing":  # swapped in before a restart: only the vectors are left
+                await self._index(job, None)
+                return
+            self._check(job)
+            rec.status = "processing"
+            await asyncio.to_thread(jobs.put, rec)
             await st.supervisor_ready()
-            chunks = await asyncio.to_thread(st.chunker.chunk, job.text)
-            job.chunks_total = len(chunks)
+            chunks = await asyncio.to_thread(st.chunker.chunk, rec.text)
+            rec.chunks_total, rec.chunks_done = len(chunks), 0
             ids = [c.token_ids for c in chunks]
             fp = st.supervisor.info["fingerprint"]
             keys = [kvblob.chunk_key(fp, st.settings.store.kv_dtype, t) for t in ids]
-            record = DocumentRecord(id=doc_id, status="processing", metadata=job.metadata, chunk_keys=keys,
-                                    chunk_tokens=[len(t) for t in ids], tokens=sum(len(t) for t in ids),
-                                    content_hash=content_hash(job.text))
-            # Record and text first: the chunk references make any blob below owned by this document.
-            await asyncio.to_thread(st.store.put_document, record, job.text)
+            # Staged first: the refs make every blob below the job's, so none is ever an orphan.
+            await asyncio.to_thread(jobs.stage, rec, keys)
             self._check(job)
             vectors = await asyncio.to_thread(st.embedder.embed, [c.text for c in chunks])
             self._check(job)
@@ -171,49 +254,53 @@ class IngestManager:
                     raise RuntimeError("the worker computed other chunk keys than the API (model changed?)")
                 kv_bytes += sum(done["nbytes"])
                 st.metrics.precomputed_chunks.inc(done.get("computed", 0))
-                job.chunks_done = min(len(ids), i + batch)
+                rec.chunks_done = min(len(ids), i + batch)
                 self._check(job)
-            await asyncio.to_thread(st.index_add, doc_id, vectors, job.metadata)
-            added_vectors = True
+            doc = DocumentRecord(id=doc_id, status="ready", metadata=rec.metadata, chunk_keys=keys,
+                                 chunk_tokens=[len(t) for t in ids], tokens=sum(len(t) for t in ids),
+                                 kv_bytes=kv_bytes, content_hash=content_hash(rec.text))
             self._check(job)
-            await asyncio.to_thread(st.store.set_status, doc_id, "ready", kv_bytes=kv_bytes)
-            self._check(job)  # a DELETE that raced the commit still wins
-            job.set("ready")
-            log.info("ingested %s: %d chunks, %d tokens, %.2f s", doc_id, len(ids), record.tokens,
+            # The swap: from here the new version answers (a DELETE now deletes it, after this job ends).
+            await asyncio.to_thread(jobs.commit, rec, doc, rec.text)
+            await self._index(job, vectors)
+            log.info("ingested %s: %d chunks, %d tokens, %.2f s", doc_id, len(ids), doc.tokens,
                      time.perf_counter() - t0)
         except Cancelled:
-            await self._rollback(doc_id, added_vectors, None)
-            job.set("cancelled", "the document was deleted during ingestion")
+            await asyncio.to_thread(jobs.abandon, rec, "cancelled", "the document was deleted during ingestion")
         except Exception as err:  # noqa: BLE001 - every failure becomes the job's reason
             reason = _reason(err)
-            job.worker_crashed = isinstance(err, WorkerCrashed)
+            rec.worker_crashed = isinstance(err, WorkerCrashed)
             log.warning("ingest of %s failed: %s", doc_id, reason)
-            await self._rollback(doc_id, added_vectors, (job, reason))
-            job.set("failed", reason)
+            await self._fail(job, reason)
         finally:
             st.refresh_document_gauge()
 
-    async def _remove(self, doc_id: str) -> None:
-        st = self.state
-        await asyncio.to_thread(st.index_remove, doc_id)
-        await asyncio.to_thread(st.store.delete_document, doc_id)
+    async def _index(self, job: IngestJob, vectors: Any) -> None:
+        """Replace the document's vectors (re-embedded from its stored text after a restart) and finish."""
+        st, rec = self.state, job.rec
+        if vectors is None:
+            text = await asyncio.to_thread(st.store.get_text, rec.document_id) or ""
+            chunks = await asyncio.to_thread(st.chunker.chunk, text)
+            vectors = await asyncio.to_thread(st.embedder.embed, [c.text for c in chunks])
+        await asyncio.to_thread(st.index_replace, rec.document_id, vectors, rec.metadata)
+        await asyncio.to_thread(st.store.jobs.finish, rec)
 
-    async def _rollback(self, doc_id: str, added_vectors: bool, failure: tuple[IngestJob, str] | None) -> None:
+    async def _fail(self, job: IngestJob, reason: str) -> None:
+        """Release the staged version; the stored one stays. A document with no good version (new, or
+        failed before) gets a `failed` record that says why, with the text a retry can use."""
         from kvfuse.store.records import DocumentRecord
 
-        st = self.state
+        st, rec = self.state, job.rec
         try:
-            if added_vectors or doc_id in st.index.document_ids():
-                await asyncio.to_thread(st.index_remove, doc_id)
-            await asyncio.to_thread(st.store.delete_document, doc_id)
-            if failure is not None:
-                job, reason = failure
-                # Keep a record that says why (no chunks, no blobs); its text is kept so a retry can use it.
-                rec = DocumentRecord(id=doc_id, status="failed", metadata=job.metadata, error=reason,
-                                     content_hash=content_hash(job.text))
-                await asyncio.to_thread(st.store.put_document, rec, job.text)
+            existing = await asyncio.to_thread(st.store.get_document, rec.document_id)
+            failed = None
+            if existing is None or existing.status == "failed":
+                failed = DocumentRecord(id=rec.document_id, status="failed", metadata=rec.metadata, error=reason,
+                                        content_hash=content_hash(rec.text))
+            await asyncio.to_thread(st.store.jobs.abandon, rec, "failed", reason, failed)
         except Exception:  # noqa: BLE001 - the job already failed; log the secondary failure
-            log.exception("rollback of %s failed", doc_id)
+            log.exception("could not record the failure of %s", rec.id)
+            rec.status, rec.error = "failed", reason
 
 
 def _reason(err: Exception) -> str:

@@ -46,5 +46,7 @@ class Metrics:
                                           registry=r)
         self.rebuilt_chunks = Counter("kvfuse_rebuilt_chunks", "Chunk KV rebuilt at query time (miss or corrupt)",
                                       registry=r)
+        self.fingerprint_misses = Counter(
+            "kvfuse_kv_fingerprint_misses", "Chunks queried whose stored KV is from another model (rebuilt)", registry=r)
         self.worker_restarts = Counter("kvfuse_worker_restarts", "Times the worker process was restarted",
                                        registry=r)

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _DOC_TOKEN_CACHE = 256  # documents whose chunk token ids are kept (so a query does not re-tokenize them)
 _DISCONNECT_POLL_S = 0.25
+_MAX_STOP = 4  # stop strings per request, OpenAI's limit
 
 
 class ClientGone(Exception):
@@ -116,6 +117,7 @@ class QueryService:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
         self._doc_tokens: OrderedDict[tuple[str, str], list[list[int]]] = OrderedDict()
+        self._stale_logged: set[str] = set()  # documents with KV of another model, logged once each
 
     # -- preparation ---------------------------------------------------------------------------------------
     async def prepare(self, *, question: str, system_prompt: str | None, top_k: int | None,
@@ -169,6 +171,9 @@ class QueryService:
             raise APIError(422, f"max_tokens {max_tokens} exceeds the limit of {g.max_tokens_limit}",
                            code="invalid_value", param="max_tokens")
         stop = [gen.stop] if isinstance(gen.stop, str) else list(gen.stop or [])
+        if len(stop) > _MAX_STOP:
+            raise APIError(422, f"stop has {len(stop)} strings; at most {_MAX_STOP} are allowed (as in OpenAI's API)",
+                           code="invalid_value", param="stop")
         if any(not s for s in stop):
             raise APIError(422, "stop strings must not be empty", code="invalid_value", param="stop")
         return {"max_tokens": max_tokens, "temperature": g.temperature if gen.temperature is None else gen.temperature,
@@ -196,6 +201,26 @@ class QueryService:
             self._doc_tokens.popitem(last=False)
         return out
 
+    def _key(self, rec: Any, i: int, token_ids: list[int]) -> str:
+        """Chunk i's key under the model running now, never the key recorded at ingest: KV stored for
+        another model (weights, tokenizer, dtypes) is a miss, rebuilt from the tokens. A document built
+        for another model is counted, logged once, and rebuilt for this one in the background."""
+        from kvfuse import kvblob
+
+        st = self.state
+        fp = st.supervisor.info.get("fingerprint")
+        if not fp:  # no worker yet: the query waits for one, which will have this model
+            return rec.chunk_keys[i]
+        key = kvblob.chunk_key(fp, st.settings.store.kv_dtype, token_ids)
+        if key != rec.chunk_keys[i]:
+            st.metrics.fingerprint_misses.inc()
+            if rec.id not in self._stale_logged:
+                self._stale_logged.add(rec.id)
+                log.warning("document %s has KV of another model (or KV dtype): it is rebuilt from its tokens "
+                            "at each query until it is re-ingested, which starts now", rec.id)
+                st.ingest.resubmit_soon(rec.id, "its KV is from another model")
+        return key
+
     def _explicit_chunks(self, document_ids: list[str]) -> list[SourceChunk]:
         if len(set(document_ids)) != len(document_ids):
             raise APIError(422, "document_ids contains duplicates", code="invalid_value", param="document_ids")
@@ -209,7 +234,7 @@ class QueryService:
                 raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
                                param="document_ids")
             for i, ids in enumerate(self._chunk_token_ids(rec)):
-                chunks.append(SourceChunk(doc_id, i, 1.0, rec.chunk_keys[i], ids))
+                chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids))
         return chunks
 
     async def _retrieve(self, question: str, top_k: int, filters: dict | None) -> list[SourceChunk]:
@@ -228,7 +253,7 @@ class QueryService:
             if rec is None or rec.status != "ready" or h.chunk_index >= len(rec.chunk_keys):
                 continue  # deleted or re-ingested since the search
             ids = self._chunk_token_ids(rec)[h.chunk_index]
-            chunks.append(SourceChunk(h.document_id, h.chunk_index, h.score, rec.chunk_keys[h.chunk_index], ids))
+            chunks.append(SourceChunk(h.document_id, h.chunk_index, h.score, self._key(rec, h.chunk_index, ids), ids))
         if not chunks:
             raise APIError(404, "no ready document matches the query (ingest documents first, or relax filters)",
                            code="no_documents")

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from kvfuse.service.ingest import IngestJob
     from kvfuse.service.supervisor import WorkerSupervisor
     from kvfuse.store import DocumentRecord
+    from kvfuse.store.jobs import JobRecord
 
 
 def _is_none(value: Any) -> bool:
@@ -46,9 +47,14 @@ class JobOut(BaseModel):
     updated_at: float
     progress: Progress
 
+    status_url: str | None = _optional("where to follow the job: with ?wait=true answers that timed out")
+    detail: str | None = _optional("what happened, when ?wait=true stopped waiting before the job ended")
+
     @classmethod
-    def of(cls, job: IngestJob) -> JobOut:
-        return cls(job_id=job.id, document_id=job.document_id, status=job.status, error=job.error,
+    def of(cls, job: IngestJob | JobRecord) -> JobOut:
+        from kvfuse.store.jobs import public_status
+
+        return cls(job_id=job.id, document_id=job.document_id, status=public_status(job.status), error=job.error,
                    created_at=job.created_at, updated_at=job.updated_at,
                    progress=Progress(chunks_done=job.chunks_done, chunks_total=job.chunks_total))
 
@@ -95,7 +101,9 @@ class DocumentOut(BaseModel):
     @classmethod
     def queued(cls, job: IngestJob) -> DocumentOut:
         """A document whose job has not written its record yet: only its id, status and job are known."""
-        return cls(id=job.document_id, status=job.status, metadata=job.metadata, created_at=job.created_at,
+        from kvfuse.store.jobs import public_status
+
+        return cls(id=job.document_id, status=public_status(job.status), metadata=job.metadata, created_at=job.created_at,
                    updated_at=job.updated_at, job=JobOut.of(job))
 
 
@@ -276,14 +284,17 @@ class WorkerHealth(BaseModel):
 
 
 class Health(BaseModel):
-    """`GET /health`: the API process answers; the worker's state is reported, not required."""
+    """`GET /health`: the API process answers; the worker's state is reported, not required. With API
+    keys set, only a request with a valid key sees the worker's details (pid, last error)."""
 
     status: Literal["ok"] = "ok"
     version: str
-    worker: WorkerHealth
+    worker: WorkerHealth | None = _optional("the worker's state: without API keys, or with a valid key")
 
     @classmethod
-    def of(cls, version: str, sup: WorkerSupervisor) -> Health:
+    def of(cls, version: str, sup: WorkerSupervisor, details: bool = True) -> Health:
+        if not details:
+            return cls(version=version)
         return cls(version=version, worker=WorkerHealth(pid=sup.pid, ready=sup.ready, restarts=sup.restarts,
                                                         last_error=sup.last_error))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_INDEX_RETRY_FIRST_S = 0.5  # first pause before retrying a document index (Redis) that is not up
+_INDEX_RETRY_MAX_S = 10.0  # the pause doubles up to this
+
 
 class ServiceState:
     """The API process's settings, worker supervisor, metrics, ingestion jobs, query pipeline and, once
@@ -46,7 +50,10 @@ class ServiceState:
         self.embedder: Embedder | None = None
         self.chunker: Chunker | None = None
         self.startup_error: str | None = None
+        self.waiting_for: str | None = None  # what startup is waiting for (a Redis not up yet)
+        self._stopping = threading.Event()
         self._loader: asyncio.Task | None = None
+        self._watch_model: asyncio.Task | None = None
         self._components = asyncio.Event()
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -58,28 +65,62 @@ class ServiceState:
     async def _load(self) -> None:
         try:
             await asyncio.to_thread(self._load_components)
+            self.ingest.recover()
             self.ingest.start()
             self._components.set()
+            self._watch_model = asyncio.create_task(self._on_model(), name="kvfuse-model-check")
             self.refresh_document_gauge()
             log.info("store, index and embedder ready")
         except Exception as err:  # noqa: BLE001 - surfaced by /ready and every request
             self.startup_error = f"{type(err).__name__}: {err}"
             log.exception("service failed to start")
 
+    async def _on_model(self) -> None:
+        """Once the worker reports its model: record its fingerprint in the store (what `kvfuse store
+        check` compares blob headers with) and rebuild the documents built for another model."""
+        while not await self.supervisor.wait_ready(self.settings.server.worker_start_timeout_s):
+            pass
+        fp = self.supervisor.info["fingerprint"]
+        try:
+            await asyncio.to_thread(self.store.set_model_fingerprint, fp)
+            n = self.ingest.rebuild_stale(fp)
+            if n:
+                log.warning("%d documents have KV of another model or lost KV: rebuilding them", n)
+        except Exception:  # noqa: BLE001 - queries still rebuild stale KV one chunk at a time
+            log.exception("could not check the stored KV against the model")
+
     def _load_components(self) -> None:
         from kvfuse.model_files import resolve_embedder, resolve_llm
         from kvfuse.retriever import Chunker, Embedder
-        from kvfuse.store import KVStore
 
         s = self.settings
         # The hot tier of decoded KV lives in the worker, which reads KV; here it would only waste RAM.
         api_settings = s.model_copy(update={"store": s.store.model_copy(update={"hot_tier_mb": 0})})
-        self.store = KVStore.open(api_settings)
+        self.store = self._open_store(api_settings)
         self.chunker = Chunker.from_pretrained(resolve_llm(s.model.llm, s.models_dir), s.retriever.chunk_tokens)
         self.embedder = Embedder(resolve_embedder(s.model.embedder), device="cpu",
                                  batch_size=s.model.embed_batch_size)
         self.index = self._open_index()
         self._reconcile()
+
+    def _open_store(self, settings: Settings) -> KVStore:
+        """Open the store, waiting for its index: a Redis that is not up yet is retried with a growing
+        pause (`/ready` says what it waits for), so the service becomes ready when Redis comes."""
+        from kvfuse.store import IndexUnavailableError, KVStore
+
+        pause, attempt = _INDEX_RETRY_FIRST_S, 0
+        while True:
+            try:
+                store = KVStore.open(settings)
+                self.waiting_for = None
+                return store
+            except IndexUnavailableError as err:
+                attempt += 1
+                self.waiting_for = f"the document index (Redis): attempt {attempt} failed, next in {pause:g} s"
+                log.warning("waiting for %s: %s", self.waiting_for, err)
+                if self._stopping.wait(pause):
+                    raise RuntimeError("the service stopped while waiting for the document index") from None
+                pause = min(pause * 2, _INDEX_RETRY_MAX_S)
 
     def _open_index(self) -> VectorIndex:
         from kvfuse.retriever import VectorIndex
@@ -95,7 +136,7 @@ class ServiceState:
             index.save()
             return index
 
-    def _all_documents(self) -> list[DocumentRecord]:
+    def all_documents(self) -> list[DocumentRecord]:
         docs, offset = [], 0
         while True:
             page, total = self.store.list_documents(offset=offset, limit=500)
@@ -106,7 +147,7 @@ class ServiceState:
 
     def _embedded_documents(self) -> Iterator[tuple[str, np.ndarray, dict]]:
         """(id, chunk vectors, metadata) of every ready document, re-embedded from its stored text."""
-        for rec in self._all_documents():
+        for rec in self.all_documents():
             if rec.status != "ready":
                 continue
             text = self.store.get_text(rec.id)
@@ -116,9 +157,9 @@ class ServiceState:
             yield rec.id, self.embedder.embed([c.text for c in chunks]), rec.metadata
 
     def _reconcile(self) -> None:
-        """After a crash: documents caught mid-ingestion are failed (and rolled back), and the index holds
-        exactly the ready documents."""
-        docs = self._all_documents()
+        """After a crash: the index holds exactly the ready documents. (Unfinished jobs resume from the
+        store; a document record left pending by an older version without durable jobs is failed.)"""
+        docs = self.all_documents()
         for rec in docs:
             if rec.status in ("pending", "processing"):
                 log.warning("document %s was interrupted during ingestion: marking it failed", rec.id)
@@ -137,9 +178,11 @@ class ServiceState:
             self.index.save()
 
     async def stop(self) -> None:
+        self._stopping.set()
         await self.ingest.stop()
-        if self._loader is not None:
-            self._loader.cancel()
+        for task in (self._loader, self._watch_model):
+            if task is not None:
+                task.cancel()
         await self.supervisor.stop()
         if self.index is not None:
             await asyncio.to_thread(self.index.save)
@@ -147,9 +190,20 @@ class ServiceState:
             self.store.close()
 
     # -- readiness -----------------------------------------------------------------------------------------
-    def readiness(self) -> dict[str, bool]:
+    def readiness(self, document_index: bool = True) -> dict[str, bool]:
+        """Which parts are up; `document_index` is whether the store's index answers now (Redis)."""
         return {"store": self.store is not None, "index": self.index is not None and self._components.is_set(),
-                "embedder": self.embedder is not None, "model": self.supervisor.ready}
+                "embedder": self.embedder is not None, "model": self.supervisor.ready,
+                "document_index": self.store is not None and document_index}
+
+    async def document_index_available(self) -> bool:
+        """Whether the store's document index (Redis, when configured) answers now."""
+        if self.store is None:
+            return False
+        try:
+            return await asyncio.to_thread(self.store.catalog.index_available)
+        except Exception:  # noqa: BLE001 - any failure means not available
+            return False
 
     def require_components(self) -> None:
         """Raise 503 until store, index and embedder are loaded."""
@@ -168,6 +222,11 @@ class ServiceState:
     def index_add(self, doc_id: str, vectors: np.ndarray, metadata: dict) -> None:
         self.index.add(doc_id, vectors, metadata)
         self.index.save()
+
+    def index_replace(self, doc_id: str, vectors: np.ndarray, metadata: dict) -> None:
+        """A document's new version's vectors in place of the old ones, saved once."""
+        self.index.remove(doc_id)
+        self.index_add(doc_id, vectors, metadata)
 
     def index_remove(self, doc_id: str) -> None:
         if self.index.remove(doc_id):

@@ -62,7 +62,7 @@ class Worker:
         self.settings = settings
         self.conn = conn
         self.engine = FusionEngine.from_settings(settings)
-        self.store = KVStore.open(settings)
+        self.store = KVStore.open(settings, require_index=False)
         self.kv_dtype = settings.store.kv_dtype
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
         self.scheduler = Scheduler(SchedulerLimits.from_settings(settings.server))
@@ -107,6 +107,10 @@ class Worker:
         except kvblob.CorruptBlobError as err:
             log.warning("chunk %s is corrupt (%s): rebuilding it from its tokens", key[:16], err)
             hit, corrupt = None, True
+        if hit is not None and hit[2].model_fingerprint != self.engine.fingerprint:
+            # Another model's KV (a key from elsewhere): a miss, never fused; rebuilt from the tokens.
+            log.warning("chunk %s holds KV of another model: rebuilding it from its tokens", key[:16])
+            hit = None
         if hit is not None:
             k, v, header = hit
             if header.num_tokens == len(token_ids) and header.token_hash == kvblob.token_hash(token_ids):

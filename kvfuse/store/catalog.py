@@ -60,6 +60,7 @@ class DocumentCatalog:
         *,
         forget: Callable[[Iterable[str]], None],
         rebuild_on_empty: bool = True,
+        require_index: bool = True,
     ) -> None:
         self.env = env
         self.blobs = blobs
@@ -74,16 +75,25 @@ class DocumentCatalog:
         self._mirror_lock = threading.RLock()
         self.store_id = self._ensure_store_id()
         if self.mirror is not None:
-            self._sync_mirror()
+            try:
+                self._sync_mirror()
+            except IndexUnavailableError:
+                if require_index:
+                    raise
+                log.warning("the %s index is not available yet: it is checked again at its first use", index.kind)
+                self._mirror_lost = True
 
     def close(self) -> None:
         self.index.close()
 
     # --- writes
-    def put_document(self, doc: DocumentRecord, text: str | None = None) -> None:
+    def put_document(self, doc: DocumentRecord, text: str | None = None, *,
+                     also: Callable[[lmdb.Transaction], list[str]] | None = None) -> None:
         """Create or replace a document: record, text and chunk refs in one transaction. `text` is
         required for a new document (KV is rebuilt from it) and kept when None. A `ready` document must
-        refer only to stored chunks. created_at is kept from the first write; updated_at is now."""
+        refer only to stored chunks. created_at is kept from the first write; updated_at is now.
+        `also` runs in the same transaction after the write (a job's swap, store/jobs.py) and returns
+        the blobs it removed."""
         _check_id(doc.id)
         now = time.time()
 
@@ -92,7 +102,10 @@ class DocumentCatalog:
             if old is None and text is None:
                 raise ValueError(f"new document {doc.id!r} needs its text")
             created = old.created_at if old else (doc.created_at or now)
-            return self._write(txn, old, replace(doc, created_at=created, updated_at=now), text)
+            written = self._write(txn, old, replace(doc, created_at=created, updated_at=now), text)
+            if also is not None:
+                written = written._replace(removed=written.removed + also(txn))
+            return written
 
         self._mirror_write(self.env.write(fn))
 
@@ -142,6 +155,25 @@ class DocumentCatalog:
             with self._mirrored() as m:
                 m.remove_chunks(extra)
         return True
+
+    # --- refs under other owners than documents (a job's staged version, store/jobs.py)
+    def add_refs(self, txn: lmdb.Transaction, owner: str, keys: Iterable[str]) -> None:
+        ob = owner.encode()
+        for k in keys:
+            txn.put(k.encode(), ob, db=self._refs, dupdata=True)
+
+    def release_refs(self, txn: lmdb.Transaction, owner: str, keys: Iterable[str]) -> list[str]:
+        """Drop `owner`'s refs to `keys`; returns the blobs that went because nothing uses them now."""
+        return self._release(txn, owner.encode(), keys)
+
+    def write_releasing(self, fn: Callable[[lmdb.Transaction], list[str]]) -> None:
+        """Run `fn` in one write transaction; the blobs it returns (removed) leave the tiers above and
+        the mirror too."""
+        removed = self.env.write(fn)
+        self._forget(removed)
+        if removed and self.mirror is not None:
+            with self._mirrored() as m:
+                m.remove_chunks(removed)
 
     def chunk_stored(self, key: str) -> None:
         """Mirror a chunk the blob tier just stored (the embedded index lists the blobs themselves)."""
@@ -244,9 +276,22 @@ class DocumentCatalog:
             snap.chunks = {key for key, _ in self.blobs.scan(txn)}
             owners: dict[str, set[str]] = {}
             for key, doc_id in self.refs(txn):
-                owners.setdefault(key, set()).add(doc_id)
+                if not doc_id.startswith("~"):  # a job's staged refs are not mirrored (store/jobs.py)
+                    owners.setdefault(key, set()).add(doc_id)
         snap.owners = {k: frozenset(v) for k, v in owners.items()}
         return snap
+
+    def index_available(self) -> bool:
+        """Whether document reads can be answered now (a mirror that failed is re-checked, and rebuilt
+        if it came back empty)."""
+        if self.mirror is None:
+            return True
+        try:
+            with self._mirrored(write=False) as m:
+                m.ping()
+            return True
+        except IndexUnavailableError:
+            return False
 
     # --- the mirror (a Redis index) kept in step
     def rebuild_index(self) -> dict:

@@ -1,13 +1,14 @@
 """`kvfuse store check [--repair]`: compare everything the store holds with what its documents need.
 
-Finds: orphan blobs (no document refers to them), missing blobs and corrupt blobs (checksum, or stored
-under a key that is not their own) of `ready` documents, chunk refs that disagree with the documents,
+Finds: orphan blobs (no document or unfinished ingestion job refers to them), missing blobs and corrupt
+blobs (checksum, or stored under a key that is not their own) of `ready` documents, blobs of another model
+(their header's fingerprint is not the one the service last recorded in the store's meta), chunk refs that disagree with the documents,
 the kv_bytes counter, and index/LMDB drift.
 
 Repair: rewrites the refs from the documents, deletes orphans older than `store.orphan_grace_s` (a
-younger one may belong to an ingest that has not written its document yet) and corrupt blobs, marks each
-`ready` document with a missing or corrupt blob `failed` with an error starting with `kv_lost` (its
-chunk keys and text are kept: the service re-ingests it from the stored text), recounts kv_bytes and
+younger one may belong to an ingest that has not written its document yet) and corrupt blobs and those of another model, marks each
+`ready` document with a missing, corrupt or foreign blob `failed` with an error starting with `kv_lost`
+(its chunk keys and text are kept: the service re-ingests it from the stored text at its next start), recounts kv_bytes and
 rebuilds the index from LMDB.
 """
 
@@ -32,6 +33,7 @@ class CheckReport:
     young_orphans: list[str] = field(default_factory=list)  # within the grace period: left alone
     missing: list[tuple[str, str]] = field(default_factory=list)  # (doc id, chunk key)
     corrupt: list[tuple[str, str]] = field(default_factory=list)  # (chunk key, reason)
+    foreign: list[str] = field(default_factory=list)  # blobs of another model than the store's (fingerprint)
     ref_drift: int = 0  # refs entries to add or remove
     kv_bytes_drift: int = 0  # counter minus the real sum
     index_drift: list[str] = field(default_factory=list)
@@ -40,7 +42,7 @@ class CheckReport:
     @property
     def problems(self) -> int:
         return (
-            len(self.orphans) + len(self.missing) + len(self.corrupt) + self.ref_drift
+            len(self.orphans) + len(self.missing) + len(self.corrupt) + len(self.foreign) + self.ref_drift
             + bool(self.kv_bytes_drift) + len(self.index_drift)
         )
 
@@ -71,9 +73,10 @@ def check_store(store: KVStore, *, repair: bool = False, grace_s: float | None =
     catalog, blobs = store.catalog, store.blobs
     rep = CheckReport()
     now = time.time()
+    model = store.model_fingerprint()  # "" until a service ran on this store: nothing is foreign then
     with store.env.read() as txn:  # one transaction: documents, refs and blobs as of one moment
         docs = catalog.documents(txn)
-        wanted = {(k, d.id) for d in docs.values() for k in d.chunk_keys}
+        wanted = {(k, d.id) for d in docs.values() for k in d.chunk_keys} | store.jobs.staged_refs(txn)
         refs = catalog.refs(txn)
         referenced = {k for k, _ in wanted}
         stored: set[str] = set()
@@ -82,7 +85,10 @@ def check_store(store: KVStore, *, repair: bool = False, grace_s: float | None =
             stored.add(key)
             real_bytes += len(blob)
             try:
-                check_key(key, verify_blob(blob).key)
+                header = verify_blob(blob)
+                check_key(key, header.key)
+                if model and header.model_fingerprint != model:
+                    rep.foreign.append(key)
             except CorruptBlobError as err:
                 rep.corrupt.append((key, str(err)))
             if key not in referenced:
@@ -92,7 +98,7 @@ def check_store(store: KVStore, *, repair: bool = False, grace_s: float | None =
         rep.kv_bytes_drift = blobs.kv_bytes(txn) - real_bytes
     rep.documents, rep.chunks = len(docs), len(stored)
     rep.ref_drift = len(wanted ^ refs)
-    corrupt = {k for k, _ in rep.corrupt}
+    corrupt = {k for k, _ in rep.corrupt} | set(rep.foreign)  # a foreign blob is as useless as a corrupt one
     rep.missing = sorted(
         (d.id, k) for d in docs.values() if d.status == "ready" for k in d.chunk_keys if k not in stored
     )

@@ -40,6 +40,7 @@ def _check(args: argparse.Namespace) -> int:
             ("orphan blobs within the grace period (kept)", rep.young_orphans),
             ("missing blobs (document, chunk)", rep.missing),
             ("corrupt blobs", rep.corrupt),
+            ("blobs of another model (fingerprint)", rep.foreign),
             ("index drift", rep.index_drift),
             ("repaired", rep.repaired),
         ):

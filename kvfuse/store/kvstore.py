@@ -20,13 +20,14 @@ from kvfuse.store.catalog import DocumentCatalog
 from kvfuse.store.chunk_store import Entry, TieredStore
 from kvfuse.store.hot_tier import HotTier
 from kvfuse.store.index import DocumentIndex, EmbeddedIndex
+from kvfuse.store.jobs import JobStore
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.lmdb_tier import LmdbTier
 from kvfuse.store.records import DocumentRecord
 
 
 class KVStore:
-    def __init__(self, settings: Settings, env: LmdbEnv, index: DocumentIndex) -> None:
+    def __init__(self, settings: Settings, env: LmdbEnv, index: DocumentIndex, *, require_index: bool = True) -> None:
         s = settings.store
         self.settings = settings
         self.env = env
@@ -34,11 +35,15 @@ class KVStore:
         self.blobs = LmdbTier(env, verify=s.verify_checksums)
         self.chunks = TieredStore(self.hot, self.blobs)
         self.catalog = DocumentCatalog(
-            env, self.blobs, index, forget=self.chunks.evict, rebuild_on_empty=s.rebuild_index_on_empty
+            env, self.blobs, index, forget=self.chunks.evict, rebuild_on_empty=s.rebuild_index_on_empty,
+            require_index=require_index,
         )
+        self.jobs = JobStore(env, self.catalog)
 
     @classmethod
-    def open(cls, settings: Settings, *, readonly: bool = False) -> KVStore:
+    def open(cls, settings: Settings, *, readonly: bool = False, require_index: bool = True) -> KVStore:
+        """Open the store. With require_index=False a Redis index that is down does not fail the open
+        (the model worker, which reads blobs from LMDB, must not wait for it); it is checked at first use."""
         s = settings.store
         env = LmdbEnv(settings.lmdb_dir, map_size=s.lmdb_map_size_mb << 20, max_readers=s.lmdb_max_readers,
                       readonly=readonly)
@@ -49,7 +54,7 @@ class KVStore:
                 index: DocumentIndex = RedisIndex(settings.redis_url, s.redis_namespace, timeout_s=s.redis_timeout_s)
             else:
                 index = EmbeddedIndex(env)
-            return cls(settings, env, index)
+            return cls(settings, env, index, require_index=require_index)
         except BaseException:
             env.close()
             raise
@@ -93,6 +98,21 @@ class KVStore:
         """(k, v, header) from the first tier that has it (kvfuse.store.chunk_store); None = miss. Raises
         CorruptBlobError (rebuild it from the chunk's token ids)."""
         return self.chunks.get(key)
+
+    def blob_fingerprint(self, key: str) -> str | None:
+        """The model fingerprint in a stored blob's header (None if the blob is not stored or unreadable)."""
+        return self.blobs.fingerprint(key)
+
+    # --- the model the stored KV is for (`kvfuse store check` compares blob headers with it)
+    def model_fingerprint(self) -> str:
+        """The fingerprint of the model the service last ran with ("" if none ever did)."""
+        with self.env.read() as txn:
+            raw = txn.get(b"model_fingerprint", db=self.env.db("meta"))
+            return "" if raw is None else bytes(raw).decode()
+
+    def set_model_fingerprint(self, fingerprint: str) -> None:
+        if fingerprint != self.model_fingerprint():
+            self.env.write(lambda txn: txn.put(b"model_fingerprint", fingerprint.encode(), db=self.env.db("meta")))
 
     # --- documents (kvfuse.store.catalog)
     def put_document(self, doc: DocumentRecord, text: str | None = None) -> None:

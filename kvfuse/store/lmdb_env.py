@@ -7,7 +7,8 @@ Named databases (the module that owns each):
   docs       doc id -> JSON DocumentRecord                                             catalog
   doctime    created_at (8 bytes, big-endian ns) + doc id -> b"" (creation order)      catalog, index
   texts      doc id -> UTF-8 text (KV can always be rebuilt from it)                   catalog
-  meta       kv_bytes (lmdb_tier), store_id (catalog)
+  meta       kv_bytes (lmdb_tier), store_id (catalog), model_fingerprint (the worker's, for check)
+  jobs       job id -> JSON JobRecord (durable ingestion jobs, with their text)           jobs
 
 Concurrency: LMDB allows many reader processes and one writer; every write is one transaction, so a
 document and the blobs it drops change together. Within a process, `set_mapsize` (growing the map)
@@ -31,7 +32,8 @@ from kvfuse.store.errors import StoreError, StoreReadOnlyError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DB_NAMES = ("chunks", "chunkinfo", "refs", "docs", "doctime", "texts", "meta")
+DB_NAMES = ("chunks", "chunkinfo", "refs", "docs", "doctime", "texts", "meta", "jobs")
+_ADDED_LATER = ("jobs",)  # a store written before these existed still opens read-only (they read as empty)
 _READONLY_ERRNOS = (errno.EACCES, errno.EROFS, errno.EPERM)
 _MAX_WRITE_ATTEMPTS = 32  # map doublings before giving up (1 MB -> 4 PB)
 
@@ -117,16 +119,19 @@ class LmdbEnv:
             if isinstance(err, lmdb.ReadonlyError) or "Permission denied" in str(err) or "Read-only" in str(err):
                 raise _readonly_error(self.path, err) from None
             raise StoreError(f"cannot open the store at {self.path}: {err}") from err
-        try:
-            self.dbs = {
-                name: self.env.open_db(name.encode(), create=not readonly, dupsort=name == "refs")
-                for name in DB_NAMES
-            }
-        except lmdb.NotFoundError:
-            self.env.close()
-            raise StoreError(f"the store at {self.path} is incomplete or from another program") from None
+        self.dbs: dict[str, lmdb._Database | None] = {}
+        for name in DB_NAMES:
+            try:
+                self.dbs[name] = self.env.open_db(name.encode(), create=not readonly, dupsort=name == "refs")
+            except lmdb.NotFoundError:
+                if name in _ADDED_LATER:
+                    self.dbs[name] = None
+                    continue
+                self.env.close()
+                raise StoreError(f"the store at {self.path} is incomplete or from another program") from None
 
-    def db(self, name: str) -> lmdb._Database:
+    def db(self, name: str) -> lmdb._Database | None:
+        """The named database (None only for one added later, in an older store opened read-only)."""
         return self.dbs[name]
 
     def _adopt_new_size(self) -> None:

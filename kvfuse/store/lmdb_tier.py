@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 
 import lmdb
 
-from kvfuse.kvblob import CorruptBlobError, decode, pack, verify_blob
+from kvfuse.kvblob import CorruptBlobError, decode, pack, read_header, verify_blob
 from kvfuse.store.chunk_store import ChunkStore, Entry
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.records import ChunkInfo
@@ -58,6 +58,17 @@ class LmdbTier(ChunkStore):
             entry = decode(buf, verify=self._verify, copy=True)  # the one copy, before the txn ends
         check_key(key, entry[2].key)
         return entry
+
+    def fingerprint(self, key: str) -> str | None:
+        """The model fingerprint in the blob's header, read without its payload (None: absent or unreadable)."""
+        with self.env.read() as txn:
+            buf = txn.get(key.encode(), db=self._blobs)
+            if buf is None:
+                return None
+            try:
+                return read_header(buf).model_fingerprint
+            except CorruptBlobError:
+                return None
 
     def put(self, key: str, entry: Entry) -> bool:
         """Store the chunk; False if a valid copy is already there (a corrupt one is replaced)."""

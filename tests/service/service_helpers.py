@@ -32,9 +32,10 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m kvfuse.cli serve` with settings passed as KVFUSE_* environment variables."""
 
-    def __init__(self, data_dir: Path, log_path: Path, **env: str) -> None:
+    def __init__(self, data_dir: Path, log_path: Path, *, new_session: bool = False, **env: str) -> None:
         self.data_dir = data_dir
         self.log_path = log_path
+        self.new_session = new_session  # its own process group, so kill_group() takes the worker too
         self.env = env
         self.port = 0
         self.proc: subprocess.Popen | None = None
@@ -43,7 +44,7 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> ServerProcess:
+    def start(self, wait: bool = True) -> ServerProcess:
         self.port = free_port()
         env = {**os.environ, "KVFUSE_DATA_DIR": str(self.data_dir), "KVFUSE_MODEL_CACHE_DIR": str(MODEL_CACHE),
                "KVFUSE_SERVER__PORT": str(self.port), "KVFUSE_SERVER__HOST": "127.0.0.1",
@@ -51,10 +52,20 @@ class ServerProcess:
         env.pop("KVFUSE_CONFIG", None)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen([sys.executable, "-m", "kvfuse.cli", "serve"], cwd=REPO, env=env,
-                                     stdout=log, stderr=subprocess.STDOUT)
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=self.new_session)
         log.close()
-        self.wait_ready()
+        if wait:
+            self.wait_ready()
         return self
+
+    def kill_group(self) -> None:
+        """SIGKILL the API process and its worker at once (a power cut, not a stop): needs new_session."""
+        assert self.proc is not None and self.new_session
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -124,3 +135,48 @@ def ingest(client: httpx.Client, docs: list[dict]) -> dict:
     resp = client.post("/v1/documents?wait=true", json={"documents": docs})
     assert resp.status_code in (200, 201), resp.text
     return resp.json()
+
+
+def start_redis(port: int, workdir: Path) -> subprocess.Popen:
+    """A private redis-server on `port` (no persistence), so the shared one is never disturbed."""
+    import shutil
+
+    import redis
+
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("redis-server is not installed (these tests start a private one)")
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_connect_timeout=0.5)
+    for _ in range(100):
+        try:
+            client.ping()
+            return proc
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis-server did not start on port {port}")
+
+
+def wait_job(client: httpx.Client, job_id: str, timeout: float = 300.0) -> dict:
+    """Poll a job until it ends; its last JSON."""
+    deadline = time.monotonic() + timeout
+    while True:
+        resp = client.get(f"/v1/jobs/{job_id}")
+        assert resp.status_code == 200, resp.text
+        job = resp.json()
+        if job["status"] not in ("pending", "processing"):
+            return job
+        assert time.monotonic() < deadline, job
+        time.sleep(0.2)
+
+
+def store_check(data_dir: Path, *args: str) -> dict:
+    """`kvfuse store check --json [args]` on a data dir (the server stopped), as a separate process."""
+    env = {**os.environ, "KVFUSE_DATA_DIR": str(data_dir), "KVFUSE_REDIS_URL": "", "KVFUSE_STORE__ORPHAN_GRACE_S": "0"}
+    env.pop("KVFUSE_CONFIG", None)
+    out = subprocess.run([sys.executable, "-m", "kvfuse.cli", "store", "check", "--json", *args], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout, out.stderr
+    return json.loads(out.stdout)

@@ -1,0 +1,172 @@
+"""Nothing lost, nothing stale, over real HTTP with real processes and a real LMDB store: queued ingests
+survive a restart, a failed overwrite keeps the good version, a delete during an overwrite wins, a
+`?wait=true` that times out says where to look, a model change never reuses the old model's KV, and the
+open probes keep details for a valid key. The tests run in file order on one data dir (the last ones
+restart the server)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from service_helpers import API_KEY, ServerProcess, make_client, metric, store_check, wait_job
+
+pytestmark = pytest.mark.slow
+
+SERVER_ENV = {
+    "KVFUSE_SERVER__API_KEYS": API_KEY,
+    "KVFUSE_RETRIEVER__CHUNK_TOKENS": "128",
+    "KVFUSE_MODEL__MAX_CONTEXT_TOKENS": "1024",
+    "KVFUSE_GENERATION__MAX_TOKENS": "4",
+    "KVFUSE_SERVER__INGEST_WAIT_TIMEOUT_S": "3",
+    "KVFUSE_SERVER__PRECOMPUTE_BATCH_CHUNKS": "2",
+}
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class Holder:
+    server: ServerProcess
+
+
+@pytest.fixture(scope="module")
+def holder(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("durability")
+    h = Holder()
+    h.server = ServerProcess(root / "data", root / "server.log", **SERVER_ENV).start()
+    try:
+        yield h
+    finally:
+        h.server.stop()
+
+
+@pytest.fixture
+def client(holder: Holder):
+    with make_client(holder.server) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def big(essays: list[tuple[str, str]]) -> str:
+    return "\n\n".join(t for _, t in essays[:4])[:14_000]  # ~28 chunks of 128 tokens
+
+
+def _ingest(client: httpx.Client, doc_id: str, text: str, **extra: object) -> dict:
+    resp = client.post("/v1/documents", json={"id": doc_id, "text": text, **extra})
+    assert resp.status_code == 202, resp.text
+    job = wait_job(client, resp.json()["job_id"])
+    assert job["status"] == "ready", job
+    return job
+
+
+def _wait_progress(client: httpx.Client, job_id: str, chunks: int) -> dict:
+    deadline = time.monotonic() + 300
+    while (j := client.get(f"/v1/jobs/{job_id}").json())["progress"]["chunks_done"] < chunks:
+        assert j["status"] in ("pending", "processing") and time.monotonic() < deadline, j
+        time.sleep(0.05)
+    return j
+
+
+def _answers(client: httpx.Client, doc_id: str) -> dict:
+    resp = client.post("/v1/query", json={"query": "What is this about?", "document_ids": [doc_id], "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_health_details_need_a_key_and_stop_strings_are_limited(client: httpx.Client, holder: Holder) -> None:
+    with make_client(holder.server, key=None) as anon:
+        open_health = anon.get("/health").json()
+        assert open_health["status"] == "ok" and "worker" not in open_health
+    assert client.get("/health").json()["worker"]["pid"] > 0
+    resp = client.post("/v1/query", json={"query": "q", "stop": ["a", "b", "c", "d", "e"]})
+    assert resp.status_code == 422 and resp.json()["error"]["param"] == "stop", resp.text
+    assert "at most 4" in resp.json()["error"]["message"]
+
+
+def test_wait_timeout_names_the_job_its_status_and_where_to_look(client: httpx.Client, big: str) -> None:
+    resp = client.post("/v1/documents?wait=true", json={"id": "slow", "text": big})
+    assert resp.status_code == 202, resp.text
+    body = resp.json()
+    assert body["status"] in ("pending", "processing") and body["status_url"].endswith(f"/v1/jobs/{body['job_id']}")
+    assert body["job_id"] in body["detail"] and body["status"] in body["detail"] and "ingest_wait_timeout_s" in body["detail"]
+    assert client.get(body["status_url"]).status_code == 200
+    assert wait_job(client, body["job_id"])["status"] == "ready"
+    assert client.delete("/v1/documents/slow").status_code == 200
+
+
+def test_a_failed_overwrite_keeps_the_good_version(client: httpx.Client, holder: Holder, big: str,
+                                                   essays3: dict[str, str]) -> None:
+    v1 = essays3["pow"]
+    _ingest(client, "doc", v1)
+    before = client.get("/v1/documents/doc").json()
+    job = client.post("/v1/documents", json={"id": "doc", "text": big, "on_conflict": "overwrite"}).json()
+    _wait_progress(client, job["job_id"], 4)
+    during = client.get("/v1/documents/doc").json()  # the old version answers while the new one is built
+    assert during["status"] == "ready" and during["content_hash"] == sha(v1) and during["job"]["job_id"] == job["job_id"]
+    _answers(client, "doc")
+    os.kill(client.get("/health").json()["worker"]["pid"], signal.SIGKILL)  # mid-build
+    failed = wait_job(client, job["job_id"])
+    assert failed["status"] == "failed" and "worker crashed" in failed["error"], failed
+    after = client.get("/v1/documents/doc").json()
+    assert after["status"] == "ready" and after["content_hash"] == sha(v1) and after["chunks"] == before["chunks"]
+    holder.server.wait_ready()  # the worker restarts
+    _answers(client, "doc")
+
+
+def test_a_delete_during_an_overwrite_wins(client: httpx.Client, big: str) -> None:
+    job = client.post("/v1/documents", json={"id": "doc", "text": big, "on_conflict": "overwrite"}).json()
+    _wait_progress(client, job["job_id"], 2)
+    assert client.delete("/v1/documents/doc").json() == {"id": "doc", "deleted": True}
+    assert client.get(f"/v1/jobs/{job['job_id']}").json()["status"] == "cancelled"
+    assert client.get("/v1/documents/doc").status_code == 404
+
+
+def test_queued_ingests_survive_a_restart(holder: Holder, big: str, essays3: dict[str, str]) -> None:
+    texts = {"q0": big, "q1": essays3["todo"], "q2": essays3["nft"]}
+    with make_client(holder.server) as c:
+        jobs = {}
+        for doc_id, text in texts.items():
+            resp = c.post("/v1/documents", json={"id": doc_id, "text": text})
+            assert resp.status_code == 202, resp.text
+            jobs[doc_id] = resp.json()["job_id"]
+        _wait_progress(c, jobs["q0"], 2)  # the first is processing, the others queued
+    holder.server.stop()
+    holder.server.start()
+    with make_client(holder.server) as c:
+        for doc_id, job_id in jobs.items():
+            job = wait_job(c, job_id)  # the job id still answers, and the job finishes
+            assert job["status"] == "ready", job
+            doc = c.get(f"/v1/documents/{doc_id}").json()
+            assert doc["status"] == "ready" and doc["content_hash"] == sha(texts[doc_id])
+            _answers(c, doc_id)
+
+
+def test_a_model_change_never_reuses_the_old_models_kv(holder: Holder) -> None:
+    holder.server.stop()
+    assert store_check(holder.server.data_dir)["problems"] == 0
+    old = ServerProcess(holder.server.data_dir, holder.server.log_path, **SERVER_ENV)
+    holder.server = ServerProcess(holder.server.data_dir, holder.server.log_path,
+                                  **SERVER_ENV, KVFUSE_MODEL__DTYPE="bfloat16").start()
+    with make_client(holder.server) as c:
+        docs = c.get("/v1/documents").json()["documents"]
+        assert docs and all(d["status"] == "ready" for d in docs)
+        for d in docs:
+            _answers(c, d["id"])  # answered, from KV rebuilt for this model
+        deadline = time.monotonic() + 600
+        while any(d.get("job") for d in c.get("/v1/documents").json()["documents"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        stale_used = metric(c, "kvfuse_kv_fingerprint_misses_total") + metric(c, "kvfuse_rebuilt_chunks_total")
+        rekeyed = metric(c, "kvfuse_precomputed_chunks_total")
+        assert rekeyed > 0, "the documents were not rebuilt for the new model"
+        assert stale_used > 0 or rekeyed >= sum(d["chunks"] for d in docs)
+    holder.server.stop()
+    rep = store_check(holder.server.data_dir)  # every blob is now the bfloat16 model's
+    assert rep["problems"] == 0 and rep["foreign"] == [] and rep["young_orphans"] == [], rep
+    holder.server = old  # stopped; the fixture's stop() is a no-op

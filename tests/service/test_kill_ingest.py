@@ -1,0 +1,126 @@
+"""Power cuts during a batch ingest: the whole service (API process and worker, one process group) is
+SIGKILLed at a random point, again and again, while batches of new versions of the same documents are
+ingested (and the jobs resumed after the previous kill run). Afterwards every document is ready with
+its latest acknowledged version (or a later one whose 202 the kill swallowed), every acknowledged job
+ended `ready`, every ready document answers, and `kvfuse store check` finds no orphan, missing or
+corrupt blob before any repair.
+
+KVFUSE_TEST_KILL_ROUNDS sets the number of kills (default 5); KVFUSE_TEST_KILL_SEED the random seed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import threading
+import time
+
+import httpx
+import pytest
+from service_helpers import ServerProcess, make_client, store_check, wait_job
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = int(os.environ.get("KVFUSE_TEST_KILL_ROUNDS", "5"))
+SEED = int(os.environ.get("KVFUSE_TEST_KILL_SEED", "18"))
+DOCS = 4
+MAX_KILL_DELAY_S = 8.0
+ENV = {"KVFUSE_RETRIEVER__CHUNK_TOKENS": "128", "KVFUSE_SERVER__PRECOMPUTE_BATCH_CHUNKS": "1",
+       "KVFUSE_MODEL__MAX_CONTEXT_TOKENS": "1024"}
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _version(essays: list[tuple[str, str]], doc: int, version: int) -> str:
+    """A distinct text per (document, version), a few chunks long."""
+    _, text = essays[(doc * 7 + version) % len(essays)]
+    return f"Version {version} of document {doc}.\n\n" + text[: 1500 + 300 * doc]
+
+
+class Ledger:
+    """What the client was promised: per document, the versions sent in order, and which got a 202."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, list[tuple[str, bool]]] = {}  # doc id -> [(text, acknowledged)]
+        self.jobs: list[str] = []  # acknowledged job ids
+        self.lock = threading.Lock()
+
+    def allowed(self, doc_id: str) -> set[str]:
+        """Content hashes the document may have: its last acknowledged version or any later one."""
+        versions = self.sent.get(doc_id, [])
+        last_ack = max((i for i, (_, ack) in enumerate(versions) if ack), default=-1)
+        return {sha(t) for t, _ in versions[max(last_ack, 0):]}
+
+
+def _drive(server: ServerProcess, ledger: Ledger, essays, round_no: int) -> None:
+    """Wait for the jobs left unfinished, then send the next batch of versions (overwrite)."""
+    try:
+        with make_client(server, key=None, timeout=60) as c:
+            for job_id in list(ledger.jobs):
+                wait_job(c, job_id, timeout=600)
+            batch = [{"id": f"d{i}", "text": _version(essays, i, round_no)} for i in range(DOCS)]
+            with ledger.lock:
+                for d in batch:
+                    ledger.sent.setdefault(d["id"], []).append((d["text"], False))
+            resp = c.post("/v1/documents", json={"documents": batch, "on_conflict": "overwrite"})
+            assert resp.status_code == 202, resp.text
+            with ledger.lock:
+                for d, item in zip(batch, resp.json()["documents"], strict=True):
+                    versions = ledger.sent[d["id"]]
+                    versions[-1] = (versions[-1][0], True)
+                    ledger.jobs.append(item["job_id"])
+    except (httpx.TransportError, AssertionError):
+        pass  # killed meanwhile
+
+
+def test_sigkill_at_random_points_of_a_batch_ingest(tmp_path, essays) -> None:
+    rng = random.Random(SEED)
+    ledger = Ledger()
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", new_session=True, **ENV)
+    kills = []
+    for round_no in range(ROUNDS):
+        server.start()
+        driver = threading.Thread(target=_drive, args=(server, ledger, essays, round_no), daemon=True)
+        t0 = time.monotonic()
+        driver.start()
+        delay = rng.uniform(0.0, MAX_KILL_DELAY_S)
+        time.sleep(delay)
+        with make_client(server, key=None, timeout=10) as c:
+            try:
+                active = [d["id"] for d in c.get("/v1/documents").json()["documents"] if d.get("job")]
+            except (httpx.HTTPError, ValueError, KeyError):
+                active = ["?"]
+        server.kill_group()
+        driver.join(30)
+        kills.append({"round": round_no, "after_s": round(time.monotonic() - t0, 2), "documents_in_ingestion": active})
+    print(f"\n{len(kills)} kill points: {kills}")
+    server.new_session = False
+    server.start()
+    try:
+        with make_client(server, key=None, timeout=120) as c:
+            for job_id in ledger.jobs:  # every acknowledged job answers and finishes
+                assert wait_job(c, job_id, timeout=900)["status"] in ("ready", "cancelled"), job_id
+            docs = {d["id"]: d for d in c.get("/v1/documents").json()["documents"]}
+            deadline = time.monotonic() + 900
+            while any(d.get("job") for d in docs.values()):  # jobs stored before a swallowed 202
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+                docs = {d["id"]: d for d in c.get("/v1/documents").json()["documents"]}
+            for doc_id in ledger.sent:
+                if doc_id not in docs:
+                    assert not any(ack for _, ack in ledger.sent[doc_id]), f"{doc_id} lost"
+                    continue
+                d = docs[doc_id]
+                assert d["status"] == "ready", d
+                assert d["content_hash"] in ledger.allowed(doc_id), (doc_id, "not its latest version")
+                resp = c.post("/v1/query", json={"query": "What is it about?", "document_ids": [doc_id],
+                                                 "max_tokens": 1})
+                assert resp.status_code == 200, resp.text
+    finally:
+        server.stop()
+    rep = store_check(tmp_path / "data")
+    assert rep["orphans"] == [] and rep["young_orphans"] == [] and rep["missing"] == [], rep
+    assert rep["problems"] == 0, rep
+    assert store_check(tmp_path / "data", "--repair")["problems"] == 0
