@@ -46,5 +46,9 @@ class Metrics:
                                           registry=r)
         self.rebuilt_chunks = Counter("kvfuse_rebuilt_chunks", "Chunk KV rebuilt at query time (miss or corrupt)",
                                       registry=r)
+        self.live_workers = Gauge("kvfuse_live_workers", "Workers with a live heartbeat (1 for a local worker)",
+                                  registry=r)
+        self.worker_load = Gauge("kvfuse_worker_load", "Queries running or waiting on each live worker",
+                                 ["worker"], registry=r)
         self.worker_restarts = Counter("kvfuse_worker_restarts", "Times the worker process was restarted",
                                        registry=r)

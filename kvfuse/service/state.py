@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvfuse.config import Settings
+from kvfuse.service.dispatch import make_dispatcher, open_api_store
 from kvfuse.service.errors import APIError
 from kvfuse.service.ingest import IngestManager
 from kvfuse.service.metrics import Metrics
 from kvfuse.service.query import QueryService
-from kvfuse.service.supervisor import WorkerSupervisor
 
 if TYPE_CHECKING:
     import numpy as np
@@ -38,7 +38,7 @@ class ServiceState:
         self.settings = settings
         self.started_at = time.time()
         self.metrics = Metrics()
-        self.supervisor = WorkerSupervisor(settings, self.metrics)
+        self.supervisor = make_dispatcher(settings, self.metrics)  # local worker or fleet (dispatch.py)
         self.ingest = IngestManager(self)
         self.queries = QueryService(self)
         self.store: KVStore | None = None
@@ -69,12 +69,10 @@ class ServiceState:
     def _load_components(self) -> None:
         from kvfuse.model_files import resolve_embedder, resolve_llm
         from kvfuse.retriever import Chunker, Embedder
-        from kvfuse.store import KVStore
-
         s = self.settings
         # The hot tier of decoded KV lives in the worker, which reads KV; here it would only waste RAM.
         api_settings = s.model_copy(update={"store": s.store.model_copy(update={"hot_tier_mb": 0})})
-        self.store = KVStore.open(api_settings)
+        self.store = open_api_store(api_settings)
         self.chunker = Chunker.from_pretrained(resolve_llm(s.model.llm, s.models_dir), s.retriever.chunk_tokens)
         self.embedder = Embedder(resolve_embedder(s.model.embedder), device="cpu",
                                  batch_size=s.model.embed_batch_size)
