@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("worker", help="run a model worker of a fleet: takes jobs from Redis (needs redis_url)")
     p.add_argument("--name", help="this worker's name in answers and /ready (default: fleet.worker_name, else host-pid)")
+    p.add_argument("--health", action="store_true",
+                   help="exit 0 when a worker of this host has a live heartbeat, else 1 (a container healthcheck)")
     p.set_defaults(func=_worker)
 
     p = sub.add_parser("ingest", help="ingest text files or folders (into a running server, or --local)")
@@ -91,6 +93,15 @@ def _worker(args: argparse.Namespace) -> int:
     if not s.redis_url:
         print("kvfuse worker: set redis_url (KVFUSE_REDIS_URL): workers join the fleet through Redis", file=sys.stderr)
         return 2
+    if args.health:
+        import socket
+
+        import redis
+
+        from kvfuse.service.fleet import FleetKeys, live_workers
+
+        beats = live_workers(redis.Redis.from_url(s.redis_url, decode_responses=True), FleetKeys(s.fleet.namespace))
+        return 0 if any(b.get("host") == socket.gethostname() for b in beats.values()) else 1
     if args.name:
         s = s.model_copy(update={"fleet": s.fleet.model_copy(update={"worker_name": args.name})})
     return worker_command(s)

@@ -212,9 +212,10 @@ class FleetWorker(Worker):
             return
         kinds = [f.get("t") for _, f in entries]
         tokens, takes = "Delta" in kinds, kinds.count("Taken")
+        dead = next((f.get("w") for _, f in reversed(entries) if f.get("t") == "Taken"), "?")
         if tokens or takes >= 2:
-            why = ("the worker serving this request died after it had started answering" if tokens
-                   else "the job was running on two workers that died: it is not run again")
+            why = (f"the worker {dead} serving this request died after it had started answering" if tokens
+                   else f"the job was running on two workers that died (the last {dead}): it is not run again")
             try:
                 api_id = json.loads(fields["d"]).get("job_id", 0)
             except (KeyError, ValueError):
