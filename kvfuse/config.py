@@ -48,6 +48,7 @@ class ServerSettings(_Section):
     worker_start_timeout_s: float = Field(300.0, gt=0)
     worker_cancel_grace_s: float = Field(30.0, gt=0)
     worker_stop_timeout_s: float = Field(10.0, gt=0)
+    workers: int = Field(1, ge=0, le=1)  # local worker processes; 0: remote `kvfuse worker`s (needs redis_url)
     max_running_requests: int = Field(16, ge=1)
     kv_budget_tokens: int = Field(65536, ge=1)
     prefill_tokens_per_step: int = Field(2048, ge=1)
@@ -144,6 +145,19 @@ class BenchSettings(_Section):
     data_dir: Path = Path("../shared/data")
 
 
+class FleetSettings(_Section):
+    """Scale-out over Redis (docs/DESIGN.md, "Scale-out"): `kvfuse serve --workers 0` dispatches to
+    `kvfuse worker` processes on any host; used only when `redis_url` is set."""
+
+    namespace: str = Field("kvfuse:fleet", min_length=1)  # key prefix of the streams, heartbeats, shared KV
+    worker_name: str = ""  # a worker's name in answers and /ready (default: host-pid)
+    heartbeat_s: float = Field(1.0, gt=0)
+    heartbeat_ttl_s: float = Field(5.0, gt=0)  # a worker silent this long is dead: its jobs are claimed back
+    reply_ttl_s: float = Field(30.0, gt=0)  # a job's reply stream outlives its reader by this much
+    orphan_timeout_s: float = Field(60.0, gt=0)  # a job with no live worker to run it fails after this
+    shared_tier_mb: int = Field(1024, ge=0)  # cap of the shared chunk KV tier in Redis (0: no shared tier)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVFUSE_", env_nested_delimiter="__", extra="forbid", validate_default=True
@@ -160,6 +174,7 @@ class Settings(BaseSettings):
     fusion: FusionSettings = FusionSettings()
     generation: GenerationSettings = GenerationSettings()
     bench: BenchSettings = BenchSettings()
+    fleet: FleetSettings = FleetSettings()
 
     @field_validator("model_cache_dir", mode="before")
     @classmethod

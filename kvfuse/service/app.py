@@ -20,6 +20,7 @@ from kvfuse.config import Settings
 from kvfuse.service import documents_api, openai_api, query_api
 from kvfuse.service.auth import key_is_valid, presented_key
 from kvfuse.service.dependencies import State
+from kvfuse.service.dispatch import live_workers
 from kvfuse.service.errors import ErrorBody, error_body, install_error_handlers
 from kvfuse.service.middleware import GuardMiddleware
 from kvfuse.service.responses import Health, Readiness
@@ -66,7 +67,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/ready", response_model=Readiness, responses={503: not_ready})
     async def ready(state: State, request: Request) -> Readiness | JSONResponse:
-        parts = Readiness(ready=False, components=state.readiness(await state.document_index_available()))
+        parts = Readiness(ready=False, components=state.readiness(await state.document_index_available()),
+                          workers=live_workers(state.supervisor))
         if all(parts.components.values()) and not state.startup_error:
             parts.ready = True
             return parts
@@ -81,6 +83,11 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/metrics", response_class=Response)
     async def metrics(state: State) -> Response:
         state.refresh_document_gauge()
+        workers = live_workers(state.supervisor)
+        state.metrics.live_workers.set(len(workers))
+        state.metrics.worker_load.clear()
+        for w in workers:
+            state.metrics.worker_load.labels(w["id"]).set((w.get("running") or 0) + (w.get("waiting") or 0))
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

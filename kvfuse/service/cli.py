@@ -20,7 +20,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the HTTP service (API process + model worker)")
     p.add_argument("--host", help="bind address (default: server.host)")
     p.add_argument("--port", type=int, help="bind port (default: server.port)")
+    p.add_argument("--workers", type=int, choices=(0, 1),
+                   help="local worker processes (default: server.workers); 0 = dispatch to `kvfuse worker`s "
+                        "through Redis (needs redis_url)")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("worker", help="run a model worker of a fleet: takes jobs from Redis (needs redis_url)")
+    p.add_argument("--name", help="this worker's name in answers and /ready (default: fleet.worker_name, else host-pid)")
+    p.add_argument("--health", action="store_true",
+                   help="exit 0 when a worker of this host has a live heartbeat, else 1 (a container healthcheck)")
+    p.set_defaults(func=_worker)
 
     p = sub.add_parser("ingest", help="ingest text files or folders (into a running server, or --local)")
     p.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="files, or folders (searched recursively)")
@@ -60,7 +69,11 @@ def _serve(args: argparse.Namespace) -> int:
     from kvfuse.service.auth import check_bind
 
     s = get_settings()
-    server = s.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v})
+    server = s.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port),
+                                                            ("workers", args.workers)) if v is not None})
+    if server.workers == 0 and not s.redis_url:
+        print("kvfuse serve: --workers 0 dispatches to `kvfuse worker`s through Redis: set redis_url", file=sys.stderr)
+        return 2
     try:
         check_bind(server.host, server)
     except PermissionError as err:
@@ -94,6 +107,28 @@ def _unreachable_is_one_line(name: str, command: Any) -> Any:
             return 1
 
     return run
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from kvfuse.config import get_settings
+    from kvfuse.service.fleet_worker import worker_command
+
+    s = get_settings()
+    if not s.redis_url:
+        print("kvfuse worker: set redis_url (KVFUSE_REDIS_URL): workers join the fleet through Redis", file=sys.stderr)
+        return 2
+    if args.health:
+        import socket
+
+        import redis
+
+        from kvfuse.service.fleet import FleetKeys, live_workers
+
+        beats = live_workers(redis.Redis.from_url(s.redis_url, decode_responses=True), FleetKeys(s.fleet.namespace))
+        return 0 if any(b.get("host") == socket.gethostname() for b in beats.values()) else 1
+    if args.name:
+        s = s.model_copy(update={"fleet": s.fleet.model_copy(update={"worker_name": args.name})})
+    return worker_command(s)
 
 
 def _client(args: argparse.Namespace) -> Any:

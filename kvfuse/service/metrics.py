@@ -48,5 +48,9 @@ class Metrics:
                                       registry=r)
         self.fingerprint_misses = Counter(
             "kvfuse_kv_fingerprint_misses", "Chunks queried whose stored KV is from another model (rebuilt)", registry=r)
+        self.live_workers = Gauge("kvfuse_live_workers", "Workers with a live heartbeat (1 for a local worker)",
+                                  registry=r)
+        self.worker_load = Gauge("kvfuse_worker_load", "Queries running or waiting on each live worker",
+                                 ["worker"], registry=r)
         self.worker_restarts = Counter("kvfuse_worker_restarts", "Times the worker process was restarted",
                                        registry=r)

@@ -23,6 +23,7 @@ ERR_MAX_TOKENS = "max_tokens_overflow"      # prompt + max_tokens alone exceed t
 ERR_KV_BUDGET = "kv_budget_exceeded"        # prompt + max_tokens alone exceed the worker's KV budget -> 400
 ERR_INVALID = "invalid_request"             # the engine refused the options -> 422
 ERR_INTERNAL = "internal"                   # anything else -> 500
+ERR_WORKER_LOST = "worker_lost"             # a fleet worker died after the answer had started -> 503
 
 
 # -- API -> worker ---------------------------------------------------------------------------------------
@@ -101,6 +102,7 @@ class Result:
     timings: dict[str, float]
     rebuilt_chunks: int = 0
     step: int = 0
+    worker: str = ""  # the worker that served it (named in the answer)
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Done:
     nbytes: list[int]
     computed: int
     step: int = 0
+    worker: str = ""
 
 
 @dataclass

@@ -374,4 +374,5 @@ class QueryService:
                             select_ms=ms(t.get("select_s", 0.0)), recompute_ms=ms(t.get("recompute_s", 0.0)),
                             ttft_ms=ms((first_at or now) - run.plan.arrived), decode_ms=ms(t.get("decode_s", 0.0)),
                             total_ms=ms(now - run.plan.arrived)),
+            worker=result.get("worker") or None,
         )

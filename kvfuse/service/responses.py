@@ -179,6 +179,7 @@ class QueryAnswer(BaseModel):
     usage: Usage
     timings: Timings
     fusion: FusionUsed
+    worker: str | None = Field(None, description="the worker that served the answer (its fleet name, or host-pid)")
 
 
 # -- OpenAI-compatible ---------------------------------------------------------------------------------------
@@ -304,3 +305,4 @@ class Readiness(BaseModel):
 
     ready: bool
     components: dict[str, bool]
+    workers: list[dict[str, Any]] = []  # the live workers (kvfuse.service.dispatch.live_workers)

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvfuse.config import Settings
+from kvfuse.service.dispatch import make_dispatcher, open_api_store
 from kvfuse.service.errors import APIError
 from kvfuse.service.ingest import IngestManager
 from kvfuse.service.metrics import Metrics
 from kvfuse.service.query import QueryService
-from kvfuse.service.supervisor import WorkerSupervisor
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,7 +42,7 @@ class ServiceState:
         self.settings = settings
         self.started_at = time.time()
         self.metrics = Metrics()
-        self.supervisor = WorkerSupervisor(settings, self.metrics)
+        self.supervisor = make_dispatcher(settings, self.metrics)  # local worker or fleet (dispatch.py)
         self.ingest = IngestManager(self)
         self.queries = QueryService(self)
         self.store: KVStore | None = None
@@ -106,12 +106,12 @@ class ServiceState:
     def _open_store(self, settings: Settings) -> KVStore:
         """Open the store, waiting for its index: a Redis that is not up yet is retried with a growing
         pause (`/ready` says what it waits for), so the service becomes ready when Redis comes."""
-        from kvfuse.store import IndexUnavailableError, KVStore
+        from kvfuse.store import IndexUnavailableError
 
         pause, attempt = _INDEX_RETRY_FIRST_S, 0
         while True:
             try:
-                store = KVStore.open(settings)
+                store = open_api_store(settings)
                 self.waiting_for = None
                 return store
             except IndexUnavailableError as err:

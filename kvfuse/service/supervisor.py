@@ -79,6 +79,8 @@ class Job:
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     cancelled: bool = False
+    worker: str | None = None  # the fleet worker that took it (fleet_dispatch.py)
+    cancel_deadline: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -363,7 +365,7 @@ class WorkerSupervisor:
         try:
             async for msg in self.events(job, deadline):
                 if isinstance(msg, P.Done):
-                    return {"keys": msg.keys, "nbytes": msg.nbytes, "computed": msg.computed}
+                    return {"keys": msg.keys, "nbytes": msg.nbytes, "computed": msg.computed, "worker": msg.worker}
         finally:
             self.cancel(job)
         raise WorkerCrashed("the job ended without a result")

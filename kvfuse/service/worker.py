@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import traceback
 from collections import OrderedDict
 from multiprocessing.connection import Connection
@@ -57,12 +58,12 @@ def kv_nbytes(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int
 class Worker:
     def __init__(self, settings: Settings, conn: Connection) -> None:
         from kvfuse.fusion import FusionEngine
-        from kvfuse.store import KVStore
 
         self.settings = settings
         self.conn = conn
+        self.name = settings.fleet.worker_name or f"{socket.gethostname()}-{os.getpid()}"
         self.engine = FusionEngine.from_settings(settings)
-        self.store = KVStore.open(settings, require_index=False)
+        self.store = self.open_store(settings)
         self.kv_dtype = settings.store.kv_dtype
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
         self.scheduler = Scheduler(SchedulerLimits.from_settings(settings.server))
@@ -70,7 +71,15 @@ class Worker:
         self._prefixes: OrderedDict[str, Any] = OrderedDict()
 
     # -- helpers -------------------------------------------------------------------------------------------
+    def open_store(self, settings: Settings) -> Any:
+        """The chunk store this worker reads and writes (a fleet worker adds the shared tier)."""
+        from kvfuse.store import KVStore
+
+        return KVStore.open(settings, require_index=False)
+
     def send(self, msg: Any) -> None:
+        if isinstance(msg, P.Result | P.Done):
+            msg.worker = self.name
         self.conn.send(msg)
 
     def info(self) -> dict:

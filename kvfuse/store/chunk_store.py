@@ -3,7 +3,7 @@
 Modelled on LMCache's storage backends: each tier answers `contains/get/put/remove` for content keys
 (kvfuse.kvblob.chunk_key), and a `TieredStore` composes them fastest first:
 
-    RAM hot tier (hot_tier.HotTier)  ->  LMDB blob tier (lmdb_tier.LmdbTier)  [->  a shared remote tier]
+    RAM hot tier (hot_tier.HotTier)  ->  LMDB blob tier (lmdb_tier.LmdbTier)  [->  shared_tier.RedisTier]
 
 A read goes down the tiers until one has the chunk and writes it back into every tier above, so the next
 read stops higher up (read-through, write-back on a lower-tier hit). A put goes to the storage tiers
@@ -61,6 +61,8 @@ class TieredStore(ChunkStore):
         self.cache = cache
         self.stores = stores
         self.tiers: tuple[ChunkStore, ...] = (cache, *stores)
+        # Reads served by each tier, and misses in all of them (what shows where KV came from).
+        self.hits: dict[str, int] = {t.name: 0 for t in self.tiers} | {"miss": 0}
 
     def contains(self, key: str) -> bool:
         return any(t.contains(key) for t in self.tiers)
@@ -69,9 +71,11 @@ class TieredStore(ChunkStore):
         for i, tier in enumerate(self.tiers):
             entry = tier.get(key)
             if entry is not None:
+                self.hits[tier.name] += 1
                 for upper in self.tiers[:i]:
                     upper.put(key, entry)
                 return entry
+        self.hits["miss"] += 1
         return None
 
     def put(self, key: str, entry: Entry) -> bool:

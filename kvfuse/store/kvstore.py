@@ -1,6 +1,7 @@
 """KVStore: the one object the service opens; it wires the store's parts together and adds nothing.
 
-  chunks   chunk_store.TieredStore: RAM hot tier over the LMDB blob tier (where chunk KV is read from)
+  chunks   chunk_store.TieredStore: RAM hot tier over the LMDB blob tier (where chunk KV is read from),
+           over the shared Redis tier on a fleet worker (shared_tier.py)
   catalog  catalog.DocumentCatalog: document records, texts, chunk refs, the index (embedded or Redis)
   env      lmdb_env.LmdbEnv: the LMDB environment both keep their data in (the source of truth)
 
@@ -17,7 +18,7 @@ from torch import Tensor
 from kvfuse import kvblob
 from kvfuse.config import Settings
 from kvfuse.store.catalog import DocumentCatalog
-from kvfuse.store.chunk_store import Entry, TieredStore
+from kvfuse.store.chunk_store import ChunkStore, Entry, TieredStore
 from kvfuse.store.hot_tier import HotTier
 from kvfuse.store.index import DocumentIndex, EmbeddedIndex
 from kvfuse.store.jobs import JobStore
@@ -27,13 +28,21 @@ from kvfuse.store.records import DocumentRecord
 
 
 class KVStore:
-    def __init__(self, settings: Settings, env: LmdbEnv, index: DocumentIndex, *, require_index: bool = True) -> None:
+    def __init__(self, settings: Settings, env: LmdbEnv, index: DocumentIndex, *, require_index: bool = True,
+                 shared: ChunkStore | None = None, keep_blobs: bool = True) -> None:
         s = settings.store
         self.settings = settings
         self.env = env
         self.hot = HotTier(s.hot_tier_mb << 20)
-        self.blobs = LmdbTier(env, verify=s.verify_checksums)
-        self.chunks = TieredStore(self.hot, self.blobs)
+        if keep_blobs:
+            self.blobs = LmdbTier(env, verify=s.verify_checksums)
+        else:  # a fleet's API: the blobs live on the workers (remote_blobs.py)
+            from kvfuse.store.remote_blobs import RemoteBlobs
+
+            self.blobs = RemoteBlobs(env, verify=s.verify_checksums, shared=shared)
+        self.shared = shared
+        # A fleet worker reads down to the shared tier (shared_tier.py) before rebuilding a chunk.
+        self.chunks = TieredStore(self.hot, self.blobs, *([shared] if shared is not None and keep_blobs else []))
         self.catalog = DocumentCatalog(
             env, self.blobs, index, forget=self.chunks.evict, rebuild_on_empty=s.rebuild_index_on_empty,
             require_index=require_index,
@@ -41,9 +50,12 @@ class KVStore:
         self.jobs = JobStore(env, self.catalog)
 
     @classmethod
-    def open(cls, settings: Settings, *, readonly: bool = False, require_index: bool = True) -> KVStore:
+    def open(cls, settings: Settings, *, readonly: bool = False, require_index: bool = True,
+             shared: ChunkStore | None = None, keep_blobs: bool = True) -> KVStore:
         """Open the store. With require_index=False a Redis index that is down does not fail the open
-        (the model worker, which reads blobs from LMDB, must not wait for it); it is checked at first use."""
+        (the model worker, which reads blobs from LMDB, must not wait for it); it is checked at first use.
+        `shared`: the shared tier of a fleet (shared_tier.RedisTier); `keep_blobs=False`: the store of a
+        fleet's API, which keeps document records only (remote_blobs.py)."""
         s = settings.store
         env = LmdbEnv(settings.lmdb_dir, map_size=s.lmdb_map_size_mb << 20, max_readers=s.lmdb_max_readers,
                       readonly=readonly)
@@ -54,7 +66,7 @@ class KVStore:
                 index: DocumentIndex = RedisIndex(settings.redis_url, s.redis_namespace, timeout_s=s.redis_timeout_s)
             else:
                 index = EmbeddedIndex(env)
-            return cls(settings, env, index, require_index=require_index)
+            return cls(settings, env, index, require_index=require_index, shared=shared, keep_blobs=keep_blobs)
         except BaseException:
             env.close()
             raise
@@ -144,4 +156,5 @@ class KVStore:
                 "chunks": self.blobs.count(txn),
                 "kv_bytes": self.blobs.kv_bytes(txn),
             }
-        return out | {"index": self.catalog.index.kind} | self.env.sizes() | self.hot.stats()
+        out |= {"index": self.catalog.index.kind} | self.env.sizes() | self.hot.stats()
+        return out | {f"tier_hits_{k}": v for k, v in self.chunks.hits.items()}

@@ -1,0 +1,88 @@
+"""What the API and the `kvfuse worker`s of a fleet share in Redis: key names, worker heartbeats, the
+fleet's model fingerprint. Both ends import this module, so they agree on every key.
+
+Layout, under `fleet.namespace` (docs/DESIGN.md, "Scale-out")
+  jobs              stream: jobs any worker may take (consumer group `workers`)
+  jobs:<worker>     stream: jobs sent to that worker for locality (its own consumer group `workers`)
+  reply:<uid>       stream: one job's Taken / Plan / Delta / Result / Done / Error entries; it expires
+                    `reply_ttl_s` after its reader last renewed it (a job whose reply stream is gone is
+                    dropped by its worker)
+  cancel:<uid>      string: the API cancelled the job
+  worker:<id>       string, TTL `heartbeat_ttl_s`: the worker's heartbeat (JSON: fingerprint, device,
+                    free KV budget, load, tier counters)
+  workers           set: every worker id that registered (a member without heartbeat is dead)
+  holds:<id>        set: chunk keys the worker holds in RAM or LMDB (locality), expiring with it
+  fingerprint       string, TTL: the model fingerprint of the live workers; a worker with another is refused
+  kv:...            the shared chunk KV tier (kvfuse.store.shared_tier)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+GROUP = "workers"
+
+
+@dataclass(frozen=True)
+class FleetKeys:
+    ns: str
+
+    @property
+    def jobs(self) -> str:
+        return f"{self.ns}:jobs"
+
+    def direct(self, worker: str) -> str:
+        return f"{self.ns}:jobs:{worker}"
+
+    def reply(self, uid: str) -> str:
+        return f"{self.ns}:reply:{uid}"
+
+    def cancel(self, uid: str) -> str:
+        return f"{self.ns}:cancel:{uid}"
+
+    def heartbeat(self, worker: str) -> str:
+        return f"{self.ns}:worker:{worker}"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.ns}:workers"
+
+    def holds(self, worker: str) -> str:
+        return f"{self.ns}:holds:{worker}"
+
+    @property
+    def fingerprint(self) -> str:
+        return f"{self.ns}:fingerprint"
+
+    @property
+    def shared_kv(self) -> str:
+        return f"{self.ns}:kv"
+
+
+class FingerprintMismatch(RuntimeError):
+    """A worker's model differs from the fleet's: its KV and answers would not match the others'."""
+
+
+def live_workers(r: Any, keys: FleetKeys) -> dict[str, dict]:
+    """Heartbeats of the live workers, by id (a synchronous redis client)."""
+    ids = sorted(r.smembers(keys.workers))
+    if not ids:
+        return {}
+    beats = r.mget([keys.heartbeat(i) for i in ids])
+    return {i: json.loads(b) for i, b in zip(ids, beats, strict=True) if b is not None}
+
+
+async def alive_workers(r: Any, keys: FleetKeys) -> dict[str, dict]:
+    """`live_workers` for an asyncio redis client."""
+    ids = sorted(await r.smembers(keys.workers))
+    if not ids:
+        return {}
+    beats = await r.mget([keys.heartbeat(i) for i in ids])
+    return {i: json.loads(b) for i, b in zip(ids, beats, strict=True) if b is not None}
+
+
+def load_of(beat: dict) -> float:
+    """A worker's load: the queries it runs or has waiting, over what it can run at once."""
+    return (beat.get("running", 0) + beat.get("waiting", 0)) / max(1, beat.get("max_running_requests", 1))

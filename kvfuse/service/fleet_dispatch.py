@@ -1,0 +1,338 @@
+"""The API side of a fleet: jobs to `kvfuse worker`s on any host through Redis streams.
+
+`FleetDispatcher` has the interface of `WorkerSupervisor` (supervisor.py; `dispatch.py` picks one), so
+queries and ingestion do not know which transport runs them. Per job (keys in fleet.py):
+
+1. the job's reply stream is opened (and kept from expiring while the API reads it);
+2. the job goes out with XADD: to the stream of the live worker that holds most of the query's chunks
+   (locality, from the sets workers report) when it has room, else to the shared stream, where the
+   first worker with room takes it (the least loaded);
+3. its Taken / Plan / Delta / Result / Done / Error entries are read back with a blocking XREAD;
+4. nothing waits forever: a job whose worker's heartbeat lapsed after a token went out ends at once
+   with WorkerCrashed (an SSE error event, then [DONE]); one with no token waits for a survivor to claim
+   and re-run it (fleet_worker.py), and any job with no live worker able to run it for
+   `fleet.orphan_timeout_s` fails. A cancelled job is marked in Redis for its worker to drop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvfuse.config import Settings
+from kvfuse.service import protocol as P
+from kvfuse.service.codec import CodecError, decode, encode
+from kvfuse.service.fleet import FleetKeys, alive_workers, load_of
+from kvfuse.service.metrics import Metrics
+from kvfuse.service.supervisor import (
+    Cancelled,
+    Crashed,
+    Job,
+    QueueFull,
+    WorkerCrashed,
+    WorkerJobError,
+    WorkerUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+_READ_BLOCK_MS = 500  # one blocking read of a reply stream; liveness is checked between reads
+
+
+class FleetDispatcher:
+    pid = None  # no local worker process
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        if not settings.redis_url:
+            raise ValueError("server.workers = 0 dispatches to `kvfuse worker`s through Redis: set redis_url")
+        self.settings = settings
+        self.fleet = settings.fleet
+        self.metrics = metrics
+        self.keys = FleetKeys(self.fleet.namespace)
+        self.info: dict[str, Any] = {}
+        self.workers: dict[str, dict] = {}  # live workers' heartbeats
+        self.last_error: str | None = "no live worker has joined the fleet yet"
+        self.steps: deque = deque(maxlen=1)  # engine steps are the workers' (see their heartbeats)
+        self.restarts = 0
+        self._r: Any = None
+        self._jobs: dict[int, Job] = {}
+        self._uids: dict[int, str] = {}
+        self._directed: dict[str, int] = {}  # jobs sent to a worker's own stream, not yet taken
+        self._waiting = 0
+        self._running = 0
+        self._next_id = 1
+        self._closing = False
+        self._ready = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._monitor: asyncio.Task | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    async def start(self) -> None:
+        import redis.asyncio as aioredis
+
+        self._r = aioredis.Redis.from_url(self.settings.redis_url, decode_responses=True,
+                                          socket_connect_timeout=self.settings.store.redis_timeout_s)
+        self._monitor = asyncio.create_task(self._watch(), name="kvfuse-fleet-monitor")
+
+    async def _watch(self) -> None:
+        """Keep the live workers' heartbeats (for /ready, /metrics, dispatch and liveness)."""
+        while not self._closing:
+            try:
+                self.workers = await alive_workers(self._r, self.keys)
+                fps = {w["fingerprint"] for w in self.workers.values()}
+                if self.workers:
+                    self.info = next(iter(self.workers.values())).get("info", {})
+                    self.last_error = None if len(fps) == 1 else f"live workers run different models: {sorted(fps)}"
+                    self._ready.set()
+                else:
+                    self.last_error = "no live worker in the fleet"
+                    self._ready.clear()
+                self.metrics.live_workers.set(len(self.workers))
+            except Exception as err:  # noqa: BLE001 - Redis down: no worker counts as live
+                self.workers = {}
+                self._ready.clear()
+                self.last_error = f"the fleet's Redis is unavailable: {err}"
+            await asyncio.sleep(min(0.5, self.fleet.heartbeat_s))
+
+    async def wait_ready(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        self._closing = True
+        for job in list(self._jobs.values()):
+            self._finish(job, Crashed("the service is shutting down"))
+        if self._r is not None:
+            with contextlib.suppress(Exception):
+                await self._mark_cancelled(list(self._uids.values()))
+        for task in [*self._tasks, *([self._monitor] if self._monitor else [])]:
+            task.cancel()
+        if self._r is not None:
+            await self._r.aclose()
+
+    def kill_worker(self) -> None:
+        """No local worker to kill: a cancelled job is dropped by its worker (cancel key)."""
+
+    # -- jobs ----------------------------------------------------------------------------------------------
+    def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
+        if self._closing:
+            raise WorkerUnavailable("the service is shutting down")
+        is_query = isinstance(message, P.QueryJob)
+        if is_query and self._waiting >= self.settings.server.queue_size:
+            raise QueueFull(f"{self._waiting} queries are waiting")
+        message.job_id = self._next_id
+        self._next_id += 1
+        job = Job(id=message.job_id, message=message)
+        self._jobs[job.id] = job
+        self._uids[job.id] = uuid.uuid4().hex
+        if is_query:
+            self._waiting += 1
+            self._gauges()
+        task = asyncio.create_task(self._drive(job), name=f"kvfuse-job-{job.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return job
+
+    async def _target_for(self, job: Job) -> str:
+        """The stream the job goes to: the live worker with room holding most of its chunks, else shared."""
+        if not isinstance(job.message, P.QueryJob) or not self.workers:
+            return self.keys.jobs
+        keys = [c.key for c in job.message.chunks]
+        if not keys:
+            return self.keys.jobs
+        ids = list(self.workers)
+        pipe = self._r.pipeline(transaction=False)
+        for wid in ids:
+            pipe.smismember(self.keys.holds(wid), keys)
+        held = await pipe.execute()
+        best, best_score = None, (0, 0.0)
+        for wid, flags in zip(ids, held, strict=True):
+            beat = self.workers[wid]
+            room = beat.get("max_running_requests", 1) - beat.get("running", 0) - beat.get("waiting", 0) \
+                - self._directed.get(wid, 0)
+            score = (sum(bool(f) for f in flags), -load_of(beat))
+            if room > 0 and score[0] > 0 and score > best_score:
+                best, best_score = wid, score
+        return self.keys.jobs if best is None else self.keys.direct(best)
+
+    async def _drive(self, job: Job) -> None:
+        uid = self._uids[job.id]
+        reply, ttl_ms = self.keys.reply(uid), int(self.fleet.reply_ttl_s * 1000)
+        directed: str | None = None
+        try:
+            await self._r.xadd(reply, {"t": "Open"})
+            await self._r.pexpire(reply, ttl_ms)
+            target = await self._target_for(job)
+            if target != self.keys.jobs:
+                directed = target.rsplit(":", 1)[-1]
+                self._directed[directed] = self._directed.get(directed, 0) + 1
+            await self._r.xadd(target, encode(job.message, uid=uid))
+            await self._read(job, reply, ttl_ms, directed)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - Redis failed: the job ends, it never hangs
+            log.warning("job %d failed in the fleet transport: %s", job.id, err)
+            self._finish(job, Crashed(f"the fleet's Redis failed: {err}"))
+        finally:
+            if directed is not None and job.worker is None:
+                self._directed[directed] -= 1
+            self._uids.pop(job.id, None)
+            with contextlib.suppress(Exception):
+                await self._r.delete(reply)
+
+    async def _read(self, job: Job, reply: str, ttl_ms: int, directed: str | None) -> None:
+        last, worker, tokens, orphan_since = "0-0", None, False, None
+        while not job.finished.is_set():
+            got = await self._r.xread({reply: last}, count=256, block=_READ_BLOCK_MS)
+            await self._r.pexpire(reply, ttl_ms)
+            for _, entries in got or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    kind = fields.get("t")
+                    if kind == "Open":
+                        continue
+                    if kind == "Taken":
+                        if directed is not None and job.worker is None:
+                            self._directed[directed] -= 1
+                        worker = job.worker = fields.get("w")
+                        continue
+                    try:
+                        msg = decode(fields)
+                    except CodecError as err:
+                        log.error("job %d: bad reply entry: %s", job.id, err)
+                        continue
+                    msg.job_id = job.id
+                    tokens = tokens or isinstance(msg, P.Delta)
+                    self._on_message(job, msg)
+            if job.finished.is_set():
+                return
+            # Liveness: nothing waits forever (see the module docstring).
+            if worker is not None and worker not in self.workers and tokens:
+                self._finish(job, Crashed(f"the worker {worker} serving this request died"))
+                return
+            runnable = bool(self.workers) and (worker is None or worker in self.workers or not tokens)
+            if runnable:
+                orphan_since = None
+            elif orphan_since is None:
+                orphan_since = time.monotonic()
+            elif time.monotonic() - orphan_since > self.fleet.orphan_timeout_s:
+                self._finish(job, Crashed(f"no live worker ran the job for {self.fleet.orphan_timeout_s:.0f} s"))
+                return
+            if job.cancelled and job.cancel_deadline is not None and time.monotonic() > job.cancel_deadline:
+                self._finish(job, Crashed("the cancelled job did not stop in time"))
+                return
+
+    def _on_message(self, job: Job, msg: Any) -> None:
+        if isinstance(msg, P.Plan):
+            if job.started_at is not None:
+                return  # the same plan again, from a worker that re-ran the job
+            self._started(job)
+        if isinstance(msg, P.FINAL):
+            if isinstance(msg, P.Result):
+                u = msg.usage
+                self.metrics.generation_tokens.inc(u.get("generated_tokens", 0))
+                self.metrics.prompt_tokens.inc(u.get("prefix_tokens", 0) + u.get("context_tokens", 0)
+                                               + u.get("question_tokens", 0))
+            if isinstance(msg, P.Error) and msg.kind == P.ERR_WORKER_LOST:
+                self._finish(job, Crashed(msg.message))
+                return
+            self._finish(job, msg)
+        else:
+            job.events.put_nowait(msg)
+
+    def _started(self, job: Job) -> None:
+        if job.started_at is not None:
+            return
+        job.started_at = time.monotonic()
+        if job.kind == "query":
+            self._waiting -= 1
+            self._running += 1
+            self.metrics.queue_time.observe(job.started_at - job.enqueued_at)
+            self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.waiting.set(self._waiting)
+        self.metrics.running.set(self._running)
+
+    async def _mark_cancelled(self, uids: list[str]) -> None:
+        if not uids:
+            return
+        pipe = self._r.pipeline(transaction=False)
+        for uid in uids:
+            pipe.set(self.keys.cancel(uid), 1, px=int(self.fleet.reply_ttl_s * 1000))
+        await pipe.execute()
+
+    def cancel(self, job: Job) -> None:
+        if job.finished.is_set() or job.cancelled:
+            return
+        job.cancelled = True
+        uid = self._uids.get(job.id)
+        if uid is not None:
+            task = asyncio.create_task(self._mark_cancelled([uid]))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if job.started_at is None:
+            self._finish(job, Cancelled())
+            return
+        job.cancel_deadline = time.monotonic() + self.settings.server.worker_cancel_grace_s
+
+    def _finish(self, job: Job, msg: Any) -> None:
+        if job.finished.is_set():
+            return
+        self._jobs.pop(job.id, None)
+        if job.kind == "query":
+            if job.started_at is None:
+                self._waiting -= 1
+            else:
+                self._running -= 1
+            self._gauges()
+        job.events.put_nowait(msg)
+        job.finished.set()
+
+    async def events(self, job: Job, deadline: float | None = None) -> AsyncIterator[Any]:
+        """As WorkerSupervisor.events."""
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            msg = await asyncio.wait_for(job.events.get(), timeout)
+            if isinstance(msg, Crashed):
+                raise WorkerCrashed(msg.message)
+            if isinstance(msg, P.Error):
+                raise WorkerJobError(msg.kind, msg.message, msg.excess_tokens)
+            yield msg
+            if isinstance(msg, (*P.FINAL, Cancelled)):
+                return
+
+    async def run(self, kind: str, payload: dict, timeout: float | None = None) -> dict:
+        """Submit a precompute job ({"chunks": [[ids]]}) and return its Done as a dict."""
+        if kind != "precompute":
+            raise ValueError(f"run() takes precompute jobs, not {kind!r}")
+        job = self.submit(P.precompute_job(payload))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            async for msg in self.events(job, deadline):
+                if isinstance(msg, P.Done):
+                    return {"keys": msg.keys, "nbytes": msg.nbytes, "computed": msg.computed, "worker": msg.worker}
+        finally:
+            self.cancel(job)
+        raise WorkerCrashed("the job ended without a result")

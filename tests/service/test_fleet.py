@@ -1,0 +1,205 @@
+"""A fleet: an API with no model (`kvfuse serve --workers 0`) and `kvfuse worker` processes, each with its
+own data dir, joined only by Redis. Ingestion and queries go through the job streams; both workers serve;
+each answer names its worker; a worker killed mid-stream, an API restart and a flushed shared tier end
+cleanly and the fleet goes on."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+from fleet_helpers import WorkerProcess, fleet_env, live_workers, query, start_api, wait_workers
+from service_helpers import ingest, make_client, sse_events
+
+pytestmark = pytest.mark.slow
+
+SMALL = {"KVFUSE_RETRIEVER__CHUNK_TOKENS": "128", "KVFUSE_RETRIEVER__TOP_K": "2",
+         "KVFUSE_MODEL__MAX_CONTEXT_TOKENS": "2048", "KVFUSE_SERVER__MAX_RUNNING_REQUESTS": "2",
+         "KVFUSE_SERVER__QUEUE_SIZE": "16"}
+QUESTIONS = ["What did Bronnie Ware make a list of?", "What is an NFT?", "How does the author define power?",
+             "Why do people regret things?", "What makes a good essay?", "What is a token?"]
+
+
+@pytest.fixture
+def fleet(tmp_path, redis_url, redis_namespace, essays3):
+    """Workers a and b, then the API; essays3 ingested through the fleet."""
+    env = {**fleet_env(redis_url, redis_namespace), **SMALL}
+    workers = {n: WorkerProcess(n, tmp_path, **env).start() for n in ("a", "b")}
+    api = None
+    try:
+        api = start_api(tmp_path, env)
+        wait_workers(api.url, {"a", "b"}, workers=list(workers.values()))
+        with make_client(api) as c:
+            ingest(c, [{"id": name, "text": text} for name, text in essays3.items()])
+        yield api, workers, env
+    finally:
+        if api is not None:
+            api.stop()
+        for w in workers.values():
+            w.stop()
+
+
+def run_concurrently(client, bodies: list[dict]) -> list[tuple[str, list]]:
+    out: list = [None] * len(bodies)
+
+    def one(i: int) -> None:
+        out[i] = query(client, bodies[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return out
+
+
+def test_two_workers_both_serve_and_answers_name_their_worker(fleet) -> None:
+    api, workers, _ = fleet
+    with make_client(api) as c:
+        results = run_concurrently(c, [{"query": q, "max_tokens": 12} for q in QUESTIONS])
+        served = []
+        for text, events in results:
+            assert events[-1] == ("done", "[DONE]") or events[-1][1] == "[DONE]"
+            final = next(d for e, d in events if e == "done")
+            assert text and final["answer"] == text and final["worker"] in ("a", "b")
+            served.append(final["worker"])
+        assert set(served) == {"a", "b"}, served
+        body = c.post("/v1/query", json={"query": QUESTIONS[0], "max_tokens": 8}).json()
+        assert body["worker"] in ("a", "b") and body["answer"]
+        metrics = c.get("/metrics").text
+        assert "kvfuse_live_workers 2.0" in metrics
+    pending = redis.Redis.from_url(fleet[2]["KVFUSE_REDIS_URL"]).xpending(
+        f"{fleet[2]['KVFUSE_FLEET__NAMESPACE']}:jobs", "workers")
+    assert pending["pending"] == 0
+
+
+def _xpending(env: dict, stream: str) -> int:
+    r = redis.Redis.from_url(env["KVFUSE_REDIS_URL"])
+    if not r.exists(stream):
+        return 0
+    return r.xpending(stream, "workers")["pending"]
+
+
+def _all_pending(env: dict) -> int:
+    ns = env["KVFUSE_FLEET__NAMESPACE"]
+    r = redis.Redis.from_url(env["KVFUSE_REDIS_URL"], decode_responses=True)
+    streams = [f"{ns}:jobs", *(f"{ns}:jobs:{w}" for w in r.smembers(f"{ns}:workers"))]
+    return sum(_xpending(env, s) for s in streams)
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+LONG = {"query": "Describe everything in the documents in full detail, at great length.", "max_tokens": 400,
+        "document_ids": ["pow"]}
+
+
+def test_a_worker_killed_mid_stream_ends_its_request_cleanly_and_rejoins(fleet) -> None:
+    api, workers, env = fleet
+    with make_client(api) as c:
+        with c.stream("POST", "/v1/query", json={**LONG, "stream": True}) as resp:
+            assert resp.status_code == 200
+            events, victim = [], None
+            for event, data in sse_events(resp):
+                events.append((event, data))
+                if event == "token" and victim is None:
+                    _wait_for(lambda: any(w["running"] for w in live_workers(api.url).values()), 30, "a running job")
+                    victim = next(n for n, w in live_workers(api.url).items() if w["running"])
+                    workers[victim].kill()
+        # The request had streamed tokens: it ends with an error event, then [DONE]; or it was re-run whole.
+        assert events[-1] == (None, "[DONE]")
+        last = events[-2]
+        if last[0] == "error":
+            err = json.loads(last[1])["error"]
+            assert err["code"] == "worker_crashed" and victim in err["message"]
+        else:
+            assert last[0] == "done" and json.loads(last[1])["worker"] != victim
+        survivor = ({"a", "b"} - {victim}).pop()
+        wait_workers(api.url, {survivor}, timeout=30)
+        for q in QUESTIONS[:2]:
+            body = c.post("/v1/query", json={"query": q, "max_tokens": 8}).json()
+            assert body["worker"] == survivor and body["answer"]
+        workers[victim].start()  # restarted: rejoins under its name
+        wait_workers(api.url, {"a", "b"}, workers=list(workers.values()))
+        _wait_for(lambda: _all_pending(env) == 0, 30, "no pending job")
+
+
+def test_api_restarted_while_workers_run(fleet) -> None:
+    api, workers, env = fleet
+    failed = []
+
+    def long_query() -> None:
+        try:
+            with make_client(api) as c:
+                text, events = query(c, LONG)
+                failed.append(events[-2][0] != "done" if len(events) > 1 else True)
+        except (httpx.TransportError, AssertionError):
+            failed.append(True)
+
+    t = threading.Thread(target=long_query)
+    t.start()
+    _wait_for(lambda: any(w["running"] for w in live_workers(api.url).values()), 120, "a running job")
+    api.proc.send_signal(signal.SIGKILL)  # the harshest restart: no chance to tell the workers
+    api.proc.wait(30)
+    t.join(60)
+    assert failed == [True]  # the in-flight request failed (its connection went)
+    api.start()  # the same data dir; workers kept running
+    with make_client(api) as c:
+        body = c.post("/v1/query", json={"query": QUESTIONS[1], "max_tokens": 8}).json()
+        assert body["answer"] and body["worker"] in ("a", "b")
+    # The orphaned job is dropped once its reply stream expires: nothing stays pending.
+    _wait_for(lambda: _all_pending(env) == 0 and not any(w["running"] for w in live_workers(api.url).values()),
+              60, "no pending job")
+
+
+def test_chunks_computed_on_one_worker_are_served_on_another_from_the_shared_tier(
+        tmp_path, redis_url, redis_namespace, essays3) -> None:
+    env = {**fleet_env(redis_url, redis_namespace), **SMALL}
+    a = WorkerProcess("a", tmp_path, **env).start()
+    b = WorkerProcess("b", tmp_path, **env)
+    api = None
+    try:
+        api = start_api(tmp_path, env)
+        with make_client(api) as c:
+            ingest(c, [{"id": name, "text": text} for name, text in essays3.items()])  # all computed on a
+            b.start()
+            wait_workers(api.url, {"a", "b"}, workers=[a, b])
+            a.stop()
+            wait_workers(api.url, {"b"}, timeout=30)
+            body = c.post("/v1/query", json={"query": QUESTIONS[2], "max_tokens": 8, "document_ids": ["pow"]}).json()
+            assert body["worker"] == "b" and body["answer"]
+            kv = live_workers(api.url)["b"]["kv"]
+            assert kv["hits_shared"] >= 1 and kv["rebuilt"] == 0 and kv["hits_miss"] == 0, kv
+            # The shared tier flushed: b rebuilds the chunks it never held from their token ids.
+            r = redis.Redis.from_url(redis_url)
+            keys = list(r.scan_iter(match=f"{env['KVFUSE_FLEET__NAMESPACE']}:kv:*"))
+            assert keys
+            r.delete(*keys)
+            body = c.post("/v1/query", json={"query": QUESTIONS[1], "max_tokens": 8, "document_ids": ["nft"]}).json()
+            assert body["worker"] == "b" and body["answer"]
+            _wait_for(lambda: live_workers(api.url)["b"]["kv"]["rebuilt"] >= 1, 10, "the rebuild counted")
+            assert live_workers(api.url)["b"]["kv"]["hits_miss"] >= 1
+    finally:
+        if api is not None:
+            api.stop()
+        a.stop()
+        b.stop()
+
+
+def test_a_worker_with_another_model_is_refused(tmp_path, redis_url, redis_namespace) -> None:
+    env = fleet_env(redis_url, redis_namespace)
+    redis.Redis.from_url(redis_url).set(f"{env['KVFUSE_FLEET__NAMESPACE']}:fingerprint", "another-model", px=600_000)
+    w = WorkerProcess("odd", tmp_path, **env).start()
+    assert w.proc.wait(300) == 3
+    assert "refused" in w.log_tail() and "another-model" in w.log_tail()
