@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kvfuse.service.errors import APIError
 from kvfuse.service.responses import Submitted
 from kvfuse.service.supervisor import WorkerCrashed, WorkerJobError
-from kvfuse.store.jobs import JobRecord
+from kvfuse.store.jobs import JobRecord, public_status
 
 if TYPE_CHECKING:
     from kvfuse.service.state import ServiceState
@@ -122,7 +122,8 @@ class IngestManager:
         for doc_id, text, metadata, on_conflict in items:
             if doc_id in self.active:
                 job = self.active[doc_id]
-                out.append((None, Submitted(document_id=doc_id, job_id=job.id, status=job.status, skipped=True)))
+                out.append((None, Submitted(document_id=doc_id, job_id=job.id, status=public_status(job.status),
+                                            skipped=True)))
                 continue
             existing = self.state.store.get_document(doc_id)
             if existing is not None and existing.status != "failed" and on_conflict == "skip":

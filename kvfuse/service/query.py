@@ -216,8 +216,8 @@ class QueryService:
             st.metrics.fingerprint_misses.inc()
             if rec.id not in self._stale_logged:
                 self._stale_logged.add(rec.id)
-                log.warning("document %s has KV of another model (or KV dtype): it is rebuilt from its tokens "
-                            "at each query until it is re-ingested, which starts now", rec.id)
+                log.warning("document %s has KV of another model (or KV dtype): its chunks are rebuilt from "
+                            "their tokens at each query until the document is rebuilt for this model", rec.id)
                 st.ingest.resubmit_soon(rec.id, "its KV is from another model")
         return key
 

@@ -63,8 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ssub.add_parser(
         "rebuild-index", help="rebuild the index (Redis) from LMDB, the source of truth"
     ).set_defaults(func=_rebuild_index)
-    chk = ssub.add_parser("check", help="find orphan, missing and corrupt blobs and index drift")
+    chk = ssub.add_parser("check", help="find orphan, missing and corrupt blobs, blobs of another model, and index drift")
     chk.add_argument("--repair", action="store_true",
-                     help="delete orphans and corrupt blobs, mark affected documents failed, fix the index")
+                     help="delete orphans, corrupt blobs and those of another model, mark affected documents "
+                          "kv_lost (rebuilt at the next start), fix the index")
     chk.add_argument("--json", action="store_true", help="print the report as JSON")
     chk.set_defaults(func=_check)

@@ -58,7 +58,7 @@ def big(essays: list[tuple[str, str]]) -> str:
 
 
 def _ingest(client: httpx.Client, doc_id: str, text: str, **extra: object) -> dict:
-    resp = client.post("/v1/documents", json={"id": doc_id, "text": text, **extra})
+    resp = client.post("/v1/documents", json={"id": doc_id, "text": text, "metadata": {"name": doc_id}, **extra})
     assert resp.status_code == 202, resp.text
     job = wait_job(client, resp.json()["job_id"])
     assert job["status"] == "ready", job
@@ -74,8 +74,11 @@ def _wait_progress(client: httpx.Client, job_id: str, chunks: int) -> dict:
 
 
 def _answers(client: httpx.Client, doc_id: str) -> dict:
-    resp = client.post("/v1/query", json={"query": "What is this about?", "document_ids": [doc_id], "max_tokens": 2})
+    """The document answers a query (retrieved by its metadata: a long one does not fit the context whole)."""
+    resp = client.post("/v1/query", json={"query": "What is this about?", "filters": {"name": doc_id}, "top_k": 2,
+                                          "max_tokens": 2})
     assert resp.status_code == 200, resp.text
+    assert {s["document_id"] for s in resp.json()["sources"]} == {doc_id}
     return resp.json()
 
 
@@ -105,7 +108,8 @@ def test_a_failed_overwrite_keeps_the_good_version(client: httpx.Client, holder:
     v1 = essays3["pow"]
     _ingest(client, "doc", v1)
     before = client.get("/v1/documents/doc").json()
-    job = client.post("/v1/documents", json={"id": "doc", "text": big, "on_conflict": "overwrite"}).json()
+    job = client.post("/v1/documents", json={"id": "doc", "text": big, "metadata": {"name": "doc"},
+                                             "on_conflict": "overwrite"}).json()
     _wait_progress(client, job["job_id"], 4)
     during = client.get("/v1/documents/doc").json()  # the old version answers while the new one is built
     assert during["status"] == "ready" and during["content_hash"] == sha(v1) and during["job"]["job_id"] == job["job_id"]
@@ -132,7 +136,7 @@ def test_queued_ingests_survive_a_restart(holder: Holder, big: str, essays3: dic
     with make_client(holder.server) as c:
         jobs = {}
         for doc_id, text in texts.items():
-            resp = c.post("/v1/documents", json={"id": doc_id, "text": text})
+            resp = c.post("/v1/documents", json={"id": doc_id, "text": text, "metadata": {"name": doc_id}})
             assert resp.status_code == 202, resp.text
             jobs[doc_id] = resp.json()["job_id"]
         _wait_progress(c, jobs["q0"], 2)  # the first is processing, the others queued
