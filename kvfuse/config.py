@@ -48,7 +48,7 @@ class ServerSettings(_Section):
     worker_start_timeout_s: float = Field(300.0, gt=0)
     worker_cancel_grace_s: float = Field(30.0, gt=0)
     worker_stop_timeout_s: float = Field(10.0, gt=0)
-    workers: int = Field(1, ge=0, le=1)  # local worker processes; 0: remote `kvfuse worker`s (needs redis_url)
+    workers: int = Field(1, ge=0)  # local worker processes; 0: remote `kvfuse worker`s (needs redis_url)
     max_running_requests: int = Field(16, ge=1)
     kv_budget_tokens: int = Field(65536, ge=1)
     prefill_tokens_per_step: int = Field(2048, ge=1)
@@ -81,6 +81,13 @@ class ModelSettings(_Section):
     system_prompt: str = "You are a helpful assistant. Answer the question using the documents. Answer briefly."
     embedder: str = "default"
     embed_batch_size: int = Field(32, ge=1)
+    devices: Annotated[list[str], NoDecode] = []  # one local worker per entry in turn (server.workers > 1)
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _split_devices(cls, v: Any) -> Any:
+        devices = [d.strip() for d in v.split(",") if d.strip()] if isinstance(v, str) else v
+        return [cls._device(d) for d in devices]
 
     @field_validator("device")
     @classmethod

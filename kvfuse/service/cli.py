@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the HTTP service (API process + model worker)")
     p.add_argument("--host", help="bind address (default: server.host)")
     p.add_argument("--port", type=int, help="bind port (default: server.port)")
-    p.add_argument("--workers", type=int, choices=(0, 1),
+    p.add_argument("--workers", type=int,
                    help="local worker processes (default: server.workers); 0 = dispatch to `kvfuse worker`s "
                         "through Redis (needs redis_url)")
     p.set_defaults(func=_serve)

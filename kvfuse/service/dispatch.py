@@ -1,6 +1,7 @@
 """One dispatch interface, two transports: which one runs the model for this API process.
 
-- `server.workers = 1` (the embedded default): a local worker process over a pipe (supervisor.py).
+- `server.workers = 1` (the embedded default): a local worker process over a pipe (supervisor.py);
+  `server.workers = N`: N of them, one per `model.devices` entry in turn (local_pool.py).
 - `server.workers = 0` with `redis_url`: `kvfuse worker` processes on any host, through Redis streams
   (fleet_dispatch.py, fleet_worker.py; docs/DESIGN.md, "Scale-out").
 
@@ -25,6 +26,10 @@ def make_dispatcher(settings: Settings, metrics: Metrics) -> Any:
         from kvfuse.service.fleet_dispatch import FleetDispatcher
 
         return FleetDispatcher(settings, metrics)
+    if settings.server.workers > 1:
+        from kvfuse.service.local_pool import LocalPool
+
+        return LocalPool(settings, metrics)
     from kvfuse.service.supervisor import WorkerSupervisor
 
     return WorkerSupervisor(settings, metrics)
@@ -34,9 +39,10 @@ def live_workers(dispatcher: Any) -> list[dict]:
     """The live workers as /ready reports them (the local worker when embedded)."""
     beats = getattr(dispatcher, "workers", None)
     if beats is None:
-        info = dispatcher.info
-        return [{"id": "local", "pid": dispatcher.pid, "ready": dispatcher.ready,
-                 "fingerprint": info.get("fingerprint"), "device": info.get("device")}] if dispatcher.ready else []
+        members = getattr(dispatcher, "members", [dispatcher])
+        return [{"id": f"local-{m.pid}", "pid": m.pid, "device": m.settings.model.device,
+                 "fingerprint": m.info.get("fingerprint"), "running": m.running, "waiting": m.waiting}
+                for m in members if m.ready]
     keep = ("host", "pid", "device", "fingerprint", "kv_budget_tokens", "kv_free_tokens", "running", "waiting",
             "max_running_requests", "kv")
     return [{"id": wid, **{k: b.get(k) for k in keep}} for wid, b in sorted(beats.items())]

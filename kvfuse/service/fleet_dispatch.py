@@ -217,6 +217,8 @@ class FleetDispatcher:
                             self._directed[directed] -= 1
                         worker = job.worker = fields.get("w")
                         continue
+                    if fields.get("w", worker) != worker:
+                        continue  # from a worker the job was taken from (presumed dead): not this answer's
                     try:
                         msg = decode(fields)
                     except CodecError as err:

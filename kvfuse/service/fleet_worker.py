@@ -277,7 +277,7 @@ class FleetWorker(Worker):
             self._holds.update(msg.keys)
         if isinstance(msg, P.Delta):
             route.tokens = True
-        self._out.append((route.reply, encode(dataclasses.replace(msg, job_id=route.api_id))))
+        self._out.append((route.reply, encode(dataclasses.replace(msg, job_id=route.api_id), w=self.name)))
         if isinstance(msg, P.FINAL):
             self._done.append(msg.job_id)
 
@@ -330,6 +330,11 @@ class FleetWorker(Worker):
                     self.step()
                 self.flush()
             except self._redis.RedisError as err:
+                if "NOGROUP" in str(err):  # taken for dead after a long stall: its own stream went; join again
+                    log.error("this worker's job stream was claimed by the fleet: registering again")
+                    with contextlib.suppress(self._redis.RedisError, FingerprintMismatch):
+                        self.register()
+                    continue
                 log.error("Redis failed (%s): retrying in 1 s", err)
                 time.sleep(1.0)
 

@@ -175,6 +175,9 @@ def test_chunks_computed_on_one_worker_are_served_on_another_from_the_shared_tie
             ingest(c, [{"id": name, "text": text} for name, text in essays3.items()])  # all computed on a
             b.start()
             wait_workers(api.url, {"a", "b"}, workers=[a, b])
+            # Locality: a holds every chunk and has room, so a query on them goes to a.
+            body = c.post("/v1/query", json={"query": QUESTIONS[2], "max_tokens": 4, "document_ids": ["todo"]}).json()
+            assert body["worker"] == "a"
             a.stop()
             wait_workers(api.url, {"b"}, timeout=30)
             body = c.post("/v1/query", json={"query": QUESTIONS[2], "max_tokens": 8, "document_ids": ["pow"]}).json()

@@ -1,0 +1,131 @@
+"""`server.workers` > 1: several local worker processes behind the one dispatch interface.
+
+On a multi-GPU host each worker gets its own device (`model.devices`, one worker per entry, in turn);
+without that list they all use `model.device`. Each is a `WorkerSupervisor` of its own (its process,
+restarts and pipe); a job goes to the ready worker with the fewest jobs (least loaded) and stays with
+it; the queue limit and the running / waiting gauges count the whole pool. All of them open the host's
+one LMDB store, as the API process already does (LMDB is multi-process). See docs/DESIGN.md, "Scale-out".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvfuse.config import Settings
+from kvfuse.service import protocol as P
+from kvfuse.service.metrics import Metrics
+from kvfuse.service.supervisor import Job, QueueFull, WorkerSupervisor
+
+
+class _Member(WorkerSupervisor):
+    """A supervisor whose gauges are the pool's sums."""
+
+    pool: LocalPool
+
+    def _gauges(self) -> None:
+        self.pool.gauges()
+
+
+class LocalPool:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        devices = settings.model.devices or [settings.model.device]
+        self.members: list[_Member] = []
+        for i in range(settings.server.workers):
+            model = settings.model.model_copy(update={"device": devices[i % len(devices)]})
+            member = _Member(settings.model_copy(update={"model": model}), metrics)
+            member.pool = self
+            self.members.append(member)
+        self._owner: dict[Job, _Member] = {}
+
+    # -- what the routes read ------------------------------------------------------------------------------
+    def _first_ready(self) -> WorkerSupervisor:
+        return next((m for m in self.members if m.ready), self.members[0])
+
+    @property
+    def ready(self) -> bool:
+        return any(m.ready for m in self.members)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self._first_ready().info
+
+    @property
+    def pid(self) -> int | None:
+        return self._first_ready().pid
+
+    @property
+    def restarts(self) -> int:
+        return sum(m.restarts for m in self.members)
+
+    @property
+    def last_error(self) -> str | None:
+        return next((m.last_error for m in self.members if m.last_error), None)
+
+    @property
+    def steps(self) -> Any:
+        return self._first_ready().steps
+
+    @property
+    def waiting(self) -> int:
+        return sum(m.waiting for m in self.members)
+
+    @property
+    def running(self) -> int:
+        return sum(m.running for m in self.members)
+
+    def gauges(self) -> None:
+        self.metrics.waiting.set(self.waiting)
+        self.metrics.running.set(self.running)
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        for m in self.members:
+            await m.start()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        waits = [asyncio.create_task(m.wait_ready(timeout)) for m in self.members]
+        for done in asyncio.as_completed(waits):
+            if await done:
+                for w in waits:
+                    w.cancel()
+                return True
+        return False
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(m.stop() for m in self.members))
+
+    def kill_worker(self) -> None:
+        for m in self.members:
+            m.kill_worker()
+
+    # -- jobs ----------------------------------------------------------------------------------------------
+    def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
+        if isinstance(message, P.QueryJob) and self.waiting >= self.settings.server.queue_size:
+            raise QueueFull(f"{self.waiting} queries are waiting")
+        ready = [m for m in self.members if m.ready] or self.members
+        member = min(ready, key=lambda m: len(m._jobs))
+        job = member.submit(message)
+        self._owner[job] = member
+        return job
+
+    def cancel(self, job: Job) -> None:
+        member = self._owner.get(job)
+        if member is not None:
+            member.cancel(job)
+
+    async def events(self, job: Job, deadline: float | None = None) -> AsyncIterator[Any]:
+        member = self._owner[job]
+        try:
+            async for msg in member.events(job, deadline):
+                yield msg
+        finally:
+            if job.finished.is_set():
+                self._owner.pop(job, None)
+
+    async def run(self, kind: str, payload: dict, timeout: float | None = None) -> dict:
+        ready = [m for m in self.members if m.ready] or self.members
+        return await min(ready, key=lambda m: len(m._jobs)).run(kind, payload, timeout)
