@@ -131,6 +131,9 @@ class FusionRequestSettings(_Section):
     edge_tokens: int = Field(16, ge=0)
     edge_tokens_end: int = Field(16, ge=0)
     anchor_tokens: int = Field(16, ge=0)
+    # A³'s extension: after the first token keep C cache tokens (prefix, question, SnapKV's top context
+    # tokens per layer and KV head); 0 = no eviction. kvfuse/fusion/eviction.py, docs/DESIGN.md.
+    evict_capacity: int = Field(0, ge=0)
 
 
 class FusionSettings(FusionRequestSettings):

@@ -46,6 +46,10 @@ class FusedCache:
     Sized for the prompt plus the tokens to generate, so prefill writes and decode appends never copy
     it. Rows are written by position (`write`), as gpt-fast's KVCache.update: recomputed rows overwrite
     their cached K/V in place, decode steps append at `length`.
+
+    `position_offset`: slot i >= the prompt holds the token at position i + offset. It is 0 except after
+    eviction (`fusion/eviction.py`), where the kept prompt tokens keep their original, rotated keys in
+    fewer slots and new tokens continue at the next original position (`next_position`).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
@@ -54,6 +58,17 @@ class FusedCache:
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
+        self.position_offset = 0
+
+    @property
+    def next_position(self) -> int:
+        """The position (for RoPE) of the next token appended."""
+        return self.length + self.position_offset
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by K and V (the whole preallocated buffer)."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
     @property
     def capacity(self) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Generator, Iterator
 import torch
 
 from kvfuse.config import FusionSettings
-from kvfuse.fusion import model_loading
+from kvfuse.fusion import eviction, model_loading
 from kvfuse.fusion.cache import FusedCache, Layout
 from kvfuse.fusion.errors import ContextOverflowError, FusionError
 from kvfuse.fusion.generation import Generation
@@ -240,7 +240,14 @@ class FusionEngine:
             "prefix_tokens": p, "context_tokens": n, "question_tokens": layout.question_len,
             "recomputed_tokens": int(selected_ctx.numel()), "full_layers": full_layers,
         }
-        return FusedPrefill(cache, logits, selected_ctx + p, stats, timings)
+        fused = FusedPrefill(cache, logits, selected_ctx + p, stats, timings)
+        return (yield from self.evict_after_prefill(fused, layout, ids[layout.question_start:], options))
+
+    def evict_after_prefill(self, fused: FusedPrefill, layout: Layout, question_ids: torch.Tensor,
+                            options: FusionOptions) -> Generator[int, None, FusedPrefill]:
+        """The hook after any method's prefill: SnapKV eviction down to `options.evict_capacity` tokens
+        (A³'s extension, fusion/eviction.py); the prefill unchanged when it is 0."""
+        return (yield from eviction.evict_steps(self, fused, layout, question_ids, options.evict_capacity))
 
     def _assemble(self, cache: FusedCache, prefix: ChunkKV, chunks: list[ChunkKV], layout: Layout,
                   recover: bool) -> None:

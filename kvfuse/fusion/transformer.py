@@ -164,19 +164,21 @@ class Transformer:
 
         The B new tokens go through embedding, norms, projections and MLP as one matrix [B, 1, hidden]
         (the weights are read once per step, whatever B). Each token is rotated to its own sequence's
-        position (its cache's `length`), its K/V written there, and it attends over its own cache
-        alone; then every cache's `length` grows by one."""
+        position (its cache's `next_position`: `length`, or further on after eviction), its K/V written
+        at slot `length`, and it attends over its own cache alone; then every cache's `length` grows by
+        one. The caches may differ in length (an evicted one is shorter)."""
         full = [i for i, c in enumerate(caches) if c.length >= c.capacity]
         if full:
             raise FusionError(f"the fused cache of sequence {full[0]} is full")
-        positions = torch.tensor([c.length for c in caches], device=token_ids.device)
+        slots = torch.tensor([c.length for c in caches], device=token_ids.device)
+        positions = torch.tensor([c.next_position for c in caches], device=token_ids.device)
         cos, sin = (t.view(-1, 1, 1, t.shape[-1]) for t in self.rope.cos_sin(positions, self.dtype))  # [B, 1, 1, D]
         h = self.embed_tokens(token_ids.view(-1, 1))  # [B, 1, hidden]
         for layer in range(self.num_layers):
             q, k, v = self.project(layer, h, cos, sin)  # [B, H | Hkv, 1, D]
             outs = []
             for i, cache in enumerate(caches):
-                cache.write(layer, positions[i : i + 1], k[i : i + 1], v[i : i + 1])
+                cache.write(layer, slots[i : i + 1], k[i : i + 1], v[i : i + 1])
                 end = cache.length + 1
                 outs.append(self.attend_all(q[i : i + 1], cache.keys(layer, end), cache.values(layer, end)))
             h = self.finish(layer, h, torch.cat(outs))

@@ -6,7 +6,8 @@ then one batched decode step for every running sequence) and reports back with `
 
 Admission is bounded three ways, so neither memory nor a burst of arrivals can hurt the running streams:
 - KV memory: a running request holds its cache for prompt + max_tokens tokens (the fused cache is
-  preallocated), and the sum stays within `kv_budget_tokens`; a request that does not fit waits.
+  preallocated), and the sum stays within `kv_budget_tokens`; a request that does not fit waits. A
+  request whose cache is evicted after its first token (`fusion.evict_capacity`) holds less from then on.
 - Batch size: at most `max_running` sequences decode together.
 - Prefill work: a request is admitted only while the prefill work of the admitted requests that are
   still prefilling stays within `prefill_tokens_per_step` (or none is), and the worker runs at most
@@ -108,12 +109,17 @@ class Scheduler:
                 self.prefill_pending -= req.prefill_tokens
         return req
 
-    def prefilled(self, job_id: int) -> None:
-        """A running request's prefill is complete: from now on it decodes with the batch."""
+    def prefilled(self, job_id: int, kv_tokens: int | None = None) -> None:
+        """A running request's prefill is complete: from now on it decodes with the batch. kv_tokens:
+        the cache it holds from now on, when smaller than admitted (eviction after the first token,
+        fusion/eviction.py); the difference is free for admissions at once."""
         req = self.running[job_id]
         if not req.prefilled:
             req.prefilled = True
             self.prefill_pending -= req.prefill_tokens
+        if kv_tokens is not None and kv_tokens < req.kv_tokens:
+            self.kv_used -= req.kv_tokens - kv_tokens
+            req.kv_tokens = kv_tokens
 
     def ingest_done(self, job_id: int) -> None:
         self.ingest = deque(r for r in self.ingest if r.job_id != job_id)

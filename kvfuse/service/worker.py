@@ -229,7 +229,7 @@ class Worker:
                 continue
             budget -= spent
             if text is not None:
-                self.scheduler.prefilled(req.job_id)
+                self.scheduler.prefilled(req.job_id, kv_tokens=seq.cache.capacity)  # smaller if evicted
                 self._emit(req, text)
 
     def _decode(self, batch: list[Request]) -> None:

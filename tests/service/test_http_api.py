@@ -178,6 +178,13 @@ def test_query_json_with_explicit_documents_and_fusion_method(client: httpx.Clie
     assert u["prompt_tokens"] > u["context_tokens"] > u["recomputed_tokens"]  # the documents' tokens
 
 
+def test_query_with_eviction_answers(client: httpx.Client) -> None:
+    resp = client.post("/v1/query", json={"query": QUESTION, "document_ids": ["nft", "todo"], "max_tokens": 6,
+                                          "fusion": {"method": "a3", "evict_capacity": 64}})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["answer"].strip() and resp.json()["usage"]["completion_tokens"] >= 1
+
+
 def test_a_real_answer_is_what_the_openapi_schema_says(client: httpx.Client) -> None:
     spec = client.get("/openapi.json")
     assert spec.status_code == 200, spec.text
@@ -278,6 +285,10 @@ BAD_INPUTS = [
      "invalid_value"),
     ("ratio below 0", "POST", "/v1/query", {"json": {**Q, "fusion": {"recompute_ratio": -0.1}}}, 422,
      "invalid_value"),
+    ("evict capacity below 0", "POST", "/v1/query", {"json": {**Q, "fusion": {"evict_capacity": -1}}}, 422,
+     "invalid_value"),
+    ("evict capacity not an integer", "POST", "/v1/query", {"json": {**Q, "fusion": {"evict_capacity": 1.5}}},
+     422, "invalid_value"),
     ("check layer past the model", "POST", "/v1/query", {"json": {**Q, "fusion": {"check_layer": 99}}}, 422,
      "invalid_value"),
     ("top_k 0", "POST", "/v1/query", {"json": {**Q, "top_k": 0}}, 422, "invalid_value"),

@@ -37,6 +37,19 @@ def test_kv_budget_holds_back_the_next_request_until_one_retires() -> None:
     assert ids(s.decode_batch()) == [0, 2, 3] and s.kv_used == 900
 
 
+def test_an_evicted_cache_frees_its_share_of_the_budget_after_the_first_token() -> None:
+    s = sched(prefill_tokens_per_step=10_000)
+    for i in range(3):
+        s.add(Request(i, kv_tokens=400, prefill_tokens=100))
+    assert ids(s.schedule().admit) == [0, 1] and s.kv_used == 800  # a third: 1200 > 1000
+    s.prefilled(0, kv_tokens=150)  # evicted down to 150 tokens after its first token
+    assert s.kv_used == 550 and s.running[0].kv_tokens == 150
+    assert ids(s.schedule().admit) == [2]  # now fits: 950
+    s.prefilled(1, kv_tokens=400)  # not evicted: unchanged
+    s.retire(0)
+    assert s.kv_used == 800
+
+
 def test_a_request_larger_than_the_budget_is_refused_not_queued() -> None:
     s = sched()
     assert s.fits_alone(1000) and not s.fits_alone(1001)
