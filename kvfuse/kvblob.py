@@ -368,10 +368,12 @@ def _artifacts(mv: memoryview, start: int, h: KVHeader, specs: list[_ArtSpec], v
     raw = bytearray(mv[start + h.payload_bytes :])
     if verify:
         _check(h.artifacts_checksum, _checksum(raw))
-    base = start + h.payload_bytes
-    return {name: torch.frombuffer(raw, dtype=dt, count=(stop - a) // torch.empty((), dtype=dt).element_size(),
-                                   offset=a - (base - start)).view(shape)
-            for name, dt, shape, a, stop in specs}
+    out = {}
+    for name, dt, shape, a, stop in specs:
+        count = (stop - a) // torch.empty((), dtype=dt).element_size()
+        out[name] = (torch.frombuffer(raw, dtype=dt, count=count, offset=a - h.payload_bytes).view(shape)
+                     if count else torch.empty(shape, dtype=dt))
+    return out
 
 
 def read_artifacts(buf: bytes | bytearray | memoryview, *, verify: bool = True) -> tuple[KVHeader, dict[str, Tensor] | None]:
