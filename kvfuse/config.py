@@ -134,6 +134,11 @@ class FusionRequestSettings(_Section):
     # A³'s extension: after the first token keep C cache tokens (prefix, question, SnapKV's top context
     # tokens per layer and KV head); 0 = no eviction. kvfuse/fusion/eviction.py, docs/DESIGN.md.
     evict_capacity: int = Field(0, ge=0)
+    # samkv (docs/DESIGN.md, "SamKV"): Eq. 4's fusion update or a plain overwrite of recomputed K/V; a
+    # floor on each document's Top-P (0: the paper's Eqs. 2-3 alone); the cross-document cut on or off.
+    samkv_update: Literal["fusion", "overwrite"] = "fusion"
+    samkv_min_p: float = Field(0.0, ge=0.0, le=1.0)
+    samkv_cross_cut: bool = True
 
 
 class FusionSettings(FusionRequestSettings):
@@ -141,6 +146,7 @@ class FusionSettings(FusionRequestSettings):
 
     precompute_batch_tokens: int = Field(4096, ge=1)
     attention_block_rows: int = Field(128, ge=1)
+    samkv_ingest_artifacts: bool = True  # ingest computes samkv's per-chunk artifacts (one more pass per chunk)
 
 
 class GenerationSettings(_Section):

@@ -7,6 +7,15 @@ header itself so the tensors can be views of the caller's buffer (an LMDB memory
 with no copy.
 
 Keys are post-RoPE at positions 0..n-1 ("rope0"); values carry no position.
+
+Version 2 (docs/DESIGN.md, "Sparse loading"): the same `k` and `v` at the same offsets, plus
+- a checksum per block of `block_tokens` tokens (k then v of the block, layer by layer, head by
+  head), so `read_blocks` can copy and verify a few blocks without reading the rest of the blob;
+- optional per-chunk artifacts after `v` (tensors named `a.<name>`, with their own checksum), e.g.
+  the sparse-attention analysis of `kvfuse.fusion.sparse`.
+Version 1 blobs still decode (no block checksums, no artifacts). The content key does not carry the
+format version (KEY_VERSION stays 1): a chunk's KV is the same in both versions, so an old blob keeps
+serving under its key.
 """
 
 from __future__ import annotations
@@ -17,12 +26,16 @@ import sys
 import warnings
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+KEY_VERSION = 1  # part of the content key; the KV a key names did not change with version 2
+BLOCK_TOKENS = 64  # tokens per checksummed block in version 2 (the SamKV paper's block size)
+ARTIFACT_PREFIX = "a."
 FORMAT_NAME = "kvfuse-kv"
 POSITION_ROPE0 = "rope0"
 
@@ -32,6 +45,10 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "bfloat16": (torch.bfloat16, "BF16"),
     "float32": (torch.float32, "F32"),
 }
+_ARTIFACT_DTYPES: dict[torch.dtype, str] = {
+    torch.int64: "I64", torch.int32: "I32", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+}
+_ARTIFACT_CODES = {code: dt for dt, code in _ARTIFACT_DTYPES.items()}
 _MAX_HEADER_BYTES = 1 << 20  # a real header is < 1 KB; anything larger is garbage, not a blob
 _CHECKSUM_ALGO = "crc32"
 _COPY_BLOCK = 1 << 18  # decode(copy=True) checksums each 256 KB block while it is in cache from the copy
@@ -66,6 +83,11 @@ class KVHeader:
     token_hash: str
     position: str
     checksum: str  # "<algo>:<hex>" of the payload bytes (k then v)
+    block_tokens: int = 0  # version 2: tokens per checksummed block (0: no block checksums)
+    block_checksums: tuple[str, ...] = ()  # version 2: one per block, see `block_checksum`
+    artifacts_checksum: str = ""  # version 2 with artifacts: checksum of their bytes, in name order
+    # Artifact tensors (name -> tensor, CPU, contiguous); not part of the header's identity.
+    artifacts: dict[str, Tensor] | None = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -100,7 +122,7 @@ def token_hash(token_ids: Sequence[int]) -> str:
 def chunk_key_from_hash(model_fingerprint: str, kv_dtype: str, token_hash_hex: str) -> str:
     """Content key from an already computed token hash (what a stored header carries)."""
     _torch_dtype(kv_dtype)
-    text = f"{FORMAT_NAME}/{FORMAT_VERSION}\n{model_fingerprint}\n{kv_dtype}\n{token_hash_hex}"
+    text = f"{FORMAT_NAME}/{KEY_VERSION}\n{model_fingerprint}\n{kv_dtype}\n{token_hash_hex}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -124,8 +146,37 @@ def _as_bytes_view(t: Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
-def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[int], dtype: str) -> bytes:
-    """Serialize one chunk's KV (cast to `dtype` at rest) as a safetensors blob."""
+def block_checksum(k: Tensor, v: Tensor, start: int, stop: int) -> str:
+    """Checksum of tokens [start, stop) of k and v [L, Hkv, n, D]: k's then v's rows, layer by layer, head by
+    head (the bytes `read_blocks` copies for that block)."""
+    return _checksum(_as_bytes_view(k[:, :, start:stop].contiguous()), _as_bytes_view(v[:, :, start:stop].contiguous()))
+
+
+def artifact_order(artifacts: dict[str, Tensor]) -> list[str]:
+    """Widest element first, then by name: every artifact then starts aligned to its element size with no
+    padding between tensors (safetensors allows none), as k and v end on an 8-byte boundary."""
+    return sorted(artifacts, key=lambda n: (-artifacts[n].element_size(), n))
+
+
+def _artifact_bytes(artifacts: dict[str, Tensor]) -> list[memoryview]:
+    return [_as_bytes_view(artifacts[name]) for name in artifact_order(artifacts)]
+
+
+def _prepare_artifacts(artifacts: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+    if not artifacts:
+        return None
+    out = {}
+    for name, t in artifacts.items():
+        if t.dtype not in _ARTIFACT_DTYPES:
+            raise ValueError(f"artifact {name!r}: dtype {t.dtype} not storable (use one of {list(_ARTIFACT_DTYPES)})")
+        out[name] = t.detach().to("cpu").contiguous()
+    return out
+
+
+def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[int], dtype: str,
+           artifacts: dict[str, Tensor] | None = None) -> bytes:
+    """Serialize one chunk's KV (cast to `dtype` at rest) as a version-2 safetensors blob, with per-block
+    checksums and the optional `artifacts` (name -> tensor, stored as they are)."""
     tdt = _torch_dtype(dtype)
     if k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [L, Hkv, n, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -134,6 +185,7 @@ def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[
         raise ValueError(f"KV has {num_tokens} tokens but {len(token_ids)} token ids were given (need >= 1)")
     k = k.detach().to(device="cpu", dtype=tdt).contiguous()
     v = v.detach().to(device="cpu", dtype=tdt).contiguous()
+    arts = _prepare_artifacts(artifacts)
     header = KVHeader(
         format_version=FORMAT_VERSION,
         model_fingerprint=model_fingerprint,
@@ -145,6 +197,11 @@ def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[
         token_hash=token_hash(token_ids),
         position=POSITION_ROPE0,
         checksum=_checksum(_as_bytes_view(k), _as_bytes_view(v)),
+        block_tokens=BLOCK_TOKENS,
+        block_checksums=tuple(block_checksum(k, v, a, min(a + BLOCK_TOKENS, num_tokens))
+                              for a in range(0, num_tokens, BLOCK_TOKENS)),
+        artifacts_checksum=_checksum(*_artifact_bytes(arts)) if arts else "",
+        artifacts=arts,
     )
     return pack(k, v, header)
 
@@ -169,19 +226,36 @@ def pack(k: Tensor, v: Tensor, header: KVHeader) -> bytes:
         "position": header.position,
         "checksum": header.checksum,
     }
+    if header.format_version >= 2:
+        meta["block_tokens"] = str(header.block_tokens)
+        meta["block_checksums"] = ",".join(header.block_checksums)
+        meta["artifacts_checksum"] = header.artifacts_checksum
     code, shape = DTYPES[header.dtype][1], list(header.shape)
-    table = {
+    table: dict = {
         "__metadata__": meta,
         "k": {"dtype": code, "shape": shape, "data_offsets": [0, nb]},
         "v": {"dtype": code, "shape": shape, "data_offsets": [nb, 2 * nb]},
     }
+    parts = [kb, vb]
+    arts = header.artifacts if header.format_version >= 2 else None
+    off = 2 * nb
+    for name in artifact_order(arts or {}):
+        mv = _as_bytes_view(arts[name])
+        table[ARTIFACT_PREFIX + name] = {"dtype": _ARTIFACT_DTYPES[arts[name].dtype], "shape": list(arts[name].shape),
+                                         "data_offsets": [off, off + mv.nbytes]}
+        parts.append(mv)
+        off += mv.nbytes
     hjson = json.dumps(table, separators=(",", ":")).encode()
     hjson += b" " * (-len(hjson) % 8)  # pad so the payload (and every tensor) starts 8-byte aligned
-    return b"".join((len(hjson).to_bytes(8, "little"), hjson, kb, vb))
+    return b"".join((len(hjson).to_bytes(8, "little"), hjson, *parts))
 
 
-def _parse(mv: memoryview) -> tuple[KVHeader, int]:
-    """Header and payload start offset; raises CorruptBlobError on anything malformed."""
+_ArtSpec = tuple[str, torch.dtype, list[int], int, int]  # name, dtype, shape, start, stop (payload offsets)
+
+
+def _parse(mv: memoryview) -> tuple[KVHeader, int, list[_ArtSpec]]:
+    """Header, payload start offset and the artifact tensors' specs; raises CorruptBlobError on anything
+    malformed."""
     if mv.nbytes < 8:
         raise CorruptBlobError(f"blob of {mv.nbytes} bytes is too short for a safetensors header")
     n = int.from_bytes(mv[:8], "little")
@@ -192,8 +266,14 @@ def _parse(mv: memoryview) -> tuple[KVHeader, int]:
         meta = header["__metadata__"]
         if meta.get("format") != FORMAT_NAME:
             raise CorruptBlobError(f"not a {FORMAT_NAME} blob (format {meta.get('format')!r})")
-        if meta["format_version"] != str(FORMAT_VERSION):
-            raise CorruptBlobError(f"blob format version {meta['format_version']} != {FORMAT_VERSION}")
+        if meta["format_version"] not in {str(x) for x in READABLE_VERSIONS}:
+            raise CorruptBlobError(f"blob format version {meta['format_version']} is not one of {READABLE_VERSIONS}")
+        version = int(meta["format_version"])
+        extra = {}
+        if version >= 2:
+            sums = meta["block_checksums"]
+            extra = {"block_tokens": int(meta["block_tokens"]), "block_checksums": tuple(sums.split(",")) if sums else (),
+                     "artifacts_checksum": meta["artifacts_checksum"]}
         h = KVHeader(
             format_version=int(meta["format_version"]),
             model_fingerprint=meta["model_fingerprint"],
@@ -205,8 +285,15 @@ def _parse(mv: memoryview) -> tuple[KVHeader, int]:
             token_hash=meta["token_hash"],
             position=meta["position"],
             checksum=meta["checksum"],
+            **extra,
         )
         k, v = header["k"], header["v"]
+        specs: list[_ArtSpec] = []
+        for name, entry in header.items():
+            if name.startswith(ARTIFACT_PREFIX) and version >= 2:
+                start, stop = (int(x) for x in entry["data_offsets"])
+                specs.append((name[len(ARTIFACT_PREFIX):], _ARTIFACT_CODES[entry["dtype"]],
+                              [int(x) for x in entry["shape"]], start, stop))
     except CorruptBlobError:
         raise
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
@@ -216,11 +303,20 @@ def _parse(mv: memoryview) -> tuple[KVHeader, int]:
     nb = h.payload_bytes // 2
     want_k = {"dtype": DTYPES[h.dtype][1], "shape": list(h.shape), "data_offsets": [0, nb]}
     want_v = {**want_k, "data_offsets": [nb, 2 * nb]}
-    if k != want_k or v != want_v or set(header) != {"__metadata__", "k", "v"}:
+    if k != want_k or v != want_v or set(header) != {"__metadata__", "k", "v"} | {ARTIFACT_PREFIX + s[0] for s in specs}:
         raise CorruptBlobError(f"blob tensors {k!r}, {v!r} disagree with its metadata {h}")
-    if mv.nbytes - 8 - n != 2 * nb:
-        raise CorruptBlobError(f"blob payload is {mv.nbytes - 8 - n} bytes, header says {2 * nb}")
-    return h, 8 + n
+    nblocks = -(-h.num_tokens // h.block_tokens) if h.block_tokens else 0
+    if len(h.block_checksums) != nblocks:
+        raise CorruptBlobError(f"blob has {len(h.block_checksums)} block checksums for {nblocks} blocks")
+    end = 2 * nb
+    for name, dt, shape, start, stop in sorted(specs, key=lambda x: x[3]):
+        size = torch.empty((), dtype=dt).element_size() * (int(torch.tensor(shape).prod()) if shape else 1)
+        if start != end or stop - start != size or start % torch.empty((), dtype=dt).element_size():
+            raise CorruptBlobError(f"artifact {name!r} at {start}..{stop} does not follow the payload at {end}")
+        end = stop
+    if mv.nbytes - 8 - n != end:
+        raise CorruptBlobError(f"blob payload is {mv.nbytes - 8 - n} bytes, header says {end}")
+    return h, 8 + n, specs
 
 
 def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
@@ -241,8 +337,10 @@ def _check(stored: str, computed: str) -> None:
 def verify_blob(buf: bytes | bytearray | memoryview) -> KVHeader:
     """Parse and check the payload checksum; raises CorruptBlobError."""
     mv = _byte_view(buf)
-    h, start = _parse(mv)
-    _check(h.checksum, _checksum(mv[start:]))
+    h, start, specs = _parse(mv)
+    _check(h.checksum, _checksum(mv[start : start + h.payload_bytes]))
+    if specs:
+        _check(h.artifacts_checksum, _checksum(mv[start + h.payload_bytes :]))
     return h
 
 
@@ -253,16 +351,66 @@ def decode(
     and keep `buf` valid while they are used (an LMDB buffer dies with its transaction). With `copy`,
     the payload is copied once, in one memcpy, into memory the tensors own (writable)."""
     mv = _byte_view(buf)
-    h, start = _parse(mv)
+    h, start, specs = _parse(mv)
+    arts = _artifacts(mv, start, h, specs, verify) if specs else None  # small: always copied
     if copy:
-        mv, start = memoryview(_copy_payload(mv[start:], h.checksum if verify else None)), 0
+        mv, start = memoryview(_copy_payload(mv[start : start + h.payload_bytes], h.checksum if verify else None)), 0
     elif verify:
-        _check(h.checksum, _checksum(mv[start:]))
+        _check(h.checksum, _checksum(mv[start : start + h.payload_bytes]))
     tdt = _torch_dtype(h.dtype)
     numel = h.payload_bytes // 2 // dtype_size(h.dtype)
     k = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start).view(h.shape)
     v = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start + h.payload_bytes // 2).view(h.shape)
-    return k, v, h
+    return k, v, replace(h, artifacts=arts) if arts else h
+
+
+def _artifacts(mv: memoryview, start: int, h: KVHeader, specs: list[_ArtSpec], verify: bool) -> dict[str, Tensor]:
+    raw = bytearray(mv[start + h.payload_bytes :])
+    if verify:
+        _check(h.artifacts_checksum, _checksum(raw))
+    out = {}
+    for name, dt, shape, a, stop in specs:
+        count = (stop - a) // torch.empty((), dtype=dt).element_size()
+        out[name] = (torch.frombuffer(raw, dtype=dt, count=count, offset=a - h.payload_bytes).view(shape)
+                     if count else torch.empty(shape, dtype=dt))
+    return out
+
+
+def read_artifacts(buf: bytes | bytearray | memoryview, *, verify: bool = True) -> tuple[KVHeader, dict[str, Tensor] | None]:
+    """The header and the artifacts alone (copied; the KV payload is not read), None for none (version 1)."""
+    mv = _byte_view(buf)
+    h, start, specs = _parse(mv)
+    arts = _artifacts(mv, start, h, specs, verify) if specs else None
+    return replace(h, artifacts=arts) if arts else h, arts
+
+
+def read_blocks(buf: bytes | bytearray | memoryview, blocks: Sequence[int], *, verify: bool = True
+                ) -> tuple[Tensor, Tensor, KVHeader]:
+    """(k, v, header) of the tokens of `blocks` (sorted block indices of `header.block_tokens` tokens), in
+    block order: [L, Hkv, m, D] tensors that own their memory. Only those blocks' bytes are copied and, with
+    `verify`, checked against their block checksums. Version 1 blobs have no blocks: CorruptBlobError
+    (the caller reads the whole blob instead)."""
+    mv = _byte_view(buf)
+    h, start, _ = _parse(mv)
+    if not h.block_tokens:
+        raise CorruptBlobError(f"blob format version {h.format_version} has no blocks")
+    tdt = _torch_dtype(h.dtype)
+    numel = h.payload_bytes // 2 // dtype_size(h.dtype)
+    k = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start).view(h.shape)
+    v = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start + h.payload_bytes // 2).view(h.shape)
+    ks, vs, t = [], [], h.block_tokens
+    for b in blocks:
+        if not 0 <= b < len(h.block_checksums):
+            raise ValueError(f"block {b} outside the blob's {len(h.block_checksums)} blocks")
+        kb, vb = k[:, :, b * t : (b + 1) * t].contiguous(), v[:, :, b * t : (b + 1) * t].contiguous()
+        if verify:
+            _check(h.block_checksums[b], _checksum(_as_bytes_view(kb), _as_bytes_view(vb)))
+        ks.append(kb)
+        vs.append(vb)
+    if not ks:
+        empty = torch.empty((h.num_layers, h.num_kv_heads, 0, h.head_dim), dtype=tdt)
+        return empty, empty.clone(), h
+    return torch.cat(ks, dim=2), torch.cat(vs, dim=2), h
 
 
 def _copy_payload(src: memoryview, checksum: str | None) -> bytearray:

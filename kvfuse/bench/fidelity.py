@@ -26,7 +26,7 @@ FIXED_RATIO: dict[str, float | None] = {"vanilla": 1.0, "full_reuse": 0.0, "pie"
 FIDELITY_COLUMNS = (
     "task", "method", "ratio", "n", "score", "score_vs_vanilla", "score_vs_vanilla_ci", "gained_vs_vanilla",
     "lost_vs_vanilla", "kl_vs_vanilla", "same_answer_vs_vanilla", "ttft_s_median", "ttft_vs_vanilla",
-    "context_tokens_mean", "recomputed_share",
+    "context_tokens_mean", "recomputed_share", "kv_loaded_share", "fused_cache_tokens_mean",
 )
 SCORE_EPS = 1e-9  # scores closer than this count as equal (F1 is a float)
 # The interval around score / vanilla: a paired percentile bootstrap over the examples (a resample draws
@@ -61,6 +61,8 @@ class Outcome:
     context_tokens: int
     recomputed_tokens: int | None
     kl_vs_vanilla: float | None = None
+    kv_loaded_share: float | None = None  # share of the chunks' KV bytes read (samkv: selected blocks only)
+    fused_cache_tokens: int | None = None  # positions in the fused cache (samkv: the sparse cache)
     first_token_logprobs: Any = None  # transient (in-process only): vanilla's reference for KL
 
 
@@ -118,13 +120,27 @@ class EngineBackend:
         prefix, chunks, question_ids = prepared
         opts = self.options(method, ratio)
         budget = self.max_tokens or ex.max_tokens
+        self.ingest_artifacts(method, chunks)
         text, logits, ttft_s, stats = self.greedy(prefix, chunks, question_ids, opts, budget)
+        share, cache_tokens = loaded_share_and_cache(method, stats)
         return Outcome(
             task=ex.task, example_id=ex.id, method=method, ratio=ratio, prediction=text.strip(),
             score=score_answer(ex.metric, text, ex.answers), ttft_s=ttft_s,
             context_tokens=int(stats["context_tokens"]), recomputed_tokens=int(stats["recomputed_tokens"]),
-            first_token_logprobs=logits,
+            first_token_logprobs=logits, kv_loaded_share=share, fused_cache_tokens=cache_tokens,
         )
+
+    def ingest_artifacts(self, method: str, chunks: Any) -> None:
+        """What ingest computes besides the KV, computed before the timed prefill as the service has it
+        stored (samkv's per-chunk analysis, memoised by content in this process)."""
+        from kvfuse.fusion.methods import get_method
+
+        if get_method(method).own_pipeline:
+            from kvfuse.fusion.methods.samkv import artifacts_for
+            from kvfuse.fusion.sparse.source import MemorySource
+
+            for c in chunks:
+                artifacts_for(self.engine, MemorySource(c))
 
     def greedy(self, prefix: Any, chunks: Any, question_ids: list[int], opts: Any,
                max_tokens: int) -> tuple[str, Any, float, dict]:
@@ -150,6 +166,17 @@ class EngineBackend:
 
     def finish(self, ex: Example, prepared: Any) -> None:
         return None
+
+
+def loaded_share_and_cache(method: str, stats: dict) -> tuple[float, int]:
+    """(share of the chunks' stored KV bytes the prefill read, fused cache positions) from a prefill's
+    stats: a method that reports them (samkv) is taken at its word; vanilla reads no KV; every other
+    method reads all of it into a cache of the whole prompt."""
+    cache = stats.get("fused_cache_tokens", stats["prefix_tokens"] + stats["context_tokens"] + stats["question_tokens"])
+    if "kv_loaded_bytes" in stats:
+        total = stats["kv_total_bytes"]
+        return (stats["kv_loaded_bytes"] / total if total else 0.0), int(cache)
+    return (0.0 if method == "vanilla" else 1.0), int(cache)
 
 
 class HttpBackend:
@@ -314,6 +341,8 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             "ttft_vs_vanilla": ttft / ref_ttft if ttft is not None and ref_ttft else None,
             "context_tokens_mean": _mean(o.context_tokens for o in outs),
             "recomputed_share": share,
+            "kv_loaded_share": _mean(o.kv_loaded_share for o in outs),
+            "fused_cache_tokens_mean": _mean(o.fused_cache_tokens for o in outs),
         })
     return rows
 

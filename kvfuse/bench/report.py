@@ -31,6 +31,7 @@ FIDELITY_TABLE = (
     ("same_answer_vs_vanilla", "same answer as vanilla"),
     ("kl_vs_vanilla", "KL vs vanilla (nats)"), ("ttft_s_median", "TTFT (s)"),
     ("ttft_vs_vanilla", "TTFT / vanilla"), ("context_tokens_mean", "context tokens"),
+    ("kv_loaded_share", "KV loaded (share)"), ("fused_cache_tokens_mean", "fused cache tokens"),
 )
 SPEED_TABLE = (
     ("context_tokens", "context tokens"), ("method", "method"), ("ratio", "ratio"),
@@ -38,6 +39,8 @@ SPEED_TABLE = (
     ("ttft_cold_s_median", "TTFT cold (s)"), ("ttft_cold_vs_vanilla", "cold / vanilla"),
     ("kv_load_s", "KV load (s)"), ("decode_tok_s", "decode tok/s"), ("decode_vs_vanilla", "decode / vanilla"),
     ("peak_rss_mb", "peak RSS Δ (MB)"), ("peak_rss_vs_vanilla", "RSS / vanilla"),
+    ("kv_loaded_share", "KV loaded (share)"), ("kv_loaded_mb", "KV loaded (MB)"),
+    ("fused_cache_tokens", "fused cache tokens"), ("fused_cache_mb", "fused cache (MB)"),
 )
 PARTIAL_NOTE = ("_Partial run: it was stopped before every example (or context) was done; `n` says how "
                 "many each row has._")

@@ -5,7 +5,12 @@ peak memory. Every figure is also given relative to vanilla from the same run.
 "Cold" means: the chunk blobs were written with `KVStore.put_kv` into a `KVStore` in a temp
 data dir with its RAM hot tier off, and each repeat reads and decodes them with `load_chunk` before
 fusing. The OS page cache still holds the LMDB file (dropping it needs root), so this is the cost of
-the store's read path, not of a cold disk.
+the store's read path, not of a cold disk. `samkv` reads its chunks block by block from the same
+store inside its prefill (only the blocks it selects); its KV load time is those reads plus the prefix.
+
+Beside TTFT: the share of the chunks' KV bytes each method reads (`kv_loaded_share`, and the bytes read
+from the store in the cold runs, `kv_loaded_mb`) and the size of the fused cache it prefills and decodes
+over (`fused_cache_tokens`, `fused_cache_mb` in the compute dtype).
 """
 
 from __future__ import annotations
@@ -18,14 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfuse.bench.fidelity import EngineBackend, median, method_plan
+from kvfuse.bench.fidelity import EngineBackend, loaded_share_and_cache, median, method_plan
 from kvfuse.bench.memory import PeakRSS
 from kvfuse.bench.tasks import Haystack, TaskConfig, needle
 
 SPEED_COLUMNS = (
     "method", "ratio", "context_tokens", "ttft_s_median", "ttft_vs_vanilla", "ttft_cold_s_median",
     "ttft_cold_vs_vanilla", "kv_load_s", "kv_load_vs_vanilla_ttft", "decode_tok_s", "decode_vs_vanilla",
-    "peak_rss_mb", "peak_rss_vs_vanilla", "recomputed_tokens",
+    "peak_rss_mb", "peak_rss_vs_vanilla", "recomputed_tokens", "kv_loaded_share", "kv_loaded_mb",
+    "fused_cache_tokens", "fused_cache_mb",
 )
 
 
@@ -36,6 +42,9 @@ class Sample:
     peak_rss_mb: float
     recomputed_tokens: int
     kv_load_s: float = 0.0
+    kv_loaded_share: float = 0.0  # of the chunks' KV bytes (see fidelity.loaded_share_and_cache)
+    kv_loaded_bytes: int | None = None  # what the prefill read from the store (cold runs of samkv)
+    fused_cache_tokens: int = 0
 
 
 def _generate(backend: EngineBackend, prefix: Any, chunks: Any, question_ids: Any, opts: Any) -> Sample:
@@ -50,18 +59,24 @@ def _generate(backend: EngineBackend, prefix: Any, chunks: Any, question_ids: An
     # forward steps after the first token over their time (a step that produced EOS counts: it was run)
     n_dec = result.decode_steps
     dec_s = float(result.timings.get("decode_s") or 0.0)
+    share, cache_tokens = loaded_share_and_cache(opts.method, result.stats)
     return Sample(
         ttft_s=float(result.timings["ttft_s"]),
         decode_tok_s=n_dec / dec_s if n_dec > 0 and dec_s > 0 else None,
         peak_rss_mb=mem.delta_mb,
         recomputed_tokens=int(result.usage.get("recomputed_tokens", 0)),
+        kv_load_s=float(result.timings.get("kv_load_s", 0.0)),  # reads inside the prefill (samkv's blocks)
+        kv_loaded_share=share,
+        kv_loaded_bytes=result.stats.get("kv_loaded_bytes"),
+        fused_cache_tokens=cache_tokens,
     )
 
 
 class ColdStore:
     """The example's chunk blobs in a real KVStore (temp data dir, embedded index, hot tier off)."""
 
-    def __init__(self, backend: EngineBackend, chunks: list[Any], root: Path):
+    def __init__(self, backend: EngineBackend, chunks: list[Any], root: Path, artifacts: bool = False):
+        """artifacts: store samkv's per-chunk artifacts with the chunks (not the prefix), as ingest does."""
         from kvfuse.store import KVStore
 
         s = backend.settings
@@ -73,10 +88,17 @@ class ColdStore:
         fp = backend.engine.fingerprint
         self.keys = []
         self.kv_bytes = 0
-        for c in chunks:
-            key, nbytes = self.store.put_kv(fp, self.kv_dtype, c.token_ids, c.k, c.v)
+        for i, c in enumerate(chunks):
+            arts = None
+            if artifacts and i > 0:
+                from kvfuse.fusion.methods.samkv import artifacts_for
+                from kvfuse.fusion.sparse.source import MemorySource
+
+                arts = artifacts_for(backend.engine, MemorySource(c))[0].to_tensors()
+            key, nbytes = self.store.put_kv(fp, self.kv_dtype, c.token_ids, c.k, c.v, arts)
             self.keys.append((key, c.token_ids))
             self.kv_bytes += nbytes
+        self.chunk_payload_bytes = sum(self.store.load_artifacts(k).payload_bytes for k, _ in self.keys[1:])
 
     def load(self) -> list[Any]:
         from kvfuse.fusion import ChunkKV
@@ -90,8 +112,39 @@ class ColdStore:
             out.append(ChunkKV(token_ids=list(token_ids), k=k, v=v))
         return out
 
+    def load_sparse(self) -> list[Any]:
+        """The prefix read whole, the chunks as block sources (samkv reads the blocks it selects)."""
+        from kvfuse.fusion import ChunkKV
+        from kvfuse.fusion.sparse.source import StoreSource
+
+        (pkey, pids), *rest = self.keys
+        k, v, _ = self.store.load_chunk(pkey)
+
+        def missing() -> Any:
+            raise RuntimeError("chunk missing from the store it was just written to")
+
+        return [ChunkKV(list(pids), k, v)] + [StoreSource(self.store, key, list(ids), missing) for key, ids in rest]
+
     def close(self) -> None:
         self.store.close()
+
+
+def _own_pipeline(method: str) -> bool:
+    from kvfuse.fusion.methods import get_method
+
+    return get_method(method).own_pipeline
+
+
+def _cache_bytes_per_token(backend: EngineBackend) -> int:
+    """K and V of one position over every layer, in the engine's compute dtype (the fused cache's)."""
+    e = backend.engine
+    return 2 * e.num_layers * e.num_kv_heads * e.head_dim * torch_itemsize(e.dtype)
+
+
+def torch_itemsize(dtype: Any) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -119,11 +172,13 @@ def run_speed(
             prefix, chunks, question_ids = backend.prepare(ex)
             n_ctx = sum(len(c.token_ids) for c in chunks)
             with tempfile.TemporaryDirectory(prefix="kvfuse-bench-") as tmp:
-                store = ColdStore(backend, [prefix, *chunks], Path(tmp)) if cold else None
+                sparse = {m for m, _ in plan if _own_pipeline(m)}
+                store = ColdStore(backend, [prefix, *chunks], Path(tmp), artifacts=bool(sparse)) if cold else None
                 per_method: dict[str, dict[str, Any]] = {}
                 for method, r in plan:
                     bar.set_description(f"{ctx} tokens {method}")
                     opts = backend.options(method, r)
+                    backend.ingest_artifacts(method, chunks)  # ingest-time work, not timed
                     if method not in warmed:  # first-call costs (allocator, kernels) once per method
                         _generate(backend, prefix, chunks, question_ids, opts)
                         warmed.add(method)
@@ -134,10 +189,13 @@ def run_speed(
                     elif store is not None:
                         for _ in range(repeats):
                             t0 = time.perf_counter()
-                            loaded = store.load()
+                            loaded = store.load_sparse() if method in sparse else store.load()
                             load_s = time.perf_counter() - t0
                             s = _generate(backend, loaded[0], loaded[1:], question_ids, opts)
-                            s.kv_load_s = load_s
+                            inner = s.kv_load_s  # samkv reads its blocks inside the prefill
+                            s.kv_load_s, s.ttft_s = load_s + inner, s.ttft_s - inner  # cold TTFT = sum
+                            if s.kv_loaded_bytes is None:
+                                s.kv_loaded_bytes = store.chunk_payload_bytes
                             cold_samples.append(s)
                     if r is None:  # fixed by the method (epic): report the measured share
                         r = round(warm[0].recomputed_tokens / n_ctx, 3)
@@ -155,6 +213,11 @@ def run_speed(
                         "peak_rss_cold_mb": max((s.peak_rss_mb for s in cold_samples), default=None),
                         "recomputed_tokens": warm[0].recomputed_tokens,
                         "kv_bytes": store.kv_bytes if store is not None else None,
+                        "kv_loaded_share": warm[0].kv_loaded_share,
+                        "kv_loaded_mb": (median([s.kv_loaded_bytes for s in cold_samples]) or 0) / 2**20
+                        if cold_samples and method != "vanilla" else 0.0,
+                        "fused_cache_tokens": warm[0].fused_cache_tokens,
+                        "fused_cache_mb": warm[0].fused_cache_tokens * _cache_bytes_per_token(backend) / 2**20,
                     }
                     bar.update(1)
                 if store is not None:

@@ -193,6 +193,8 @@ class FusionEngine:
         prefix = prefix if prefix is not None else self._empty_chunk()
         if not question_ids:
             raise ValueError("question_ids must not be empty")
+        if method.own_pipeline:  # a method that builds its own cache (samkv: a sparse one)
+            return (yield from method.pipeline(self, prefix, chunks, question_ids, options, max_tokens))
         if not method.full_prefill:  # a full prefill reads only the token ids
             for i, kv in enumerate([prefix, *chunks]):
                 self._check_chunk(kv, "prefix" if i == 0 else f"chunk {i - 1}")

@@ -78,4 +78,4 @@ class Generation:
             "generated_tokens": len(self.token_ids),
         }
         return GenerationResult(self.text, self.finished or "length", usage, timings, list(self.token_ids),
-                                self.decode_steps)
+                                self.decode_steps, dict(stats))

@@ -80,3 +80,4 @@ class GenerationResult:
     timings: dict[str, float]
     token_ids: list[int] = field(default_factory=list)
     decode_steps: int = 0  # forward steps after the first token (one more than tokens kept when EOS ended it)
+    stats: dict[str, int] = field(default_factory=dict)  # the fused prefill's stats (FusedPrefill.stats)

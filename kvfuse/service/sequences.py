@@ -100,6 +100,7 @@ class QuerySequence:
     def start(self, worker: Worker) -> None:
         """Load the chunks' KV and set up the fused prefill, which `advance` then runs in pieces."""
         from kvfuse.fusion import ChunkKV
+        from kvfuse.fusion.methods import get_method
 
         engine = worker.engine
         chunks = [self.job.chunks[i] for i in self.kept]
@@ -109,7 +110,11 @@ class QuerySequence:
             prefix = ChunkKV(self.prefix_ids)
         else:
             loaded = []
+            blocks = get_method(self.fusion.method).own_pipeline  # samkv reads only the blocks it selects
             for c in chunks:
+                if blocks:
+                    loaded.append(worker.block_source(c.key, c.token_ids))
+                    continue
                 ckv, was_rebuilt = worker.load_or_rebuild(c.key, c.token_ids, write_back=False)
                 loaded.append(ckv)
                 self.rebuilt += was_rebuilt

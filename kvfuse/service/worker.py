@@ -100,7 +100,25 @@ class Worker:
     def compute_and_store(self, chunks: list[list[int]]) -> list[tuple[str, int]]:
         """Precompute, encode and store chunks; returns (key, blob bytes) each."""
         fp = self.engine.fingerprint
-        return [self.store.put_kv(fp, self.kv_dtype, c.token_ids, c.k, c.v) for c in self.engine.precompute(chunks)]
+        return [self.store.put_kv(fp, self.kv_dtype, c.token_ids, c.k, c.v, self.chunk_artifacts(c.token_ids))
+                for c in self.engine.precompute(chunks)]
+
+    def chunk_artifacts(self, token_ids: list[int]) -> dict | None:
+        """What the blob keeps beside the KV: samkv's analysis of the chunk (kvfuse.fusion.sparse), when
+        `fusion.samkv_ingest_artifacts` is on; else None (samkv rebuilds it on demand)."""
+        if not self.settings.fusion.samkv_ingest_artifacts:
+            return None
+        from kvfuse.fusion.sparse import artifacts
+
+        return artifacts.build(self.engine.tf, token_ids).to_tensors()
+
+    def block_source(self, key: str, token_ids: list[int]) -> Any:
+        """A chunk read block by block from the store (samkv); the whole chunk, rebuilt if need be, on a
+        miss or a damaged blob."""
+        from kvfuse.fusion.sparse.source import StoreSource
+
+        return StoreSource(self.store, key, token_ids,
+                           fallback=lambda: self.load_or_rebuild(key, token_ids, write_back=False)[0])
 
     def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool) -> tuple[Any, bool]:
         """A chunk's ChunkKV from the store; recomputed from its token ids on a miss or a corrupt blob.

@@ -21,11 +21,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
 
-from kvfuse.kvblob import KVHeader
+from kvfuse.kvblob import BLOCK_TOKENS, KVHeader
 
 Entry = tuple[Tensor, Tensor, KVHeader]
+
+
+def slice_blocks(entry: Entry, blocks: list[int]) -> Entry:
+    """The tokens of `blocks` (sorted indices of the header's blocks) of a decoded chunk, copied."""
+    k, v, header = entry
+    t = header.block_tokens or BLOCK_TOKENS
+    idx = [i for b in blocks for i in range(b * t, min((b + 1) * t, header.num_tokens))]
+    index = torch.tensor(idx, dtype=torch.long)
+    return k.index_select(2, index), v.index_select(2, index), header
 
 
 class ChunkStore(ABC):
@@ -48,6 +58,20 @@ class ChunkStore(ABC):
     @abstractmethod
     def remove(self, key: str) -> bool:
         """Drop the chunk; False when this tier did not have it."""
+
+    # Block reads (sparse loading, docs/DESIGN.md "Sparse loading"). The defaults read the whole chunk; a
+    # tier that keeps bytes overrides them to read only what is asked for.
+    def get_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
+        """((k, v, header) of the tokens of `blocks` only, bytes read from this tier), or None on a miss."""
+        entry = self.get(key)
+        if entry is None:
+            return None
+        return slice_blocks(entry, blocks), entry[0].nbytes + entry[1].nbytes
+
+    def get_artifacts(self, key: str) -> KVHeader | None:
+        """The chunk's header with its artifacts (None in it for a version-1 blob), or None on a miss."""
+        entry = self.get(key)
+        return None if entry is None else entry[2]
 
 
 class TieredStore(ChunkStore):
@@ -76,6 +100,21 @@ class TieredStore(ChunkStore):
                     upper.put(key, entry)
                 return entry
         self.hits["miss"] += 1
+        return None
+
+    def get_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
+        """Blocks from the first tier that has the chunk; a partial read is not written back up."""
+        for tier in self.tiers:
+            got = tier.get_blocks(key, blocks)
+            if got is not None:
+                return got
+        return None
+
+    def get_artifacts(self, key: str) -> KVHeader | None:
+        for tier in self.tiers:
+            header = tier.get_artifacts(key)
+            if header is not None:
+                return header
         return None
 
     def put(self, key: str, entry: Entry) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from kvfuse.store.chunk_store import ChunkStore, Entry
+from kvfuse.store.chunk_store import ChunkStore, Entry, slice_blocks
 
 
 class HotTier(ChunkStore):
@@ -31,6 +31,11 @@ class HotTier(ChunkStore):
             self._items.move_to_end(key)
             self.hits += 1
             return item[0]
+
+    def get_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
+        """The blocks sliced out of the decoded chunk: nothing is read from storage (0 bytes)."""
+        entry = self.get(key)
+        return None if entry is None else (slice_blocks(entry, blocks), 0)
 
     def contains(self, key: str) -> bool:
         with self._lock:

@@ -92,12 +92,15 @@ class KVStore:
         return added
 
     def put_kv(
-        self, fingerprint: str, kv_dtype: str, token_ids: Sequence[int], k: Tensor, v: Tensor
+        self, fingerprint: str, kv_dtype: str, token_ids: Sequence[int], k: Tensor, v: Tensor,
+        artifacts: dict[str, Tensor] | None = None,
     ) -> tuple[str, int]:
-        """Encode a chunk's freshly computed KV (cast to `kv_dtype` at rest), key it by content and store
-        it; returns (key, blob bytes). Stored once: an identical chunk already there is kept."""
+        """Encode a chunk's freshly computed KV (cast to `kv_dtype` at rest) and its optional artifacts, key
+        it by content and store it; returns (key, blob bytes). Stored once: an identical chunk already there
+        is kept."""
         key = kvblob.chunk_key(fingerprint, kv_dtype, token_ids)
-        blob = kvblob.encode(k, v, model_fingerprint=fingerprint, token_ids=token_ids, dtype=kv_dtype)
+        blob = kvblob.encode(k, v, model_fingerprint=fingerprint, token_ids=token_ids, dtype=kv_dtype,
+                             artifacts=artifacts)
         self.put_chunk(key, blob)
         return key, len(blob)
 
@@ -125,6 +128,15 @@ class KVStore:
     def set_model_fingerprint(self, fingerprint: str) -> None:
         if fingerprint != self.model_fingerprint():
             self.env.write(lambda txn: txn.put(b"model_fingerprint", fingerprint.encode(), db=self.env.db("meta")))
+
+    def load_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
+        """((k, v, header) of the tokens of `blocks` only, bytes read from storage); None = miss. Raises
+        CorruptBlobError."""
+        return self.chunks.get_blocks(key, blocks)
+
+    def load_artifacts(self, key: str) -> kvblob.KVHeader | None:
+        """The chunk's header with its artifacts (`header.artifacts` None: a version-1 blob); None = miss."""
+        return self.chunks.get_artifacts(key)
 
     # --- documents (kvfuse.store.catalog)
     def put_document(self, doc: DocumentRecord, text: str | None = None) -> None:

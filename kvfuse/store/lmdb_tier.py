@@ -21,8 +21,17 @@ from collections.abc import Iterable, Iterator
 
 import lmdb
 
-from kvfuse.kvblob import CorruptBlobError, decode, pack, read_header, verify_blob
-from kvfuse.store.chunk_store import ChunkStore, Entry
+from kvfuse.kvblob import (
+    CorruptBlobError,
+    KVHeader,
+    decode,
+    pack,
+    read_artifacts,
+    read_blocks,
+    read_header,
+    verify_blob,
+)
+from kvfuse.store.chunk_store import ChunkStore, Entry, slice_blocks
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.records import ChunkInfo
 
@@ -69,6 +78,32 @@ class LmdbTier(ChunkStore):
                 return read_header(buf).model_fingerprint
             except CorruptBlobError:
                 return None
+
+    def get_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
+        """Copy only the blocks' bytes out of the memory map (each block checked against its checksum); a
+        version-1 blob has no blocks, so it is read whole and sliced."""
+        with self.env.read() as txn:
+            buf = txn.get(key.encode(), db=self._blobs)
+            if buf is None:
+                return None
+            header = read_artifacts(buf, verify=False)[0]
+            if header.block_tokens:
+                entry = read_blocks(buf, blocks, verify=self._verify)
+                nbytes = entry[0].nbytes + entry[1].nbytes
+            else:
+                full = decode(buf, verify=self._verify, copy=True)
+                entry, nbytes = slice_blocks(full, blocks), header.payload_bytes
+        check_key(key, entry[2].key)
+        return entry, nbytes
+
+    def get_artifacts(self, key: str) -> KVHeader | None:
+        with self.env.read() as txn:
+            buf = txn.get(key.encode(), db=self._blobs)
+            if buf is None:
+                return None
+            header = read_artifacts(buf, verify=self._verify)[0]
+        check_key(key, header.key)
+        return header
 
     def put(self, key: str, entry: Entry) -> bool:
         """Store the chunk; False if a valid copy is already there (a corrupt one is replaced)."""

@@ -185,6 +185,23 @@ def test_query_with_eviction_answers(client: httpx.Client) -> None:
     assert resp.json()["answer"].strip() and resp.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_query_with_samkv_reads_blocks_from_the_store(client: httpx.Client) -> None:
+    """samkv through REST and the OpenAI route: the worker reads the chunks block by block from the store
+    (their blobs carry the ingest-time artifacts) and answers."""
+    resp = client.post("/v1/query", json={"query": QUESTION, "document_ids": ["nft", "todo"], "max_tokens": 6,
+                                          "fusion": {"method": "samkv"}})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["answer"].strip() and body["fusion"]["method"] == "samkv"
+    assert body["usage"]["recomputed_tokens"] > 0
+    bad = client.post("/v1/query", json={"query": QUESTION, "fusion": {"method": "samkv", "samkv_update": "blend"}})
+    assert bad.status_code == 422, bad.text
+    oa = client.post("/v1/chat/completions", json={"model": "kvfuse", "max_tokens": 4, "fusion": {"method": "samkv"},
+                                                   "messages": [{"role": "user", "content": QUESTION}]})
+    assert oa.status_code == 200, oa.text
+    assert oa.json()["fusion"]["method"] == "samkv"
+
+
 def test_a_real_answer_is_what_the_openapi_schema_says(client: httpx.Client) -> None:
     spec = client.get("/openapi.json")
     assert spec.status_code == 200, spec.text

@@ -27,6 +27,13 @@ class FusionMethod:
     name: ClassVar[str]
     recover_positions: ClassVar[bool] = True  # rotate cached keys to their global positions
     full_prefill: ClassVar[bool] = False  # ignore the cached chunks: prefill the whole prompt
+    own_pipeline: ClassVar[bool] = False  # builds its own cache and prefill (`pipeline`), e.g. a sparse one
+
+    def pipeline(self, engine, prefix, chunks, question_ids, options, max_tokens):
+        """Only for `own_pipeline` methods: the whole fused prefill, as `FusionEngine.fuse_steps` (a
+        generator yielding the rows each layer ran, returning the FusedPrefill). `chunks` may be
+        ChunkKV or the method's own sources (samkv: kvfuse.fusion.sparse.source)."""
+        raise NotImplementedError
 
     def full_layers(self, options: FusionOptions, num_layers: int) -> int:
         """Layers run in full for all context rows before `select()` (their hidden states are then exact)."""
