@@ -122,6 +122,7 @@ class FusionRequestSettings(_Section):
     edge_tokens: int = Field(16, ge=0)
     edge_tokens_end: int = Field(16, ge=0)
     anchor_tokens: int = Field(16, ge=0)
+    link_tokens: int = Field(5, ge=0)  # kvlink: link tokens after each chunk (one of the trained counts, or 0)
 
 
 class FusionSettings(FusionRequestSettings):
@@ -129,6 +130,7 @@ class FusionSettings(FusionRequestSettings):
 
     precompute_batch_tokens: int = Field(4096, ge=1)
     attention_block_rows: int = Field(128, ge=1)
+    kvlink_dir: str = ""  # kvlink artifacts (link embeddings per model fingerprint); "" = the packaged ones
 
 
 class GenerationSettings(_Section):
