@@ -42,7 +42,8 @@ def segment_mask_reference(engine: FusionEngine, prompt: Prompt, links: torch.Te
     """The paper's training computation (§2.3): one pass over [prefix, doc 1, links 1, …, question] at
     contiguous positions, query i seeing key j iff j <= i and (i is not a document token or j is in
     i's document). Returns the last row's logits."""
-    ids, seg, rows_embed = [], [], []
+    ids: list[int] = []
+    seg: list[int] = []
     tf = engine.tf
     ids += prompt.prefix.token_ids
     seg += [0] * len(prompt.prefix)
