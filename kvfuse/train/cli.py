@@ -67,7 +67,7 @@ def _train_kvlink(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     data_dir = resolve_data_dir(args.data_dir)
-    cfg = TrainConfig(steps=args.steps, link_counts=args.link_tokens, max_docs=args.max_docs, docs=args.docs,
+    cfg = TrainConfig(steps=args.steps, minutes=args.minutes, link_counts=args.link_tokens, max_docs=args.max_docs, docs=args.docs,
                       doc_tokens=args.doc_tokens, lr=args.lr, seed=args.seed, val_examples=args.val_examples,
                       val_every=args.val_every, save_every=args.save_every,
                       system_prompt=settings.model.system_prompt)
@@ -96,6 +96,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     tsub = train.add_subparsers(dest="train_command", metavar="METHOD", required=True)
     p = tsub.add_parser("kvlink", help="train kvlink's link-token embeddings (resumes from the run dir)")
     p.add_argument("--steps", type=int, default=800, help="optimizer steps (one example, every K, per step)")
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="wall-clock budget of the training steps; ends early when spent (default: none)")
     p.add_argument("--link-tokens", type=_counts, default=(1, 5), help="link counts K to train (default 1,5)")
     p.add_argument("--max-docs", type=int, default=8, help="chunk indices with links of their own (default 8)")
     p.add_argument("--docs", type=_pair, default=(2, 8), help="documents per example, LO,HI (default 2,8)")

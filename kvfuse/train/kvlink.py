@@ -43,6 +43,7 @@ LOG = "train_log.jsonl"
 @dataclass
 class TrainConfig:
     steps: int = 600
+    minutes: float = 0.0  # wall-clock budget of the training steps (0: none); the run ends at whichever comes first
     link_counts: tuple[int, ...] = (1, 5)
     max_docs: int = 8  # link indices in the table (chunks past it reuse the last)
     docs: tuple[int, int] = (2, 8)  # documents per example
@@ -129,11 +130,14 @@ def init_tables(engine, cfg: TrainConfig) -> dict[int, torch.nn.Parameter]:
     return {k: torch.nn.Parameter(row.expand(cfg.max_docs, k, -1).clone()) for k in cfg.link_counts}
 
 
-def _lr(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup, then cosine decay to a tenth."""
+def _lr(cfg: TrainConfig, step: int, elapsed_s: float = 0.0) -> float:
+    """Linear warmup, then cosine decay to a tenth over the run's progress: the share of steps done or of
+    the time budget spent, whichever is larger (so a run cut by its budget still ends decayed)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    if cfg.minutes > 0:
+        t = max(t, elapsed_s / (60 * cfg.minutes))
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
@@ -210,7 +214,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         enc = self.example(self.step)
-        lr = _lr(self.cfg, self.step)
+        lr = _lr(self.cfg, self.step, self.elapsed)
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.zero_grad()
@@ -222,22 +226,26 @@ class Trainer:
         self.opt.step()
         return row
 
+    def out_of_time(self, pending_s: float = 0.0) -> bool:
+        return self.cfg.minutes > 0 and self.elapsed + pending_s >= 60 * self.cfg.minutes
+
     def run(self) -> LinkArtifact:
         if not self.history:
             self.history.append({"step": 0, **self.val_loss(), "elapsed_s": 0.0})
             self.log(json.dumps(self.history[-1]))
-        while self.step < self.cfg.steps:
+        while self.step < self.cfg.steps and not self.out_of_time():
             t = time.perf_counter()
             row = self.train_step()
             self.step += 1
-            if self.step % self.cfg.val_every == 0 or self.step == self.cfg.steps:
+            last = self.step == self.cfg.steps or self.out_of_time(time.perf_counter() - t)
+            if self.step % self.cfg.val_every == 0 or last:
                 row.update(self.val_loss())
             self.elapsed += time.perf_counter() - t
             row["elapsed_s"] = round(self.elapsed, 1)
             self.history.append(row)
             self.log(f"step {self.step}/{self.cfg.steps} " + " ".join(
                 f"{k}={v:.4g}" for k, v in row.items() if k not in ("step",)))
-            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
+            if self.step % self.cfg.save_every == 0 or last:
                 self.save()
         self.save()
         return self.artifact()
