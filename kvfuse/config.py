@@ -139,6 +139,7 @@ class FusionRequestSettings(_Section):
     samkv_update: Literal["fusion", "overwrite"] = "fusion"
     samkv_min_p: float = Field(0.0, ge=0.0, le=1.0)
     samkv_cross_cut: bool = True
+    link_tokens: int = Field(5, ge=0)  # kvlink: link tokens after each chunk (one of the trained counts, or 0)
 
 
 class FusionSettings(FusionRequestSettings):
@@ -147,6 +148,7 @@ class FusionSettings(FusionRequestSettings):
     precompute_batch_tokens: int = Field(4096, ge=1)
     attention_block_rows: int = Field(128, ge=1)
     samkv_ingest_artifacts: bool = True  # ingest computes samkv's per-chunk artifacts (one more pass per chunk)
+    kvlink_dir: str = ""  # kvlink artifacts (link embeddings per model fingerprint); "" = the packaged ones
 
 
 class GenerationSettings(_Section):

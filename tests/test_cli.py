@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_help_lists_subcommands():
     out = subprocess.run([sys.executable, "-m", "kvfuse.cli", "--help"], capture_output=True, text=True, check=True)
-    for command in ("serve", "ingest", "query", "store", "bench", "models", "config"):
+    for command in ("serve", "ingest", "query", "store", "bench", "models", "config", "train"):
         assert command in out.stdout
 
 

@@ -22,7 +22,8 @@ from kvfuse.bench.tasks import Example
 # Methods whose recompute share is fixed by what they are, not by the ratio knob: run once, reported at
 # this ratio; None = set by the chunk structure (epic's edge tokens), reported as the measured share.
 # Every other method runs at each requested ratio.
-FIXED_RATIO: dict[str, float | None] = {"vanilla": 1.0, "full_reuse": 0.0, "pie": 0.0, "epic": None}
+FIXED_RATIO: dict[str, float | None] = {"vanilla": 1.0, "full_reuse": 0.0, "pie": 0.0, "epic": None,
+                                         "kvlink": None}
 FIDELITY_COLUMNS = (
     "task", "method", "ratio", "n", "score", "score_vs_vanilla", "score_vs_vanilla_ci", "gained_vs_vanilla",
     "lost_vs_vanilla", "kl_vs_vanilla", "same_answer_vs_vanilla", "ttft_s_median", "ttft_vs_vanilla",

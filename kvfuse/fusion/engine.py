@@ -48,6 +48,7 @@ class FusionEngine:
         self.precompute_batch_tokens = precompute_batch_tokens
         self.attention_block_rows = attention_block_rows
         self.fingerprint = model_loading.fingerprint(model, tokenizer, dtype)
+        self.artifacts: dict[str, object] = {}  # trained per-model data of methods, by method (`load_artifacts`)
         self.stop_token_ids = self._stop_token_ids()
 
     @classmethod
@@ -75,7 +76,16 @@ class FusionEngine:
         kwargs = dict(device=m.device, dtype=m.dtype, threads=m.threads, max_context_tokens=m.max_context_tokens,
                       precompute_batch_tokens=f.precompute_batch_tokens,
                       attention_block_rows=f.attention_block_rows)
-        return cls.load(resolve_llm(m.llm, settings.models_dir), **{**kwargs, **overrides})
+        engine = cls.load(resolve_llm(m.llm, settings.models_dir), **{**kwargs, **overrides})
+        engine.load_artifacts(settings)
+        return engine
+
+    def load_artifacts(self, settings) -> None:
+        """Let every method load what it trained for this model (kvlink's link embeddings), once at start."""
+        from kvfuse.fusion.methods.base import registry
+
+        for method in registry().values():
+            method.load_artifacts(self, settings)
 
     def rows(self, positions: torch.Tensor) -> Rows:
         """Query rows at sorted global positions (cos/sin and causal mask built once for every layer)."""
@@ -191,6 +201,7 @@ class FusionEngine:
         options = options or FusionOptions()
         method = get_method(options.method)
         prefix = prefix if prefix is not None else self._empty_chunk()
+        chunks = method.prepare(self, chunks, options)  # hook: kvlink adds its link slots
         if not question_ids:
             raise ValueError("question_ids must not be empty")
         if method.own_pipeline:  # a method that builds its own cache (samkv: a sparse one)

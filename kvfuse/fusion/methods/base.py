@@ -12,13 +12,13 @@ imported automatically. Build `select()` from the signals of `SelectionContext` 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kvfuse.fusion.selection import SelectionContext
 from kvfuse.fusion.transformer import Rows
-from kvfuse.fusion.types import FusionOptions
+from kvfuse.fusion.types import ChunkKV, FusionOptions
 
 _REGISTRY: dict[str, type[FusionMethod]] = {}
 
@@ -34,6 +34,15 @@ class FusionMethod:
         generator yielding the rows each layer ran, returning the FusedPrefill). `chunks` may be
         ChunkKV or the method's own sources (samkv: kvfuse.fusion.sparse.source)."""
         raise NotImplementedError
+
+    @classmethod
+    def load_artifacts(cls, engine: Any, settings: Any) -> None:
+        """Load what the method trained for `engine`'s model into `engine.artifacts` (at engine start)."""
+
+    def prepare(self, engine: Any, chunks: list[ChunkKV], options: FusionOptions) -> list[ChunkKV]:
+        """The chunks the engine lays out, before anything else runs. Default: as given. A method that
+        puts tokens of its own between the chunks (kvlink's link tokens) returns them as extra chunks."""
+        return chunks
 
     def full_layers(self, options: FusionOptions, num_layers: int) -> int:
         """Layers run in full for all context rows before `select()` (their hidden states are then exact)."""
