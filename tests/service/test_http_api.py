@@ -74,13 +74,19 @@ def snapshot(client: httpx.Client) -> list[tuple]:
 # -- health, readiness, auth ------------------------------------------------------------------------------
 
 def test_health_and_ready_are_open_without_a_key(holder: Holder) -> None:
-    with make_client(holder.server, key=None) as anon:
-        health = anon.get("/health")
+    """Probes need no key, but the worker's details (pid, errors naming hosts) are for a valid key only."""
+    with make_client(holder.server) as keyed:
+        health = keyed.get("/health")
         assert health.status_code == 200 and health.json()["worker"]["ready"] is True
         assert isinstance(health.json()["worker"]["pid"], int)
+    with make_client(holder.server, key=None) as anon:
+        health = anon.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        assert health.json().get("worker") is None
         ready = anon.get("/ready")
         assert ready.status_code == 200
-        assert ready.json()["components"] == {"store": True, "index": True, "embedder": True, "model": True}
+        assert ready.json()["components"] == {"store": True, "index": True, "embedder": True, "model": True,
+                                              "document_index": True}
 
 
 def test_api_key_is_required_and_both_headers_work(holder: Holder) -> None:
