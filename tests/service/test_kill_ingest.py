@@ -5,15 +5,18 @@ its latest acknowledged version (or a later one whose 202 the kill swallowed), e
 ended `ready`, every ready document answers, and `kvfuse store check` finds no orphan, missing or
 corrupt blob before any repair.
 
-KVFUSE_TEST_KILL_ROUNDS sets the number of kills (default 5); KVFUSE_TEST_KILL_SEED the random seed."""
+KVFUSE_TEST_KILL_ROUNDS sets the number of kills (default 5), KVFUSE_TEST_KILL_SEED the random seed, and
+KVFUSE_TEST_KILL_REPORT a file to write the kill points to (JSON)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -83,6 +86,20 @@ def _drive(server: ServerProcess, ledger: Ledger, essays, round_no: int) -> None
         pass  # killed meanwhile
 
 
+def _jobs_now(server: ServerProcess) -> dict[str, str]:
+    """Each document's unfinished job just before the kill: status and chunks done / total."""
+    out = {}
+    try:
+        with make_client(server, key=None, timeout=10) as c:
+            for i in range(DOCS):
+                job = c.get(f"/v1/documents/d{i}").json().get("job")
+                if job:
+                    out[f"d{i}"] = f"{job['status']} {job['progress']['chunks_done']}/{job['progress']['chunks_total']}"
+    except (httpx.HTTPError, ValueError, KeyError):
+        out["?"] = "no answer"
+    return out
+
+
 def test_sigkill_at_random_points_of_a_batch_ingest(tmp_path, essays) -> None:
     rng = random.Random(SEED)
     ledger = Ledger()
@@ -95,14 +112,10 @@ def test_sigkill_at_random_points_of_a_batch_ingest(tmp_path, essays) -> None:
         driver.start()
         delay = rng.uniform(0.0, MAX_KILL_DELAY_S)
         time.sleep(delay)
-        with make_client(server, key=None, timeout=10) as c:
-            try:
-                active = [d["id"] for d in c.get("/v1/documents").json()["documents"] if d.get("job")]
-            except (httpx.HTTPError, ValueError, KeyError):
-                active = ["?"]
+        jobs = _jobs_now(server)
         server.kill_group()
         driver.join(30)
-        kills.append({"round": round_no, "after_s": round(time.monotonic() - t0, 2), "documents_in_ingestion": active})
+        kills.append({"round": round_no, "after_s": round(time.monotonic() - t0, 2), "jobs_at_kill": jobs})
     print(f"\n{len(kills)} kill points, {ledger.batches} batches acknowledged: {kills}")
     server.new_session = False
     server.start()
@@ -132,3 +145,9 @@ def test_sigkill_at_random_points_of_a_batch_ingest(tmp_path, essays) -> None:
     assert rep["orphans"] == [] and rep["young_orphans"] == [] and rep["missing"] == [], rep
     assert rep["problems"] == 0, rep
     assert store_check(tmp_path / "data", "--repair")["problems"] == 0
+    if os.environ.get("KVFUSE_TEST_KILL_REPORT"):  # where to write the kill points as JSON (all checks passed)
+        Path(os.environ["KVFUSE_TEST_KILL_REPORT"]).write_text(json.dumps(
+            {"rounds": ROUNDS, "seed": SEED, "documents": DOCS, "batches_acknowledged": ledger.batches,
+             "jobs_acknowledged": len(ledger.jobs), "store_check": {k: rep[k] for k in ("documents", "chunks",
+                                                                                       "problems")},
+             "kills": kills}, indent=2) + "\n")
