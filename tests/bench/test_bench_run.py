@@ -87,3 +87,17 @@ def test_speed_fast_subset(model_env, tmp_path: Path):
             assert r["kv_load_s"] > 0 and r["kv_bytes"] > 0 and r["ratio"] == 0.15
             assert 0 < r["recomputed_tokens"] < r["context_tokens"]
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_speed_reports_samkv_loaded_share_and_cache_size(model_env, tmp_path: Path):
+    """samkv reads only its blocks from the cold store: a share below anchor's whole reads, a smaller cache."""
+    out = tmp_path / "speed.json"
+    rc = main(["bench", "speed", "--contexts", "1024", "--doc-tokens", "512", "--methods", "samkv,anchor",
+               "--ratio", "0.15", "--repeats", "1", "--max-tokens", "4", "--json", str(out)])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["vanilla"]["kv_loaded_share"] == 0 and rows["anchor"]["kv_loaded_share"] == 1.0
+    sam, anchor = rows["samkv"], rows["anchor"]
+    assert 0 < sam["kv_loaded_share"] < 1 and 0 < sam["kv_loaded_mb"] < anchor["kv_loaded_mb"]
+    assert sam["fused_cache_tokens"] < anchor["fused_cache_tokens"] == rows["vanilla"]["fused_cache_tokens"]
+    assert sam["fused_cache_mb"] < anchor["fused_cache_mb"] and sam["kv_load_s"] > 0

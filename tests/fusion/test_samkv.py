@@ -154,3 +154,34 @@ def test_store_reads_only_the_selected_blocks_and_old_blobs_still_serve(engine, 
         fused = engine.fuse(long_prompt.prefix, sources, long_prompt.question_ids, opts)
         assert fused.stats["kv_loaded_bytes"] == fused.stats["kv_total_bytes"]
         torch.testing.assert_close(fused.logits, ref.logits, atol=ATOL, rtol=0)
+
+
+def test_sparse_cache_is_the_sparse_prompt_at_compacted_positions(engine, long_prompt, monkeypatch):
+    """Whatever it keeps, the sparse cache is exact for the kept tokens at their compacted positions: at
+    r = 0 its layer-0 keys equal a fresh projection of the sparse prompt (each kept block rotated by its
+    move), and at r = 1 with `overwrite` its logits equal vanilla's on the sparse prompt."""
+    import kvfuse.fusion.methods.samkv as samkv_module
+
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen["sel"] = select_blocks(*args, **kwargs)
+        return seen["sel"]
+
+    monkeypatch.setattr(samkv_module, "select_blocks", spy)
+    p = long_prompt
+    fused = engine.fuse(p.prefix, p.chunks, p.question_ids,
+                        FusionOptions(method="samkv", recompute_ratio=0.0, samkv_update="overwrite"))
+    kept = [c.token_ids[t] for c, b in zip(p.chunks, seen["sel"].blocks, strict=True)
+            for t in Segments(len(c)).token_list(b)]
+    assert len(kept) < sum(len(c) for c in p.chunks)  # something was dropped: positions did move
+    sparse = p.prefix.token_ids + kept + p.question_ids
+    pos = torch.arange(len(sparse))
+    cos, sin = (t.unsqueeze(1) for t in engine.rope.cos_sin(pos, engine.dtype))
+    with torch.inference_mode():
+        _, k0, _ = engine.tf.project(0, engine.tf.embed(torch.tensor(sparse)), cos, sin)
+    torch.testing.assert_close(fused.cache.k[0, :, : len(sparse)], k0[0], atol=1e-3, rtol=1e-3)
+    full = engine.fuse(p.prefix, p.chunks, p.question_ids,
+                       FusionOptions(method="samkv", recompute_ratio=1.0, samkv_update="overwrite"))
+    ref = hf_forward(engine, sparse, logits_to_keep=1).logits[0, -1].float()
+    torch.testing.assert_close(full.logits, ref, atol=ATOL, rtol=0)
