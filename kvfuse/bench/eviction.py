@@ -162,7 +162,7 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path | None]
     if payload.get("speed_rows"):
         lines += ["## Decode speed and memory", "", markdown_table(payload["speed_rows"], SPEED_TABLE), ""]
     if payload.get("fidelity_rows"):
-        lines += [f"## Fidelity (tasks {', '.join(p['tasks'])}, n = {p['n']} per context, greedy)", "",
+        lines += [f"## Fidelity (tasks {', '.join(p['tasks'])}, {p['n']} examples per task and context, greedy)", "",
                   markdown_table(payload["fidelity_rows"], FIDELITY_TABLE), ""]
     md.write_text("\n".join(lines), encoding="utf-8")
     png = None
@@ -200,7 +200,34 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def combine(paths: list[Path], json_path: Path) -> tuple[Path, Path | None]:
+    """One result (md + plot) from several runs' JSON, e.g. a timing run and a fidelity run: their speed
+    rows, and fidelity rows recomputed from their outcomes (so a run cut short counts what it finished)."""
+    import json
+
+    runs = [json.loads(Path(p).read_text(encoding="utf-8")) for p in paths]
+    outcomes = [o for r in runs for o in r.get("outcomes", [])]
+    fidelity_rows = []
+    for ctx in sorted({o["target_context_tokens"] for o in outcomes}):
+        mine = [o for o in outcomes if o["target_context_tokens"] == ctx]
+        full_ids = {o["example_id"] for o in mine if o["capacity"] == 0}
+        fidelity_rows += aggregate_fidelity([o for o in mine if o["example_id"] in full_ids], ctx)
+    params = dict(runs[0]["params"])
+    for r in runs[1:]:
+        params.update({k: v for k, v in r["params"].items() if k in ("tasks", "n") and r.get("outcomes")})
+    payload = {"kind": "eviction", "command": "; ".join(r["command"] for r in runs), "machine": runs[0]["machine"],
+               "params": params, "partial": any(r.get("partial") for r in runs), "sources": [str(p) for p in paths],
+               "speed_rows": [row for r in runs for row in r.get("speed_rows", [])],
+               "fidelity_rows": fidelity_rows, "outcomes": outcomes, "created": runs[-1].get("created", "")}
+    _write(payload, json_path)
+    return render(payload, json_path)
+
+
 def command(args: Any) -> int:
+    if args.combine:
+        md, png = combine([Path(p) for p in args.combine], Path(args.json))
+        print(f"wrote {args.json}, {md}, {png}", file=sys.stderr)
+        return 0
     from kvfuse.bench import tasks
     from kvfuse.bench.data import resolve_data_dir
     from kvfuse.bench.fidelity import EngineBackend
@@ -306,4 +333,6 @@ def register(bsub: Any) -> None:
     p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
     p.add_argument("--json", default="docs/results/eviction/evict.json",
                    help="result file; the .md table and .png plot are written beside it")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: write --json (+ .md, .png) from these runs' results (e.g. timing + fidelity)")
     p.set_defaults(func=command, parser=p)
