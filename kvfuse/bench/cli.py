@@ -203,6 +203,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     load.register(bsub)  # `bench load`: concurrent streams through a real server
 
+    from kvfuse.bench import eviction
+
+    eviction.register(bsub)  # `bench evict`: eviction after the first token vs none
+
     retriever.register(bsub)
 
     for name in _PACKAGE_BENCHES:
