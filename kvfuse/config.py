@@ -141,6 +141,8 @@ class GenerationSettings(_Section):
 class BenchSettings(_Section):
     # The evaluation data is not part of the package; relative paths resolve from the working directory.
     data_dir: Path = Path("../shared/data")
+    # Vanilla's outputs kept between fidelity runs (kvfuse.bench.reference); git-ignored by default.
+    reference_dir: Path = Path("bench-results/vanilla-references")
 
 
 class Settings(BaseSettings):

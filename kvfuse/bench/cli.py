@@ -54,7 +54,8 @@ def _fidelity(args: argparse.Namespace) -> int:
         backend = fidelity.HttpBackend(args.url, max_tokens=args.max_tokens, api_key=args.api_key,
                                        tokenizer=tok, timeout_s=settings.server.request_timeout_s)
     else:
-        backend = fidelity.EngineBackend(settings, max_tokens=args.max_tokens)
+        ref_dir = None if args.no_reference_cache else (args.reference_dir or settings.bench.reference_dir)
+        backend = fidelity.EngineBackend(settings, max_tokens=args.max_tokens, reference_dir=ref_dir)
     methods = args.methods or backend.methods()
     plan = fidelity.method_plan(methods, args.ratios)
     cfg = tasks.TaskConfig(n=args.n, docs=args.docs, doc_tokens=args.doc_tokens, seed=args.seed)
@@ -69,6 +70,7 @@ def _fidelity(args: argparse.Namespace) -> int:
         rows = report.sort_fidelity(fidelity.aggregate(outcomes))
         payload = {"kind": "fidelity", "command": command, "machine": {**machine, **load_info()},
                    "params": params, "partial": partial, "rows": rows,
+                   "vanilla_references": _reference_counts(backend),
                    "outcomes": fidelity.outcome_dicts(outcomes)}
         report.write_result(payload, json_path)
         return rows
@@ -89,6 +91,12 @@ def _fidelity(args: argparse.Namespace) -> int:
     print(report.markdown_table(rows, report.FIDELITY_TABLE))
     print(f"\nwrote {args.json}, {md}, {png}", file=sys.stderr)
     return 0
+
+
+def _reference_counts(backend: object) -> dict | None:
+    """How many vanilla outputs this run read back from the reference cache, and how many it computed."""
+    refs = getattr(backend, "references", None)
+    return None if refs is None else {"dir": str(refs.root), "reused": refs.hits, "computed": refs.misses}
 
 
 def _speed(args: argparse.Namespace) -> int:
@@ -114,7 +122,8 @@ def _speed(args: argparse.Namespace) -> int:
     def save(rows: list[dict], raw: list[dict], *, partial: bool) -> list[dict]:
         rows = report.sort_speed(rows)
         report.write_result({"kind": "speed", "command": command, "machine": {**machine, **load_info()},
-                             "params": params, "partial": partial, "rows": rows, "samples": raw}, json_path)
+                             "params": params, "partial": partial, "rows": rows,
+                   "vanilla_references": _reference_counts(backend), "samples": raw}, json_path)
         return rows
 
     rows, raw = speed.run_speed(backend, hay, contexts=args.contexts, methods=methods, ratio=args.ratio,
@@ -177,6 +186,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="result file; the .md table and .png plot are written beside it")
     fid.add_argument("--url", default=None, help="run through a live server's REST API instead (no KL)")
     fid.add_argument("--api-key", default=None, help="API key for --url")
+    fid.add_argument("--reference-dir", default=None,
+                     help="where vanilla's outputs are kept and reused between runs (default: bench.reference_dir)")
+    fid.add_argument("--no-reference-cache", action="store_true", help="compute vanilla every run, keep nothing")
     _add_common(fid, max_tokens=None)
     fid.set_defaults(func=_fidelity, parser=fid)
 
