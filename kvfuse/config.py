@@ -98,6 +98,11 @@ class StoreSettings(_Section):
     redis_timeout_s: float = Field(5.0, gt=0)
     verify_checksums: bool = True
     orphan_grace_s: float = Field(3600.0, ge=0)
+    # What a chunk's KV is computed after (kvfuse/fusion/chunk_context.py): none | document | neighbours |
+    # prefix; the context's tokens are part of the chunk key. Budget and neighbour count for those modes.
+    precompute_context: Literal["none", "document", "neighbours", "prefix"] = "none"
+    precompute_context_tokens: int = Field(1024, ge=0)
+    precompute_neighbours: int = Field(2, ge=1)
 
 
 class RetrieverSettings(_Section):

@@ -39,6 +39,9 @@ def _fidelity(args: argparse.Namespace) -> int:
     from kvfuse.config import get_settings
 
     settings = get_settings()
+    if args.precompute_context:
+        store = settings.store.model_copy(update={"precompute_context": args.precompute_context})
+        settings = settings.model_copy(update={"store": store})
     data_dir = resolve_data_dir(args.data_dir)
     task_names = _flat(args.task) or list(tasks.TASKS)
     unknown = [t for t in task_names if t not in tasks.TASKS]
@@ -61,7 +64,9 @@ def _fidelity(args: argparse.Namespace) -> int:
     cfg = tasks.TaskConfig(n=args.n, docs=args.docs, doc_tokens=args.doc_tokens, seed=args.seed)
     params = {"tasks": task_names, "n": args.n, "docs": args.docs, "doc_tokens": args.doc_tokens,
               "methods": methods, "ratios": args.ratios, "seed": args.seed, "max_tokens": args.max_tokens,
-              "url": args.url, "model": settings.model.llm, "fusion": settings.fusion.model_dump()}
+              "url": args.url, "model": settings.model.llm, "fusion": settings.fusion.model_dump(),
+              "precompute_context": {k: v for k, v in settings.store.model_dump().items()
+                                     if k.startswith("precompute_")}}
     command, machine = command_line("kvfuse bench fidelity", args.parser, args), machine_info()
     json_path = Path(args.json)
     done: list = []
@@ -71,6 +76,7 @@ def _fidelity(args: argparse.Namespace) -> int:
         payload = {"kind": "fidelity", "command": command, "machine": {**machine, **load_info()},
                    "params": params, "partial": partial, "rows": rows,
                    "vanilla_references": _reference_counts(backend),
+                   "ingest": _ingest_rate(backend),
                    "outcomes": fidelity.outcome_dicts(outcomes)}
         report.write_result(payload, json_path)
         return rows
@@ -99,6 +105,15 @@ def _reference_counts(backend: object) -> dict | None:
     return None if refs is None else {"dir": str(refs.root), "reused": refs.hits, "computed": refs.misses}
 
 
+def _ingest_rate(backend: object) -> dict | None:
+    """Chunk precompute throughput of this run's context mode (chunk tokens per second)."""
+    ing = getattr(backend, "ingest", None)
+    if not ing or not ing["precompute_s"]:
+        return None
+    secs = ing["precompute_s"] + ing["embed_s"]
+    return {**ing, "chunk_tokens_per_s": ing["chunk_tokens"] / secs}
+
+
 def _speed(args: argparse.Namespace) -> int:
     from kvfuse.bench import report, speed, tasks
     from kvfuse.bench.data import resolve_data_dir
@@ -123,7 +138,8 @@ def _speed(args: argparse.Namespace) -> int:
         rows = report.sort_speed(rows)
         report.write_result({"kind": "speed", "command": command, "machine": {**machine, **load_info()},
                              "params": params, "partial": partial, "rows": rows,
-                   "vanilla_references": _reference_counts(backend), "samples": raw}, json_path)
+                   "vanilla_references": _reference_counts(backend),
+                   "ingest": _ingest_rate(backend), "samples": raw}, json_path)
         return rows
 
     rows, raw = speed.run_speed(backend, hay, contexts=args.contexts, methods=methods, ratio=args.ratio,
@@ -188,6 +204,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     fid.add_argument("--api-key", default=None, help="API key for --url")
     fid.add_argument("--reference-dir", default=None,
                      help="where vanilla's outputs are kept and reused between runs (default: bench.reference_dir)")
+    fid.add_argument("--precompute-context", choices=("none", "document", "neighbours", "prefix"), default=None,
+                     help="what each chunk's KV is computed after (default: store.precompute_context)")
     fid.add_argument("--no-reference-cache", action="store_true", help="compute vanilla every run, keep nothing")
     _add_common(fid, max_tokens=None)
     fid.set_defaults(func=_fidelity, parser=fid)

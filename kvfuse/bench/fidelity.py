@@ -91,6 +91,15 @@ class EngineBackend:
         self.gen = GenerationOptions(max_tokens=max_tokens or 32, temperature=0.0, top_p=1.0)
         self.system_prompt = m.system_prompt
         self.references = ReferenceCache(reference_dir) if reference_dir is not None else None
+        from kvfuse.fusion import chunk_context
+
+        st = settings.store
+        self.context_mode = chunk_context.check_mode(st.precompute_context)
+        self.context_tokens, self.neighbours = st.precompute_context_tokens, st.precompute_neighbours
+        self._embedder: Any = None
+        # chunk precompute cost in the context mode (ingest throughput): chunk tokens, seconds
+        self.ingest = {"mode": self.context_mode, "chunk_tokens": 0, "context_tokens": 0, "precompute_s": 0.0,
+                       "embed_s": 0.0}
 
     @property
     def tokenizer(self) -> Any:
@@ -115,8 +124,43 @@ class EngineBackend:
         if ex.answer_prefix:  # continues the assistant turn: more question tokens, always recomputed
             question_ids = question_ids + self.engine.tokenize(ex.answer_prefix)
         chunk_ids = [self.engine.tokenize(c) for c in ex.chunks]
-        kvs = self.engine.precompute([prefix_ids, *chunk_ids])
-        return kvs[0], kvs[1:], question_ids
+        prefix = self.engine.precompute([prefix_ids])[0]
+        contexts = self.contexts(ex, prefix_ids, chunk_ids)
+        t = time.perf_counter()
+        if self.context_mode == "none":
+            chunks = self.engine.precompute(chunk_ids)
+        else:
+            chunks = [self.engine.precompute_after(c, ids) for c, ids in zip(contexts, chunk_ids, strict=True)]
+        self.ingest["precompute_s"] += time.perf_counter() - t
+        self.ingest["chunk_tokens"] += sum(map(len, chunk_ids))
+        self.ingest["context_tokens"] += sum(map(len, contexts))
+        return prefix, chunks, question_ids
+
+    def contexts(self, ex: Example, prefix_ids: list[int], chunk_ids: list[list[int]]) -> list[list[int]]:
+        """Each chunk's precompute context in this run's mode. The example's chunks stand for a document
+        (in their order) and for the index (neighbours are found among them)."""
+        from kvfuse.fusion import chunk_context
+
+        mode, budget = self.context_mode, self.context_tokens
+        if mode == "document":
+            return chunk_context.document_contexts(chunk_ids, budget)
+        if mode == "prefix":
+            return [list(prefix_ids) for _ in chunk_ids]
+        if mode == "neighbours":
+            embedder = self.embedder()  # loaded once, outside the timing
+            t = time.perf_counter()
+            vectors = embedder.embed(list(ex.chunks))
+            self.ingest["embed_s"] += time.perf_counter() - t
+            return chunk_context.neighbour_contexts(chunk_ids, vectors, self.neighbours, budget)
+        return [[] for _ in chunk_ids]
+
+    def embedder(self) -> Any:
+        if self._embedder is None:
+            from kvfuse.model_files import resolve_embedder
+            from kvfuse.retriever import Embedder
+
+            self._embedder = Embedder(resolve_embedder(self.settings.model.embedder), device="cpu")
+        return self._embedder
 
     def _outcome(self, ex: Example, method: str, ratio: float | None, text: str, ttft_s: float,
                  context_tokens: int, recomputed_tokens: int) -> Outcome:

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfuse.bench.agreement import answer_kl, bootstrap_ci, examples_for_width, teacher_forced_logits, token_kls
+from kvfuse.bench.agreement import (
+    answer_kl,
+    bootstrap_ci,
+    examples_for_width,
+    teacher_forced_logits,
+    token_kls,
+)
 
 
 def test_token_kl_hand_computed():
