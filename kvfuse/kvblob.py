@@ -66,6 +66,8 @@ class KVHeader:
     token_hash: str
     position: str
     checksum: str  # "<algo>:<hex>" of the payload bytes (k then v)
+    # token_hash of the context the chunk was computed after ("" = alone; kvfuse/fusion/chunk_context.py)
+    context_hash: str = ""
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -78,7 +80,7 @@ class KVHeader:
     @property
     def key(self) -> str:
         """The content key this blob must be stored under."""
-        return chunk_key_from_hash(self.model_fingerprint, self.dtype, self.token_hash)
+        return chunk_key_from_hash(self.model_fingerprint, self.dtype, self.token_hash, self.context_hash)
 
 
 def dtype_size(dtype: str) -> int:
@@ -97,17 +99,24 @@ def token_hash(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(torch.as_tensor(list(token_ids), dtype=torch.int32).numpy().tobytes()).hexdigest()
 
 
-def chunk_key_from_hash(model_fingerprint: str, kv_dtype: str, token_hash_hex: str) -> str:
+def chunk_key_from_hash(model_fingerprint: str, kv_dtype: str, token_hash_hex: str, context_hash: str = "") -> str:
     """Content key from an already computed token hash (what a stored header carries)."""
     _torch_dtype(kv_dtype)
     text = f"{FORMAT_NAME}/{FORMAT_VERSION}\n{model_fingerprint}\n{kv_dtype}\n{token_hash_hex}"
+    if context_hash:  # a chunk computed after a context is another cache; alone, the key is unchanged
+        text += f"\ncontext\n{context_hash}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def chunk_key(model_fingerprint: str, kv_dtype: str, token_ids: Sequence[int]) -> str:
-    """Identical chunk + model + dtype (+ format version) -> the same key, so it is stored once; any
-    difference -> a different key, so a stale or foreign cache is a miss, never a hit."""
-    return chunk_key_from_hash(model_fingerprint, kv_dtype, token_hash(token_ids))
+def context_hash(context_ids: Sequence[int]) -> str:
+    """The identity of a precompute context ("" for none)."""
+    return token_hash(context_ids) if len(context_ids) else ""
+
+
+def chunk_key(model_fingerprint: str, kv_dtype: str, token_ids: Sequence[int], context_ids: Sequence[int] = ()) -> str:
+    """Identical chunk + context + model + dtype (+ format version) -> the same key, so it is stored
+    once; any difference -> a different key, so a stale or foreign cache is a miss, never a hit."""
+    return chunk_key_from_hash(model_fingerprint, kv_dtype, token_hash(token_ids), context_hash(context_ids))
 
 
 def _checksum(*parts: memoryview | bytes) -> str:
@@ -124,8 +133,10 @@ def _as_bytes_view(t: Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
-def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[int], dtype: str) -> bytes:
-    """Serialize one chunk's KV (cast to `dtype` at rest) as a safetensors blob."""
+def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[int], dtype: str,
+           context_ids: Sequence[int] = ()) -> bytes:
+    """Serialize one chunk's KV (cast to `dtype` at rest) as a safetensors blob; `context_ids`: what it
+    was computed after (recorded as its hash, part of the key)."""
     tdt = _torch_dtype(dtype)
     if k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [L, Hkv, n, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -145,6 +156,7 @@ def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[
         token_hash=token_hash(token_ids),
         position=POSITION_ROPE0,
         checksum=_checksum(_as_bytes_view(k), _as_bytes_view(v)),
+        context_hash=context_hash(context_ids),
     )
     return pack(k, v, header)
 
@@ -169,6 +181,8 @@ def pack(k: Tensor, v: Tensor, header: KVHeader) -> bytes:
         "position": header.position,
         "checksum": header.checksum,
     }
+    if header.context_hash:  # absent for a chunk computed alone: those blobs are byte for byte as before
+        meta["context_hash"] = header.context_hash
     code, shape = DTYPES[header.dtype][1], list(header.shape)
     table = {
         "__metadata__": meta,
@@ -205,6 +219,7 @@ def _parse(mv: memoryview) -> tuple[KVHeader, int]:
             token_hash=meta["token_hash"],
             position=meta["position"],
             checksum=meta["checksum"],
+            context_hash=meta.get("context_hash", ""),
         )
         k, v = header["k"], header["v"]
     except CorruptBlobError:

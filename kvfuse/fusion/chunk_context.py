@@ -12,14 +12,14 @@ fusion recovers positions exactly as for a chunk cached alone. Modes:
   similar first so the closest sits next to the chunk, the whole cut to its last `budget` tokens.
 - `prefix`: the shared system prefix (the chat template up to the user's content).
 
-The context is part of the chunk's identity: `context_key` folds its tokens into the chunk key, so a
-chunk computed after another context is another cache. See docs/DESIGN.md, "Context-carrying chunk
+The context is part of the chunk's identity: `kvblob.chunk_key(..., context_ids)` folds its tokens into
+the chunk key (and the blob header records its hash), so a chunk computed after another context is
+another cache. See docs/DESIGN.md, "Context-carrying chunk
 caches", for what happens to stored caches when the neighbourhood changes.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,11 +66,3 @@ def neighbour_contexts(chunks: Sequence[Sequence[int]], vectors: Any, n: int, bu
     return out
 
 
-def context_key(chunk_key: str, context_ids: Sequence[int]) -> str:
-    """The key of a chunk cached after `context_ids`: the chunk's own key when there is no context (mode
-    `none` keeps every stored key), else a hash of that key and the context's tokens."""
-    if not context_ids:
-        return chunk_key
-    from kvfuse.kvblob import token_hash
-
-    return hashlib.sha256(f"{chunk_key}\ncontext\n{token_hash(context_ids)}".encode()).hexdigest()

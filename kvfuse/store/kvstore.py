@@ -75,12 +75,15 @@ class KVStore:
         return added
 
     def put_kv(
-        self, fingerprint: str, kv_dtype: str, token_ids: Sequence[int], k: Tensor, v: Tensor
+        self, fingerprint: str, kv_dtype: str, token_ids: Sequence[int], k: Tensor, v: Tensor,
+        context_ids: Sequence[int] = (),
     ) -> tuple[str, int]:
-        """Encode a chunk's freshly computed KV (cast to `kv_dtype` at rest), key it by content and store
-        it; returns (key, blob bytes). Stored once: an identical chunk already there is kept."""
-        key = kvblob.chunk_key(fingerprint, kv_dtype, token_ids)
-        blob = kvblob.encode(k, v, model_fingerprint=fingerprint, token_ids=token_ids, dtype=kv_dtype)
+        """Encode a chunk's freshly computed KV (cast to `kv_dtype` at rest), key it by content (and the
+        context it was computed after, if any) and store it; returns (key, blob bytes). Stored once: an
+        identical chunk already there is kept."""
+        key = kvblob.chunk_key(fingerprint, kv_dtype, token_ids, context_ids)
+        blob = kvblob.encode(k, v, model_fingerprint=fingerprint, token_ids=token_ids, dtype=kv_dtype,
+                             context_ids=context_ids)
         self.put_chunk(key, blob)
         return key, len(blob)
 

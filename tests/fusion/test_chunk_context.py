@@ -15,7 +15,6 @@ from kvfuse import kvblob
 from kvfuse.fusion import FusionEngine, FusionOptions
 from kvfuse.fusion.chunk_context import (
     check_mode,
-    context_key,
     document_contexts,
     neighbour_contexts,
     neighbour_order,
@@ -27,9 +26,16 @@ def test_none_is_the_chunk_alone(engine: FusionEngine, prompt: Prompt):
     alone = engine.precompute([ids])[0]
     after = engine.precompute_after([], ids)
     assert torch.equal(alone.k, after.k) and torch.equal(alone.v, after.v)
-    key = kvblob.chunk_key(engine.fingerprint, "float16", ids)
-    assert context_key(key, []) == key  # mode none keeps every stored key
-    assert context_key(key, [1, 2]) != key and context_key(key, [1, 2]) != context_key(key, [2, 1])
+    fp = engine.fingerprint
+    key = kvblob.chunk_key(fp, "float16", ids)
+    assert kvblob.chunk_key(fp, "float16", ids, []) == key  # mode none keeps every stored key
+    after_12 = kvblob.chunk_key(fp, "float16", ids, [1, 2])
+    assert after_12 != key and after_12 != kvblob.chunk_key(fp, "float16", ids, [2, 1])
+    # the blob records its context: its header's key is the context key, so the store accepts it there
+    blob = kvblob.encode(after.k, after.v, model_fingerprint=fp, token_ids=ids, dtype="float16", context_ids=[1, 2])
+    assert kvblob.read_header(blob).key == after_12
+    plain = kvblob.encode(after.k, after.v, model_fingerprint=fp, token_ids=ids, dtype="float16")
+    assert kvblob.read_header(plain).key == key and b"context_hash" not in plain
 
 
 def test_document_context_is_the_slice_of_a_full_prefill(engine: FusionEngine, prompt: Prompt):
