@@ -107,6 +107,11 @@ class StoreSettings(_Section):
     redis_timeout_s: float = Field(5.0, gt=0)
     verify_checksums: bool = True
     orphan_grace_s: float = Field(3600.0, ge=0)
+    # What a chunk's KV is computed after (kvfuse/fusion/chunk_context.py): none | document | neighbours |
+    # prefix; the context's tokens are part of the chunk key. Budget and neighbour count for those modes.
+    precompute_context: Literal["none", "document", "neighbours", "prefix"] = "none"
+    precompute_context_tokens: int = Field(1024, ge=0)
+    precompute_neighbours: int = Field(2, ge=1)
 
 
 class RetrieverSettings(_Section):
@@ -161,6 +166,8 @@ class GenerationSettings(_Section):
 class BenchSettings(_Section):
     # The evaluation data is not part of the package; relative paths resolve from the working directory.
     data_dir: Path = Path("../shared/data")
+    # Vanilla's outputs kept between fidelity runs (kvfuse.bench.reference); git-ignored by default.
+    reference_dir: Path = Path("bench-results/vanilla-references")
 
 
 class FleetSettings(_Section):

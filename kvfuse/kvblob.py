@@ -86,6 +86,8 @@ class KVHeader:
     block_tokens: int = 0  # version 2: tokens per checksummed block (0: no block checksums)
     block_checksums: tuple[str, ...] = ()  # version 2: one per block, see `block_checksum`
     artifacts_checksum: str = ""  # version 2 with artifacts: checksum of their bytes, in name order
+    # token_hash of the context the chunk was computed after ("" = alone; kvfuse/fusion/chunk_context.py)
+    context_hash: str = ""
     # Artifact tensors (name -> tensor, CPU, contiguous); not part of the header's identity.
     artifacts: dict[str, Tensor] | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -100,7 +102,7 @@ class KVHeader:
     @property
     def key(self) -> str:
         """The content key this blob must be stored under."""
-        return chunk_key_from_hash(self.model_fingerprint, self.dtype, self.token_hash)
+        return chunk_key_from_hash(self.model_fingerprint, self.dtype, self.token_hash, self.context_hash)
 
 
 def dtype_size(dtype: str) -> int:
@@ -119,17 +121,24 @@ def token_hash(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(torch.as_tensor(list(token_ids), dtype=torch.int32).numpy().tobytes()).hexdigest()
 
 
-def chunk_key_from_hash(model_fingerprint: str, kv_dtype: str, token_hash_hex: str) -> str:
+def chunk_key_from_hash(model_fingerprint: str, kv_dtype: str, token_hash_hex: str, context_hash: str = "") -> str:
     """Content key from an already computed token hash (what a stored header carries)."""
     _torch_dtype(kv_dtype)
     text = f"{FORMAT_NAME}/{KEY_VERSION}\n{model_fingerprint}\n{kv_dtype}\n{token_hash_hex}"
+    if context_hash:  # a chunk computed after a context is another cache; alone, the key is unchanged
+        text += f"\ncontext\n{context_hash}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def chunk_key(model_fingerprint: str, kv_dtype: str, token_ids: Sequence[int]) -> str:
-    """Identical chunk + model + dtype (+ format version) -> the same key, so it is stored once; any
-    difference -> a different key, so a stale or foreign cache is a miss, never a hit."""
-    return chunk_key_from_hash(model_fingerprint, kv_dtype, token_hash(token_ids))
+def context_hash(context_ids: Sequence[int]) -> str:
+    """The identity of a precompute context ("" for none)."""
+    return token_hash(context_ids) if len(context_ids) else ""
+
+
+def chunk_key(model_fingerprint: str, kv_dtype: str, token_ids: Sequence[int], context_ids: Sequence[int] = ()) -> str:
+    """Identical chunk + context + model + dtype (+ format version) -> the same key, so it is stored
+    once; any difference -> a different key, so a stale or foreign cache is a miss, never a hit."""
+    return chunk_key_from_hash(model_fingerprint, kv_dtype, token_hash(token_ids), context_hash(context_ids))
 
 
 def _checksum(*parts: memoryview | bytes) -> str:
@@ -174,9 +183,10 @@ def _prepare_artifacts(artifacts: dict[str, Tensor] | None) -> dict[str, Tensor]
 
 
 def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[int], dtype: str,
-           artifacts: dict[str, Tensor] | None = None) -> bytes:
+           artifacts: dict[str, Tensor] | None = None, context_ids: Sequence[int] = ()) -> bytes:
     """Serialize one chunk's KV (cast to `dtype` at rest) as a version-2 safetensors blob, with per-block
-    checksums and the optional `artifacts` (name -> tensor, stored as they are)."""
+    checksums and the optional `artifacts` (name -> tensor, stored as they are); `context_ids`: what it
+    was computed after (recorded as its hash, part of the key)."""
     tdt = _torch_dtype(dtype)
     if k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [L, Hkv, n, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -202,6 +212,7 @@ def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[
                               for a in range(0, num_tokens, BLOCK_TOKENS)),
         artifacts_checksum=_checksum(*_artifact_bytes(arts)) if arts else "",
         artifacts=arts,
+        context_hash=context_hash(context_ids),
     )
     return pack(k, v, header)
 
@@ -230,6 +241,8 @@ def pack(k: Tensor, v: Tensor, header: KVHeader) -> bytes:
         meta["block_tokens"] = str(header.block_tokens)
         meta["block_checksums"] = ",".join(header.block_checksums)
         meta["artifacts_checksum"] = header.artifacts_checksum
+    if header.context_hash:  # absent for a chunk computed alone: those blobs are byte for byte as before
+        meta["context_hash"] = header.context_hash
     code, shape = DTYPES[header.dtype][1], list(header.shape)
     table: dict = {
         "__metadata__": meta,
@@ -286,6 +299,7 @@ def _parse(mv: memoryview) -> tuple[KVHeader, int, list[_ArtSpec]]:
             position=meta["position"],
             checksum=meta["checksum"],
             **extra,
+            context_hash=meta.get("context_hash", ""),
         )
         k, v = header["k"], header["v"]
         specs: list[_ArtSpec] = []

@@ -39,6 +39,9 @@ def _fidelity(args: argparse.Namespace) -> int:
     from kvfuse.config import get_settings
 
     settings = get_settings()
+    if args.precompute_context:
+        store = settings.store.model_copy(update={"precompute_context": args.precompute_context})
+        settings = settings.model_copy(update={"store": store})
     data_dir = resolve_data_dir(args.data_dir)
     task_names = _flat(args.task) or list(tasks.TASKS)
     unknown = [t for t in task_names if t not in tasks.TASKS]
@@ -54,13 +57,16 @@ def _fidelity(args: argparse.Namespace) -> int:
         backend = fidelity.HttpBackend(args.url, max_tokens=args.max_tokens, api_key=args.api_key,
                                        tokenizer=tok, timeout_s=settings.server.request_timeout_s)
     else:
-        backend = fidelity.EngineBackend(settings, max_tokens=args.max_tokens)
+        ref_dir = None if args.no_reference_cache else (args.reference_dir or settings.bench.reference_dir)
+        backend = fidelity.EngineBackend(settings, max_tokens=args.max_tokens, reference_dir=ref_dir)
     methods = args.methods or backend.methods()
     plan = fidelity.method_plan(methods, args.ratios)
     cfg = tasks.TaskConfig(n=args.n, docs=args.docs, doc_tokens=args.doc_tokens, seed=args.seed)
     params = {"tasks": task_names, "n": args.n, "docs": args.docs, "doc_tokens": args.doc_tokens,
               "methods": methods, "ratios": args.ratios, "seed": args.seed, "max_tokens": args.max_tokens,
-              "url": args.url, "model": settings.model.llm, "fusion": settings.fusion.model_dump()}
+              "url": args.url, "model": settings.model.llm, "fusion": settings.fusion.model_dump(),
+              "precompute_context": {k: v for k, v in settings.store.model_dump().items()
+                                     if k.startswith("precompute_")}}
     command, machine = command_line("kvfuse bench fidelity", args.parser, args), machine_info()
     json_path = Path(args.json)
     done: list = []
@@ -69,6 +75,8 @@ def _fidelity(args: argparse.Namespace) -> int:
         rows = report.sort_fidelity(fidelity.aggregate(outcomes))
         payload = {"kind": "fidelity", "command": command, "machine": {**machine, **load_info()},
                    "params": params, "partial": partial, "rows": rows,
+                   "vanilla_references": _reference_counts(backend),
+                   "ingest": _ingest_rate(backend),
                    "outcomes": fidelity.outcome_dicts(outcomes)}
         report.write_result(payload, json_path)
         return rows
@@ -89,6 +97,21 @@ def _fidelity(args: argparse.Namespace) -> int:
     print(report.markdown_table(rows, report.FIDELITY_TABLE))
     print(f"\nwrote {args.json}, {md}, {png}", file=sys.stderr)
     return 0
+
+
+def _reference_counts(backend: object) -> dict | None:
+    """How many vanilla outputs this run read back from the reference cache, and how many it computed."""
+    refs = getattr(backend, "references", None)
+    return None if refs is None else {"dir": str(refs.root), "reused": refs.hits, "computed": refs.misses}
+
+
+def _ingest_rate(backend: object) -> dict | None:
+    """Chunk precompute throughput of this run's context mode (chunk tokens per second)."""
+    ing = getattr(backend, "ingest", None)
+    if not ing or not ing["precompute_s"]:
+        return None
+    secs = ing["precompute_s"] + ing["embed_s"]
+    return {**ing, "chunk_tokens_per_s": ing["chunk_tokens"] / secs}
 
 
 def _speed(args: argparse.Namespace) -> int:
@@ -114,7 +137,9 @@ def _speed(args: argparse.Namespace) -> int:
     def save(rows: list[dict], raw: list[dict], *, partial: bool) -> list[dict]:
         rows = report.sort_speed(rows)
         report.write_result({"kind": "speed", "command": command, "machine": {**machine, **load_info()},
-                             "params": params, "partial": partial, "rows": rows, "samples": raw}, json_path)
+                             "params": params, "partial": partial, "rows": rows,
+                   "vanilla_references": _reference_counts(backend),
+                   "ingest": _ingest_rate(backend), "samples": raw}, json_path)
         return rows
 
     rows, raw = speed.run_speed(backend, hay, contexts=args.contexts, methods=methods, ratio=args.ratio,
@@ -177,6 +202,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="result file; the .md table and .png plot are written beside it")
     fid.add_argument("--url", default=None, help="run through a live server's REST API instead (no KL)")
     fid.add_argument("--api-key", default=None, help="API key for --url")
+    fid.add_argument("--reference-dir", default=None,
+                     help="where vanilla's outputs are kept and reused between runs (default: bench.reference_dir)")
+    fid.add_argument("--precompute-context", choices=("none", "document", "neighbours", "prefix"), default=None,
+                     help="what each chunk's KV is computed after (default: store.precompute_context)")
+    fid.add_argument("--no-reference-cache", action="store_true", help="compute vanilla every run, keep nothing")
     _add_common(fid, max_tokens=None)
     fid.set_defaults(func=_fidelity, parser=fid)
 

@@ -1,8 +1,10 @@
 """The fidelity benchmark: every method on the same examples as `vanilla`, in the same run.
 
 In-process (the default), the engine is loaded once, each example's prefix and chunks are precomputed
-once and that KV is reused by every method; the first-token distribution of each method is compared
-with vanilla's (KL). With `--url` the same examples go through a live server's REST API instead
+once and that KV is reused by every method. Each method is compared with vanilla on the same example: by
+the first-token KL, the answer KL over vanilla's whole answer (teacher-forced, kvfuse.bench.agreement) and
+answer agreement (the same normalised answer). Vanilla's outputs are kept on disk
+(kvfuse.bench.reference) and reused by later runs over the same examples. With `--url` the same examples go through a live server's REST API instead
 (documents ingested, then queried with explicit `document_ids` and `fusion`); no KL there.
 """
 
@@ -16,6 +18,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kvfuse.bench import agreement
+from kvfuse.bench.agreement import CI_LEVEL, CI_RESAMPLES, CI_SEED, bootstrap_ci
+from kvfuse.bench.reference import Reference, ReferenceCache, reference_key
+from kvfuse.bench.scoring import normalize_answer
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Example
 
@@ -26,16 +32,11 @@ FIXED_RATIO: dict[str, float | None] = {"vanilla": 1.0, "full_reuse": 0.0, "pie"
                                          "kvlink": None}
 FIDELITY_COLUMNS = (
     "task", "method", "ratio", "n", "score", "score_vs_vanilla", "score_vs_vanilla_ci", "gained_vs_vanilla",
-    "lost_vs_vanilla", "kl_vs_vanilla", "same_answer_vs_vanilla", "ttft_s_median", "ttft_vs_vanilla",
+    "lost_vs_vanilla", "kl_vs_vanilla", "answer_kl_vs_vanilla", "answer_kl_vs_vanilla_ci",
+    "same_answer_vs_vanilla", "same_answer_vs_vanilla_ci", "ttft_s_median", "ttft_vs_vanilla",
     "context_tokens_mean", "recomputed_share", "kv_loaded_share", "fused_cache_tokens_mean",
 )
 SCORE_EPS = 1e-9  # scores closer than this count as equal (F1 is a float)
-# The interval around score / vanilla: a paired percentile bootstrap over the examples (a resample draws
-# examples, each with its method and vanilla score). Seeded, so a report re-rendered from the same JSON
-# shows the same interval.
-CI_LEVEL = 0.95
-CI_RESAMPLES = 2000
-CI_SEED = 0
 
 
 def method_plan(methods: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, float | None]]:
@@ -61,10 +62,11 @@ class Outcome:
     ttft_s: float
     context_tokens: int
     recomputed_tokens: int | None
-    kl_vs_vanilla: float | None = None
+    kl_vs_vanilla: float | None = None  # first answer token
+    answer_kl_vs_vanilla: float | None = None  # mean over vanilla's answer, teacher-forced
     kv_loaded_share: float | None = None  # share of the chunks' KV bytes read (samkv: selected blocks only)
     fused_cache_tokens: int | None = None  # positions in the fused cache (samkv: the sparse cache)
-    first_token_logprobs: Any = None  # transient (in-process only): vanilla's reference for KL
+    reference: Reference | None = None  # transient (in-process vanilla only): what the others compare with
 
 
 def kl_divergence(ref_logits: Any, logits: Any) -> float:
@@ -79,8 +81,9 @@ def kl_divergence(ref_logits: Any, logits: Any) -> float:
 class EngineBackend:
     """The fusion engine in this process: load once, precompute each example once."""
 
-    def __init__(self, settings: Any, *, max_tokens: int | None):
-        """max_tokens: answer budget for every example (None: each example's own)."""
+    def __init__(self, settings: Any, *, max_tokens: int | None, reference_dir: Any = None):
+        """max_tokens: answer budget for every example (None: each example's own); reference_dir: where
+        vanilla's outputs are kept between runs (None: computed every run, kept nowhere)."""
         from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
 
         m = settings.model
@@ -90,6 +93,16 @@ class EngineBackend:
         self.max_tokens = max_tokens
         self.gen = GenerationOptions(max_tokens=max_tokens or 32, temperature=0.0, top_p=1.0)
         self.system_prompt = m.system_prompt
+        self.references = ReferenceCache(reference_dir) if reference_dir is not None else None
+        from kvfuse.fusion import chunk_context
+
+        st = settings.store
+        self.context_mode = chunk_context.check_mode(st.precompute_context)
+        self.context_tokens, self.neighbours = st.precompute_context_tokens, st.precompute_neighbours
+        self._embedder: Any = None
+        # chunk precompute cost in the context mode (ingest throughput): chunk tokens, seconds
+        self.ingest = {"mode": self.context_mode, "chunk_tokens": 0, "context_tokens": 0, "precompute_s": 0.0,
+                       "embed_s": 0.0}
 
     @property
     def tokenizer(self) -> Any:
@@ -114,22 +127,85 @@ class EngineBackend:
         if ex.answer_prefix:  # continues the assistant turn: more question tokens, always recomputed
             question_ids = question_ids + self.engine.tokenize(ex.answer_prefix)
         chunk_ids = [self.engine.tokenize(c) for c in ex.chunks]
-        kvs = self.engine.precompute([prefix_ids, *chunk_ids])
-        return kvs[0], kvs[1:], question_ids
+        prefix = self.engine.precompute([prefix_ids])[0]
+        contexts = self.contexts(ex, prefix_ids, chunk_ids)
+        t = time.perf_counter()
+        if self.context_mode == "none":
+            chunks = self.engine.precompute(chunk_ids)
+        else:
+            chunks = [self.engine.precompute_after(c, ids) for c, ids in zip(contexts, chunk_ids, strict=True)]
+        self.ingest["precompute_s"] += time.perf_counter() - t
+        self.ingest["chunk_tokens"] += sum(map(len, chunk_ids))
+        self.ingest["context_tokens"] += sum(map(len, contexts))
+        return prefix, chunks, question_ids
 
-    def run(self, ex: Example, prepared: Any, method: str, ratio: float | None) -> Outcome:
+    def contexts(self, ex: Example, prefix_ids: list[int], chunk_ids: list[list[int]]) -> list[list[int]]:
+        """Each chunk's precompute context in this run's mode. The example's chunks stand for a document
+        (in their order) and for the index (neighbours are found among them)."""
+        from kvfuse.fusion import chunk_context
+
+        mode, budget = self.context_mode, self.context_tokens
+        if mode == "document":
+            return chunk_context.document_contexts(chunk_ids, budget)
+        if mode == "prefix":
+            return [list(prefix_ids) for _ in chunk_ids]
+        if mode == "neighbours":
+            embedder = self.embedder()  # loaded once, outside the timing
+            t = time.perf_counter()
+            vectors = embedder.embed(list(ex.chunks))
+            self.ingest["embed_s"] += time.perf_counter() - t
+            return chunk_context.neighbour_contexts(chunk_ids, vectors, self.neighbours, budget)
+        return [[] for _ in chunk_ids]
+
+    def embedder(self) -> Any:
+        if self._embedder is None:
+            from kvfuse.model_files import resolve_embedder
+            from kvfuse.retriever import Embedder
+
+            self._embedder = Embedder(resolve_embedder(self.settings.model.embedder), device="cpu")
+        return self._embedder
+
+    def _outcome(self, ex: Example, method: str, ratio: float | None, text: str, ttft_s: float,
+                 context_tokens: int, recomputed_tokens: int) -> Outcome:
+        return Outcome(task=ex.task, example_id=ex.id, method=method, ratio=ratio, prediction=text.strip(),
+                       score=score_answer(ex.metric, text, ex.answers), ttft_s=ttft_s,
+                       context_tokens=context_tokens, recomputed_tokens=recomputed_tokens)
+
+    def run(self, ex: Example, prepared: Any, method: str, ratio: float | None,
+            reference: Reference | None = None) -> Outcome:
+        """One method on one example. Vanilla's outcome carries its Reference (read from the reference
+        cache when there); any other method is compared with `reference` when given."""
         prefix, chunks, question_ids = prepared
-        opts = self.options(method, ratio)
         budget = self.max_tokens or ex.max_tokens
+        key = None
+        if method == "vanilla" and self.references is not None:
+            key = reference_key(self.engine.fingerprint,
+                                [prefix.token_ids, *(c.token_ids for c in chunks), question_ids], budget)
+            hit = self.references.load(key)
+            if hit is not None:
+                out = self._outcome(ex, method, ratio, hit.prediction, hit.ttft_s, hit.context_tokens,
+                                    hit.recomputed_tokens)
+                out.kl_vs_vanilla = out.answer_kl_vs_vanilla = 0.0
+                out.reference = hit
+                return out
+        opts = self.options(method, ratio)
         self.ingest_artifacts(method, chunks)
-        text, logits, ttft_s, stats = self.greedy(prefix, chunks, question_ids, opts, budget)
-        share, cache_tokens = loaded_share_and_cache(method, stats)
-        return Outcome(
-            task=ex.task, example_id=ex.id, method=method, ratio=ratio, prediction=text.strip(),
-            score=score_answer(ex.metric, text, ex.answers), ttft_s=ttft_s,
-            context_tokens=int(stats["context_tokens"]), recomputed_tokens=int(stats["recomputed_tokens"]),
-            first_token_logprobs=logits, kv_loaded_share=share, fused_cache_tokens=cache_tokens,
-        )
+        text, tokens, steps, ttft_s, fused = self.greedy(prefix, chunks, question_ids, opts, budget,
+                                                         keep_steps=method == "vanilla")
+        stats = fused.stats
+        out = self._outcome(ex, method, ratio, text, ttft_s, int(stats["context_tokens"]),
+                            int(stats["recomputed_tokens"]))
+        out.kv_loaded_share, out.fused_cache_tokens = loaded_share_and_cache(method, stats)
+        if method == "vanilla":
+            out.reference = Reference(text.strip(), tokens, steps.half(), ttft_s, out.context_tokens, int(stats["recomputed_tokens"]))
+            if key is not None:
+                self.references.save(key, out.reference)
+            out.kl_vs_vanilla = out.answer_kl_vs_vanilla = 0.0  # the reference itself
+        elif reference is not None and reference.tokens:
+            logits = agreement.teacher_forced_logits(self.engine, fused, reference.tokens)
+            kls = agreement.token_kls(reference.logprobs, logits)
+            out.kl_vs_vanilla, out.answer_kl_vs_vanilla = kls[0], sum(kls) / len(kls)
+        return out
 
     def ingest_artifacts(self, method: str, chunks: Any) -> None:
         """What ingest computes besides the KV, computed before the timed prefill as the service has it
@@ -143,27 +219,31 @@ class EngineBackend:
             for c in chunks:
                 artifacts_for(self.engine, MemorySource(c))
 
-    def greedy(self, prefix: Any, chunks: Any, question_ids: list[int], opts: Any,
-               max_tokens: int) -> tuple[str, Any, float, dict]:
-        """Greedy answer from one fused prefill: its logits give both the first-token distribution (for
-        KL) and the first token. `engine.generate` would fuse a second time to get the same answer, so
-        the loop is repeated here with the engine's own `fuse`/`decode_step`/stop tokens; TTFT is
-        measured as generate measures it (start of fuse to the first token chosen)."""
+    def greedy(self, prefix: Any, chunks: Any, question_ids: list[int], opts: Any, max_tokens: int, *,
+               keep_steps: bool = False) -> tuple[str, list[int], Any, float, Any]:
+        """Greedy answer from one fused prefill: (text, tokens chosen (the stop token included), the
+        log-probabilities of every step [tokens, vocab] when keep_steps else None, TTFT, the
+        FusedPrefill). `engine.generate` would fuse a second time to get the same answer, so the loop is
+        repeated here with the engine's own `fuse`/`decode_step`/stop tokens; TTFT is measured as
+        generate measures it (start of fuse to the first token chosen)."""
         import torch
 
         engine = self.engine
         t0 = time.perf_counter()
         fused = engine.fuse(prefix, chunks, question_ids, opts, max_tokens=max_tokens)
-        token = int(torch.argmax(fused.logits))
+        logits = fused.logits
+        token = int(torch.argmax(logits))
         ttft_s = time.perf_counter() - t0
-        generated: list[int] = []
-        while token not in engine.stop_token_ids:
-            generated.append(token)
-            if len(generated) >= max_tokens:
-                break
-            token = int(torch.argmax(engine.decode_step(fused.cache, token)))
+        chosen, steps = [token], [torch.log_softmax(logits.float(), -1)] if keep_steps else []
+        while token not in engine.stop_token_ids and len(chosen) < max_tokens:
+            logits = engine.decode_step(fused.cache, token)
+            token = int(torch.argmax(logits))
+            chosen.append(token)
+            if keep_steps:
+                steps.append(torch.log_softmax(logits.float(), -1))
+        generated = chosen[:-1] if chosen[-1] in engine.stop_token_ids else chosen
         text = engine.tokenizer.decode(generated, skip_special_tokens=True)
-        return text, fused.logits.detach().float().cpu(), ttft_s, fused.stats
+        return text, chosen, torch.stack(steps) if keep_steps else None, ttft_s, fused
 
     def finish(self, ex: Example, prepared: Any) -> None:
         return None
@@ -211,7 +291,8 @@ class HttpBackend:
         self._check(self.client.post("/v1/documents", params={"wait": "true"}, json={"documents": docs}))
         return ids
 
-    def run(self, ex: Example, prepared: list[str], method: str, ratio: float | None) -> Outcome:
+    def run(self, ex: Example, prepared: list[str], method: str, ratio: float | None,
+            reference: Reference | None = None) -> Outcome:
         fusion: dict[str, Any] = {"method": method}
         if ratio is not None:
             fusion["recompute_ratio"] = ratio
@@ -253,12 +334,10 @@ def run_examples(
                 ref = None
                 for method, ratio in plan:
                     bar.set_description(f"{ex.task} {method}" + (f"@{ratio:g}" if ratio is not None else ""))
-                    out = backend.run(ex, prepared, method, ratio)
+                    out = backend.run(ex, prepared, method, ratio, reference=ref)
                     if method == "vanilla":
-                        ref = out.first_token_logprobs
-                    if ref is not None and out.first_token_logprobs is not None:
-                        out.kl_vs_vanilla = kl_divergence(ref, out.first_token_logprobs)
-                    out.first_token_logprobs = None
+                        ref = out.reference
+                    out.reference = None
                     outcomes.append(out)
                     bar.update(1)
             finally:
@@ -283,7 +362,8 @@ def _mean(xs: Iterable[float | None]) -> float | None:
 
 def paired_ratio_ci(scores: Sequence[float], refs: Sequence[float], *, level: float = CI_LEVEL,
                     resamples: int = CI_RESAMPLES, seed: int = CI_SEED) -> tuple[float, float] | None:
-    """Percentile-bootstrap interval of mean(scores) / mean(refs) over paired examples. None when there
+    """Percentile-bootstrap interval of mean(scores) / mean(refs) over paired examples (a resample draws
+    examples, each with its method and vanilla score). None when there
     are fewer than two pairs or vanilla scores 0 in too many resamples to leave an interval."""
     n = len(scores)
     if n < 2 or n != len(refs):
@@ -321,7 +401,9 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             score_vs = 1.0
         else:
             score_vs = score / ref_score if ref_score else None
-        same = [o.prediction == r.prediction for o, r in zip(outs, refs, strict=True) if r is not None]
+        same = [float(normalize_answer(o.prediction) == normalize_answer(r.prediction))
+                for o, r in zip(outs, refs, strict=True) if r is not None]
+        answer_kl = [o.answer_kl_vs_vanilla for o in outs if o.answer_kl_vs_vanilla is not None]
         pairs = [(o.score, r.score) for o, r in zip(outs, refs, strict=True) if r is not None]
         ci = None if method == "vanilla" else paired_ratio_ci([a for a, _ in pairs], [b for _, b in pairs])
         recomputed = [o.recomputed_tokens / o.context_tokens for o in outs
@@ -337,7 +419,11 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             "gained_vs_vanilla": sum(a > b + SCORE_EPS for a, b in pairs),
             "lost_vs_vanilla": sum(a < b - SCORE_EPS for a, b in pairs),
             "kl_vs_vanilla": _mean(o.kl_vs_vanilla for o in outs),
+            "answer_kl_vs_vanilla": _mean(answer_kl),
+            "answer_kl_vs_vanilla_ci": None if method == "vanilla" else _interval(bootstrap_ci(answer_kl)),
+            # same normalised answer (kvfuse.bench.scoring.normalize_answer) as vanilla on the example
             "same_answer_vs_vanilla": sum(same) / len(same) if same else None,
+            "same_answer_vs_vanilla_ci": None if method == "vanilla" else _interval(bootstrap_ci(same)),
             "ttft_s_median": ttft,
             "ttft_vs_vanilla": ttft / ref_ttft if ttft is not None and ref_ttft else None,
             "context_tokens_mean": _mean(o.context_tokens for o in outs),
@@ -348,5 +434,9 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     return rows
 
 
+def _interval(ci: tuple[float, float] | None) -> list[float] | None:
+    return list(ci) if ci is not None else None
+
+
 def outcome_dicts(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in asdict(o).items() if k != "first_token_logprobs"} for o in outcomes]
+    return [{k: v for k, v in asdict(o).items() if k != "reference"} for o in outcomes]

@@ -28,8 +28,9 @@ FIDELITY_TABLE = (
     ("task", "task"), ("method", "method"), ("ratio", "ratio"), ("n", "n"), ("score", "score"),
     ("score_vs_vanilla", "score / vanilla"), ("score_vs_vanilla_ci", "95 % interval"),
     ("gained_vs_vanilla", "above vanilla"), ("lost_vs_vanilla", "below vanilla"),
-    ("same_answer_vs_vanilla", "same answer as vanilla"),
-    ("kl_vs_vanilla", "KL vs vanilla (nats)"), ("ttft_s_median", "TTFT (s)"),
+    ("same_answer_vs_vanilla", "same answer as vanilla"), ("same_answer_vs_vanilla_ci", "95 % interval"),
+    ("kl_vs_vanilla", "first-token KL (nats)"), ("answer_kl_vs_vanilla", "answer KL (nats)"),
+    ("answer_kl_vs_vanilla_ci", "95 % interval"), ("ttft_s_median", "TTFT (s)"),
     ("ttft_vs_vanilla", "TTFT / vanilla"), ("context_tokens_mean", "context tokens"),
     ("kv_loaded_share", "KV loaded (share)"), ("fused_cache_tokens_mean", "fused cache tokens"),
 )
@@ -182,8 +183,10 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
             fidelity_against_vanilla(rows), "", "## All figures", "",
             markdown_table(sort_fidelity(rows), FIDELITY_TABLE), "",
             "`score / vanilla`: mean score over mean vanilla score on the same examples; `same answer`: "
-            "share of examples whose answer text equals vanilla's; `KL`: mean KL(P_vanilla ‖ P_method) of "
-            "the first-token distribution; TTFT: median over examples.",
+            "share of examples whose normalised answer equals vanilla's; `first-token KL`: mean "
+            "KL(P_vanilla ‖ P_method) of the first answer token; `answer KL`: the same per token over "
+            "vanilla's whole answer, teacher-forced on the method's cache, averaged per example, then over "
+            "examples; intervals: 95 % paired bootstrap over examples; TTFT: median over examples.",
         ]
     elif kind == "speed":
         plot_speed(rows, png)

@@ -158,6 +158,21 @@ class FusionEngine:
             for row, c in enumerate(chunks)
         ]
 
+    @torch.inference_mode()
+    def precompute_after(self, context: list[int], chunk: list[int]) -> ChunkKV:
+        """The chunk's cache computed after `context` (kvfuse/fusion/chunk_context.py): one prefill of
+        context + chunk, only the chunk's K/V kept, its keys rotated back to positions 0..n-1, so it is
+        stored and fused like a chunk cached alone. An empty context is `precompute([chunk])`."""
+        if not context or not chunk:
+            return self.precompute([chunk])[0]
+        ids = torch.tensor([list(context) + list(chunk)], dtype=torch.long, device=self.device)
+        layers = self.model.model(input_ids=ids, use_cache=True).past_key_values.layers
+        c = len(context)
+        k = torch.stack([layer.keys[0, :, c:] for layer in layers]).contiguous()
+        v = torch.stack([layer.values[0, :, c:] for layer in layers]).contiguous()
+        self.rope.shift_keys_(k, -c)
+        return ChunkKV(list(chunk), k, v)
+
     def _empty_chunk(self) -> ChunkKV:
         shape = (self.num_layers, self.num_kv_heads, 0, self.head_dim)
         return ChunkKV([], torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))

@@ -93,14 +93,14 @@ class KVStore:
 
     def put_kv(
         self, fingerprint: str, kv_dtype: str, token_ids: Sequence[int], k: Tensor, v: Tensor,
-        artifacts: dict[str, Tensor] | None = None,
+        artifacts: dict[str, Tensor] | None = None, context_ids: Sequence[int] = (),
     ) -> tuple[str, int]:
         """Encode a chunk's freshly computed KV (cast to `kv_dtype` at rest) and its optional artifacts, key
-        it by content and store it; returns (key, blob bytes). Stored once: an identical chunk already there
-        is kept."""
-        key = kvblob.chunk_key(fingerprint, kv_dtype, token_ids)
+        it by content (and the context it was computed after, if any) and store it; returns (key, blob
+        bytes). Stored once: an identical chunk already there is kept."""
+        key = kvblob.chunk_key(fingerprint, kv_dtype, token_ids, context_ids)
         blob = kvblob.encode(k, v, model_fingerprint=fingerprint, token_ids=token_ids, dtype=kv_dtype,
-                             artifacts=artifacts)
+                             artifacts=artifacts, context_ids=context_ids)
         self.put_chunk(key, blob)
         return key, len(blob)
 

@@ -34,7 +34,8 @@ def test_fidelity_fast_subset(model_env, tmp_path: Path, capsys):
     out = tmp_path / "fidelity.json"
     # 48-token chunks: musique's 10 passages stay a ~500-token context (the test's cost is its prefills)
     rc = main(["bench", "fidelity", "--task", "needle,musique", "--n", "2", "--docs", "2", "--doc-tokens", "48",
-               "--methods", "vanilla,a3", "--ratios", "1.0", "--max-tokens", "16", "--json", str(out)])
+               "--methods", "vanilla,a3", "--ratios", "1.0", "--max-tokens", "16", "--json", str(out),
+               "--reference-dir", str(tmp_path / "refs")])
     assert rc == 0
     payload = json.loads(out.read_text())
     rows = payload["rows"]
@@ -54,10 +55,11 @@ def test_fidelity_fast_subset(model_env, tmp_path: Path, capsys):
     for runs in by_example.values():
         assert runs["a3"]["prediction"] == runs["vanilla"]["prediction"]
         assert runs["a3"]["recomputed_tokens"] == runs["a3"]["context_tokens"]
-        assert runs["a3"]["kl_vs_vanilla"] < 1e-3
+        assert runs["a3"]["kl_vs_vanilla"] < 1e-3 and runs["a3"]["answer_kl_vs_vanilla"] < 1e-3
     for r in (r for r in rows if r["method"] == "a3"):
         assert r["same_answer_vs_vanilla"] == 1.0 and r["score"] == pytest.approx(
             next(v["score"] for v in rows if v["method"] == "vanilla" and v["task"] == r["task"]))
+    assert payload["vanilla_references"]["computed"] == 4 and payload["vanilla_references"]["reused"] == 0
     assert "kvfuse bench fidelity --task needle,musique --n 2 --docs 2" in payload["command"]
     assert payload["command"].startswith("KVFUSE_MODEL_CACHE_DIR=")  # the environment override is recorded
     assert "--methods vanilla,a3 " in payload["command"] and "--ratios 1 " in payload["command"]

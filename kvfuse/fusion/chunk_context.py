@@ -1,0 +1,68 @@
+"""What a chunk's cache is computed after (`store.precompute_context`), and the context's identity.
+
+A chunk cached alone starts a sequence: its first tokens become attention sinks and none of its tokens
+has seen anything before it. Computed after a context instead (FusionRAG's offline stage, Wang et al.
+2026, arXiv 2601.12904; APE's shared prefix), its K/V carry some of what a full prefill would put there;
+only the chunk's own K/V are kept (`FusionEngine.precompute_after`), rotated back to positions 0..n-1, so
+fusion recovers positions exactly as for a chunk cached alone. Modes:
+
+- `none`: alone (no context).
+- `document`: the chunk's preceding text in its own document, its last `budget` tokens.
+- `neighbours`: its top-n most similar other chunks in the index (cosine of their embeddings), least
+  similar first so the closest sits next to the chunk, the whole cut to its last `budget` tokens.
+- `prefix`: the shared system prefix (the chat template up to the user's content).
+
+The context is part of the chunk's identity: `kvblob.chunk_key(..., context_ids)` folds its tokens into
+the chunk key (and the blob header records its hash), so a chunk computed after another context is
+another cache. See docs/DESIGN.md, "Context-carrying chunk
+caches", for what happens to stored caches when the neighbourhood changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+MODES = ("none", "document", "neighbours", "prefix")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown precompute context {mode!r}; choose from {', '.join(MODES)}")
+    return mode
+
+
+def document_contexts(chunks: Sequence[Sequence[int]], budget: int) -> list[list[int]]:
+    """Chunks of one document in order: each one's context is the last `budget` tokens before it."""
+    out, seen = [], []
+    for c in chunks:
+        out.append(list(seen[-budget:]) if budget > 0 else [])
+        seen.extend(c)
+    return out
+
+
+def neighbour_order(vectors: Any, n: int) -> list[list[int]]:
+    """For each row of `vectors` (unit-norm embeddings [N, d]), the indices of its n most similar other
+    rows, least similar first. Ties go to the lower index (stable)."""
+    import numpy as np
+
+    vecs = np.asarray(vectors, dtype=np.float32)
+    sims = vecs @ vecs.T
+    np.fill_diagonal(sims, -np.inf)
+    out = []
+    for row in sims:
+        order = np.argsort(-row, kind="stable")[: max(0, min(n, len(row) - 1))]
+        out.append([int(j) for j in reversed(order)])
+    return out
+
+
+def neighbour_contexts(chunks: Sequence[Sequence[int]], vectors: Any, n: int, budget: int) -> list[list[int]]:
+    """Each chunk's top-n neighbours' tokens, concatenated (least similar first), cut to the last
+    `budget` tokens."""
+    out = []
+    for order in neighbour_order(vectors, n):
+        ctx = [t for j in order for t in chunks[j]]
+        out.append(ctx[-budget:] if budget > 0 else [])
+    return out
+
+

@@ -1,0 +1,81 @@
+"""Context-carrying chunk caches (kvfuse/fusion/chunk_context.py, FusionEngine.precompute_after).
+
+Pinned to the math: with no context the cache is the chunk cached alone (and its key is unchanged); with
+a context it is the chunk's slice of a full prefill of context + chunk; and when every chunk is cached
+after its exact preceding prompt, reusing them all with positions recovered and nothing recomputed (`pie`) is a full prefill (`vanilla`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fusion_helpers import Prompt
+
+from kvfuse import kvblob
+from kvfuse.fusion import FusionEngine, FusionOptions
+from kvfuse.fusion.chunk_context import (
+    check_mode,
+    document_contexts,
+    neighbour_contexts,
+    neighbour_order,
+)
+
+
+def test_none_is_the_chunk_alone(engine: FusionEngine, prompt: Prompt):
+    ids = prompt.chunks[1].token_ids
+    alone = engine.precompute([ids])[0]
+    after = engine.precompute_after([], ids)
+    assert torch.equal(alone.k, after.k) and torch.equal(alone.v, after.v)
+    fp = engine.fingerprint
+    key = kvblob.chunk_key(fp, "float16", ids)
+    assert kvblob.chunk_key(fp, "float16", ids, []) == key  # mode none keeps every stored key
+    after_12 = kvblob.chunk_key(fp, "float16", ids, [1, 2])
+    assert after_12 != key and after_12 != kvblob.chunk_key(fp, "float16", ids, [2, 1])
+    # the blob records its context: its header's key is the context key, so the store accepts it there
+    blob = kvblob.encode(after.k, after.v, model_fingerprint=fp, token_ids=ids, dtype="float16", context_ids=[1, 2])
+    assert kvblob.read_header(blob).key == after_12
+    plain = kvblob.encode(after.k, after.v, model_fingerprint=fp, token_ids=ids, dtype="float16")
+    assert kvblob.read_header(plain).key == key and b"context_hash" not in plain
+
+
+def test_document_context_is_the_slice_of_a_full_prefill(engine: FusionEngine, prompt: Prompt):
+    context = prompt.chunks[0].token_ids
+    ids = prompt.chunks[1].token_ids
+    c = len(context)
+    full = engine.precompute([context + ids])[0]
+    after = engine.precompute_after(context, ids)
+    assert after.token_ids == ids and after.k.shape == (engine.num_layers, engine.num_kv_heads, len(ids),
+                                                         engine.head_dim)
+    assert torch.allclose(after.v, full.v[:, :, c:], atol=1e-5)
+    k = after.k.clone()
+    engine.rope.shift_keys_(k, c)  # stored at 0..n-1: back to where the prefill had it
+    assert torch.allclose(k, full.k[:, :, c:], atol=1e-4)
+    # the same chunk cached alone differs: the context reached it
+    assert not torch.allclose(engine.precompute([ids])[0].v, full.v[:, :, c:], atol=1e-3)
+
+
+def test_exact_preceding_context_makes_pie_vanilla(engine: FusionEngine, prompt: Prompt):
+    seen = list(prompt.prefix.token_ids)
+    chunks = []
+    for ch in prompt.chunks:
+        chunks.append(engine.precompute_after(seen, ch.token_ids))
+        seen += ch.token_ids
+    reuse = engine.fuse(prompt.prefix, chunks, prompt.question_ids, FusionOptions(method="pie"))
+    vanilla = engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids, FusionOptions(method="vanilla"))
+    assert torch.allclose(reuse.logits, vanilla.logits, atol=1e-3)
+    alone = engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids, FusionOptions(method="pie"))
+    assert (reuse.logits - vanilla.logits).abs().max() < (alone.logits - vanilla.logits).abs().max() / 10
+
+
+def test_context_choice():
+    assert check_mode("document") == "document"
+    with pytest.raises(ValueError, match="neighbours"):
+        check_mode("neighbors")
+    chunks = [[1, 2, 3], [4, 5], [6]]
+    assert document_contexts(chunks, 4) == [[], [1, 2, 3], [2, 3, 4, 5]]
+    assert document_contexts(chunks, 0) == [[], [], []]
+    vecs = np.array([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0]])
+    # chunk 0: closest is 1, then 2 -> least similar first
+    assert neighbour_order(vecs, 2) == [[2, 1], [2, 0], [0, 1]]
+    assert neighbour_order(vecs, 1) == [[1], [0], [1]]
+    assert neighbour_contexts(chunks, vecs, 2, 3) == [[6, 4, 5], [1, 2, 3], [3, 4, 5]]
