@@ -165,20 +165,20 @@ class IngestManager:
         except Exception:  # noqa: BLE001 - the stored version still answers; retried at the next start
             log.exception("could not queue the rebuild of %s", doc_id)
 
-    def rebuild_stale(self, fingerprint: str) -> int:
-        """At start, once the worker says which model runs: queue a rebuild of every document whose KV
-        is from another model (its first blob's header says so) or was found lost (`kv_lost`)."""
+    def stale_documents(self, fingerprint: str) -> list[tuple[str, str]]:
+        """(doc id, why) of every document whose KV is from another model (its first blob's header says
+        so) or was found lost (`kv_lost`). Reads the store: call it in a thread."""
         from kvfuse.store.records import KV_LOST
 
-        st, n = self.state, 0
-        for rec in st.all_documents():
+        out = []
+        for rec in self.state.all_documents():
             if rec.status == "ready" and rec.chunk_keys:
-                found = st.store.blob_fingerprint(rec.chunk_keys[0])
+                found = self.state.store.blob_fingerprint(rec.chunk_keys[0])
                 if found is not None and found != fingerprint:
-                    n += self.resubmit(rec.id, "its KV is from another model") is not None
+                    out.append((rec.id, "its KV is from another model"))
             elif rec.status == "failed" and (rec.error or "").startswith(KV_LOST):
-                n += self.resubmit(rec.id, rec.error or KV_LOST) is not None
-        return n
+                out.append((rec.id, rec.error or KV_LOST))
+        return out
 
     def _register(self, job: IngestJob) -> None:
         self.jobs[job.id] = job

@@ -83,7 +83,8 @@ class ServiceState:
         fp = self.supervisor.info["fingerprint"]
         try:
             await asyncio.to_thread(self.store.set_model_fingerprint, fp)
-            n = self.ingest.rebuild_stale(fp)
+            stale = await asyncio.to_thread(self.ingest.stale_documents, fp)
+            n = sum(self.ingest.resubmit(doc_id, why) is not None for doc_id, why in stale)
             if n:
                 log.warning("%d documents have KV of another model or lost KV: rebuilding them", n)
         except Exception:  # noqa: BLE001 - queries still rebuild stale KV one chunk at a time

@@ -29,7 +29,7 @@ from kvfuse.store.errors import DocumentNotFoundError, IndexUnavailableError, St
 from kvfuse.store.index import DocumentIndex, IndexMirror, IndexSnapshot, doctime_key
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.lmdb_tier import LmdbTier
-from kvfuse.store.records import FIELD_NAMES, STATUSES, ChunkInfo, DocumentRecord
+from kvfuse.store.records import FIELD_NAMES, STAGING_PREFIX, STATUSES, ChunkInfo, DocumentRecord
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class DocumentCatalog:
             snap.chunks = {key for key, _ in self.blobs.scan(txn)}
             owners: dict[str, set[str]] = {}
             for key, doc_id in self.refs(txn):
-                if not doc_id.startswith("~"):  # a job's staged refs are not mirrored (store/jobs.py)
+                if not doc_id.startswith(STAGING_PREFIX):  # a job's staged refs are not mirrored (store/jobs.py)
                     owners.setdefault(key, set()).add(doc_id)
         snap.owners = {k: frozenset(v) for k, v in owners.items()}
         return snap

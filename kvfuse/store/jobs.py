@@ -22,9 +22,8 @@ import lmdb
 
 from kvfuse.store.catalog import DocumentCatalog
 from kvfuse.store.lmdb_env import LmdbEnv
-from kvfuse.store.records import DocumentRecord
+from kvfuse.store.records import STAGING_PREFIX, DocumentRecord
 
-STAGING_PREFIX = "~"  # owner ids of staged chunk refs; document ids never start with it
 UNFINISHED = ("pending", "processing", "indexing")  # indexing: committed in LMDB, vectors not yet added
 FINISHED = ("ready", "failed", "cancelled")
 
@@ -36,10 +35,6 @@ def public_status(status: str) -> str:
 
 def staging_owner(job_id: str) -> str:
     return STAGING_PREFIX + job_id
-
-
-def is_staging_owner(owner: str) -> bool:
-    return owner.startswith(STAGING_PREFIX)
 
 
 @dataclass

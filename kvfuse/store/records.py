@@ -9,6 +9,9 @@ STATUSES = ("pending", "processing", "ready", "failed")
 # Error prefix of documents whose stored KV was found missing or corrupt (`kvfuse store check --repair`,
 # or a CorruptBlobError at load): the service re-ingests them from their stored text.
 KV_LOST = "kv_lost"
+# Owner ids of an ingestion job's staged chunk refs (kvfuse.store.jobs) start with this; document ids
+# never do (they start with a letter or digit), so the catalog tells them apart.
+STAGING_PREFIX = "~"
 
 
 @dataclass
