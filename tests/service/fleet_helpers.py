@@ -77,7 +77,7 @@ def start_api(root: Path, env: dict[str, str]) -> ServerProcess:
 
 def live_workers(url: str) -> dict[str, dict]:
     try:
-        resp = httpx.get(f"{url}/ready", timeout=5)
+        resp = httpx.get(f"{url}/ready", timeout=5, headers={"Authorization": f"Bearer {API_KEY}"})
     except httpx.TransportError:
         return {}
     return {w["id"]: w for w in resp.json().get("workers", [])}
