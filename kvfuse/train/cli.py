@@ -103,7 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--docs", type=_pair, default=(2, 8), help="documents per example, LO,HI (default 2,8)")
     p.add_argument("--doc-tokens", type=_pair, default=(40, 110),
                    help="essay tokens per document before its facts, LO,HI (default 40,110)")
-    p.add_argument("--lr", type=float, default=3e-3, help="Adam peak learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float, default=5e-3, help="Adam peak learning rate (default 5e-3)")
     p.add_argument("--seed", type=int, default=1, help="data stream seed (default 1)")
     p.add_argument("--val-examples", type=int, default=16, help="held-out examples (default 16)")
     p.add_argument("--val-every", type=int, default=100, help="held-out loss every N steps (default 100)")

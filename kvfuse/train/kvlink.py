@@ -48,7 +48,7 @@ class TrainConfig:
     max_docs: int = 8  # link indices in the table (chunks past it reuse the last)
     docs: tuple[int, int] = (2, 8)  # documents per example
     doc_tokens: tuple[int, int] = (40, 110)  # passage length per document (before the facts)
-    lr: float = 3e-3
+    lr: float = 5e-3
     warmup: int = 20
     seed: int = 1
     val_examples: int = 16
