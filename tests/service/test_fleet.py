@@ -206,3 +206,34 @@ def test_a_worker_with_another_model_is_refused(tmp_path, redis_url, redis_names
     w = WorkerProcess("odd", tmp_path, **env).start()
     assert w.proc.wait(300) == 3
     assert "refused" in w.log_tail() and "another-model" in w.log_tail()
+
+
+def test_a_job_a_dead_worker_took_before_any_token_runs_again_on_a_survivor(tmp_path, redis_url,
+                                                                           redis_namespace) -> None:
+    from kvfuse.service import protocol as P
+    from kvfuse.service.codec import decode, encode
+
+    env = fleet_env(redis_url, redis_namespace)
+    ns = env["KVFUSE_FLEET__NAMESPACE"]
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    reply = f"{ns}:reply:left-behind"
+    r.xadd(reply, {"t": "Open"})
+    r.expire(reply, 600)
+    r.xgroup_create(f"{ns}:jobs", "workers", id="0", mkstream=True)
+    r.xadd(f"{ns}:jobs", encode(P.PrecomputeJob([[1, 2, 3, 4, 5]], 1), uid="left-behind"))
+    # A fake of a worker that died right after taking the job: it read the entry, then vanished (no
+    # heartbeat, no XACK). A real SIGKILL cannot be timed to land between the read and the first reply.
+    assert r.xreadgroup("workers", "ghost", {f"{ns}:jobs": ">"}, count=1)
+    r.xadd(reply, {"t": "Taken", "w": "ghost"})
+    w = WorkerProcess("survivor", tmp_path, **env).start()
+    try:
+        def done() -> list:
+            return [decode(f) for _, f in r.xrange(reply) if f.get("t") == "Done"]
+
+        _wait_for(lambda: bool(done()) or w.proc.poll() is not None, 300, "the job to run again")
+        (msg,) = done()
+        assert msg.worker == "survivor" and msg.computed == 1 and msg.job_id == 1
+        assert [f.get("w") for _, f in r.xrange(reply) if f.get("t") == "Taken"] == ["ghost", "survivor"]
+        _wait_for(lambda: _all_pending(env) == 0, 30, "no pending job")
+    finally:
+        w.stop()
