@@ -67,8 +67,10 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/ready", response_model=Readiness, responses={503: not_ready})
     async def ready(state: State, request: Request) -> Readiness | JSONResponse:
+        # The live workers name hosts and pids: like errors, only for a valid key.
+        workers = live_workers(state.supervisor) if authorized(request) else []
         parts = Readiness(ready=False, components=state.readiness(await state.document_index_available()),
-                          workers=live_workers(state.supervisor))
+                          workers=workers)
         if all(parts.components.values()) and not state.startup_error:
             parts.ready = True
             return parts

@@ -305,4 +305,4 @@ class Readiness(BaseModel):
 
     ready: bool
     components: dict[str, bool]
-    workers: list[dict[str, Any]] = []  # the live workers (kvfuse.service.dispatch.live_workers)
+    workers: list[dict[str, Any]] = []  # the live workers (kvfuse.service.dispatch.live_workers); valid key only

@@ -79,12 +79,13 @@ def test_health_and_ready_are_open_without_a_key(holder: Holder) -> None:
         health = keyed.get("/health")
         assert health.status_code == 200 and health.json()["worker"]["ready"] is True
         assert isinstance(health.json()["worker"]["pid"], int)
+        assert [w["id"] for w in keyed.get("/ready").json()["workers"]] == ["local"]
     with make_client(holder.server, key=None) as anon:
         health = anon.get("/health")
         assert health.status_code == 200 and health.json()["status"] == "ok"
         assert health.json().get("worker") is None
         ready = anon.get("/ready")
-        assert ready.status_code == 200
+        assert ready.status_code == 200 and ready.json()["workers"] == []
         assert ready.json()["components"] == {"store": True, "index": True, "embedder": True, "model": True,
                                               "document_index": True}
 
