@@ -79,7 +79,8 @@ def test_health_and_ready_are_open_without_a_key(holder: Holder) -> None:
         health = keyed.get("/health")
         assert health.status_code == 200 and health.json()["worker"]["ready"] is True
         assert isinstance(health.json()["worker"]["pid"], int)
-        assert [w["id"] for w in keyed.get("/ready").json()["workers"]] == ["local"]
+        workers = keyed.get("/ready").json()["workers"]
+        assert [w["pid"] for w in workers] == [health.json()["worker"]["pid"]]
     with make_client(holder.server, key=None) as anon:
         health = anon.get("/health")
         assert health.status_code == 200 and health.json()["status"] == "ok"
