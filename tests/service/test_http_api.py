@@ -76,11 +76,14 @@ def snapshot(client: httpx.Client) -> list[tuple]:
 def test_health_and_ready_are_open_without_a_key(holder: Holder) -> None:
     with make_client(holder.server, key=None) as anon:
         health = anon.get("/health")
-        assert health.status_code == 200 and health.json()["worker"]["ready"] is True
-        assert isinstance(health.json()["worker"]["pid"], int)
+        assert health.status_code == 200 and "worker" not in health.json()  # details need a key
         ready = anon.get("/ready")
         assert ready.status_code == 200
-        assert ready.json()["components"] == {"store": True, "index": True, "embedder": True, "model": True}
+        assert ready.json()["components"] == {"store": True, "index": True, "embedder": True, "model": True,
+                                              "document_index": True}
+    with make_client(holder.server) as authorized:
+        health = authorized.get("/health")
+        assert health.json()["worker"]["ready"] is True and isinstance(health.json()["worker"]["pid"], int)
 
 
 def test_api_key_is_required_and_both_headers_work(holder: Holder) -> None:
