@@ -76,6 +76,30 @@ def bootstrap_ci(values: Sequence[float], *, level: float = CI_LEVEL, resamples:
     return means[int(tail * (resamples - 1))], means[int(round((1.0 - tail) * (resamples - 1)))]
 
 
+def paired_ratio_ci(scores: Sequence[float], refs: Sequence[float], *, level: float = CI_LEVEL,
+                    resamples: int = CI_RESAMPLES, seed: int = CI_SEED) -> tuple[float, float] | None:
+    """Percentile-bootstrap interval of mean(scores) / mean(refs) over paired examples (a resample draws
+    examples, each with its method and vanilla score). None when there
+    are fewer than two pairs or vanilla scores 0 in too many resamples to leave an interval."""
+    n = len(scores)
+    if n < 2 or n != len(refs):
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ref = sum(refs[i] for i in idx)
+        if ref > 0:
+            ratios.append(sum(scores[i] for i in idx) / ref)
+    if len(ratios) < resamples * level:  # vanilla's score is mostly 0: no meaningful interval
+        return None
+    ratios.sort()
+    tail = (1.0 - level) / 2
+    lo = ratios[int(tail * (len(ratios) - 1))]
+    hi = ratios[int(round((1.0 - tail) * (len(ratios) - 1)))]
+    return lo, hi
+
+
 def examples_for_width(n: int, interval: Sequence[float] | None, half_width: float) -> int | None:
     """Examples an interval of the same spread would need to reach ±half_width (width ∝ 1/√n)."""
     if not interval or n < 2:

@@ -10,7 +10,6 @@ answer agreement (the same normalised answer). Vanilla's outputs are kept on dis
 
 from __future__ import annotations
 
-import random
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvfuse.bench import agreement
-from kvfuse.bench.agreement import CI_LEVEL, CI_RESAMPLES, CI_SEED, bootstrap_ci
+from kvfuse.bench.agreement import bootstrap_ci, paired_ratio_ci
 from kvfuse.bench.reference import Reference, ReferenceCache, reference_key
 from kvfuse.bench.scoring import normalize_answer
 from kvfuse.bench.scoring import score as score_answer
@@ -358,30 +357,6 @@ def median(xs: Iterable[float | None]) -> float | None:
 def _mean(xs: Iterable[float | None]) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
-
-
-def paired_ratio_ci(scores: Sequence[float], refs: Sequence[float], *, level: float = CI_LEVEL,
-                    resamples: int = CI_RESAMPLES, seed: int = CI_SEED) -> tuple[float, float] | None:
-    """Percentile-bootstrap interval of mean(scores) / mean(refs) over paired examples (a resample draws
-    examples, each with its method and vanilla score). None when there
-    are fewer than two pairs or vanilla scores 0 in too many resamples to leave an interval."""
-    n = len(scores)
-    if n < 2 or n != len(refs):
-        return None
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(resamples):
-        idx = [rng.randrange(n) for _ in range(n)]
-        ref = sum(refs[i] for i in idx)
-        if ref > 0:
-            ratios.append(sum(scores[i] for i in idx) / ref)
-    if len(ratios) < resamples * level:  # vanilla's score is mostly 0: no meaningful interval
-        return None
-    ratios.sort()
-    tail = (1.0 - level) / 2
-    lo = ratios[int(tail * (len(ratios) - 1))]
-    hi = ratios[int(round((1.0 - tail) * (len(ratios) - 1)))]
-    return lo, hi
 
 
 def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
