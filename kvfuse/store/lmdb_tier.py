@@ -21,7 +21,16 @@ from collections.abc import Iterable, Iterator
 
 import lmdb
 
-from kvfuse.kvblob import CorruptBlobError, KVHeader, decode, pack, read_artifacts, read_blocks, verify_blob
+from kvfuse.kvblob import (
+    CorruptBlobError,
+    KVHeader,
+    decode,
+    pack,
+    read_artifacts,
+    read_blocks,
+    read_header,
+    verify_blob,
+)
 from kvfuse.store.chunk_store import ChunkStore, Entry, slice_blocks
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.records import ChunkInfo
@@ -66,7 +75,7 @@ class LmdbTier(ChunkStore):
             buf = txn.get(key.encode(), db=self._blobs)
             if buf is None:
                 return None
-            header = read_artifacts(buf, verify=False)[0]
+            header = read_header(buf)
             if header.block_tokens:
                 entry = read_blocks(buf, blocks, verify=self._verify)
                 nbytes = entry[0].nbytes + entry[1].nbytes
