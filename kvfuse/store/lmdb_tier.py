@@ -86,7 +86,7 @@ class LmdbTier(ChunkStore):
             buf = txn.get(key.encode(), db=self._blobs)
             if buf is None:
                 return None
-            header = read_artifacts(buf, verify=False)[0]
+            header = read_header(buf)
             if header.block_tokens:
                 entry = read_blocks(buf, blocks, verify=self._verify)
                 nbytes = entry[0].nbytes + entry[1].nbytes
