@@ -152,7 +152,8 @@ class FusionSettings(FusionRequestSettings):
 
     precompute_batch_tokens: int = Field(4096, ge=1)
     attention_block_rows: int = Field(128, ge=1)
-    samkv_ingest_artifacts: bool = True  # ingest computes samkv's per-chunk artifacts (one more pass per chunk)
+    # ingest computes samkv's per-chunk artifacts (one more pass per chunk); off, samkv builds them on first use
+    samkv_ingest_artifacts: bool = False
     kvlink_dir: str = ""  # kvlink artifacts (link embeddings per model fingerprint); "" = the packaged ones
 
 
