@@ -40,11 +40,11 @@ except Exception: print(-1)")
   done
   echo "not ready: $1" >&2; return 1
 }
-serve() {  # data dir, extra env... ; prints the URL
+serve() {  # data dir, extra env... ; sets URL (not in a subshell: the pid must reach PIDS)
   local p; p=$(port)
   env KVFUSE_DATA_DIR="$1" KVFUSE_SERVER__PORT="$p" "${@:2}" $PY -m kvfuse.cli serve >"$1.log" 2>&1 &
   PIDS+=($!)
-  echo "http://127.0.0.1:$p"
+  URL="http://127.0.0.1:$p"
 }
 worker() {  # name
   env KVFUSE_DATA_DIR="$TMP/worker-$1" KVFUSE_REDIS_URL="$REDIS_URL" $PY -m kvfuse.cli worker --name "$1" \
@@ -54,14 +54,14 @@ worker() {  # name
 mkdir -p "$OUT"
 
 echo "== embedded (local worker process, no Redis)" >&2
-URL=$(serve "$TMP/embedded")
+serve "$TMP/embedded"
 wait_ready "$URL" 1
 $PY -m kvfuse.cli bench load --url "$URL" "${LOAD[@]}" --json "$OUT/load-embedded.json"
 kill "${PIDS[0]}"; wait "${PIDS[0]}" 2>/dev/null || true; PIDS=()
 
 echo "== fleet, 1 worker" >&2
 worker a
-URL=$(serve "$TMP/api" KVFUSE_REDIS_URL="$REDIS_URL" KVFUSE_SERVER__WORKERS=0)
+serve "$TMP/api" KVFUSE_REDIS_URL="$REDIS_URL" KVFUSE_SERVER__WORKERS=0
 wait_ready "$URL" 1
 $PY -m kvfuse.cli bench load --url "$URL" "${LOAD[@]}" --json "$OUT/load-fleet-1worker.json"
 
