@@ -2,12 +2,13 @@
 examples as docs/results/samkv/fidelity.json (needle, --docs 4 --doc-tokens 512, seed 0). Output:
 docs/results/samkv/update_ablation.txt."""
 from kvfuse.bench import tasks
+from kvfuse.bench.data import resolve_data_dir
 from kvfuse.bench.fidelity import EngineBackend
 from kvfuse.config import load_settings
 
 s = load_settings()
 b = EngineBackend(s, max_tokens=None)
-hay = tasks.Haystack(b.tokenizer, "/work/shared/data")
+hay = tasks.Haystack(b.tokenizer, resolve_data_dir())
 variants = {"fusion": {}, "overwrite": {"samkv_update": "overwrite"},
             "all_blocks": {"samkv_min_p": 1.0, "samkv_cross_cut": False}}
 for i in range(4):

@@ -5,6 +5,6 @@
 #   sh docs/results/fidelity-context/report_seed1.sh MODE N
 MODE=$1
 N=${2:-2}
-taskset -c 1 env OMP_NUM_THREADS=1 KVFUSE_MODEL__THREADS=1 PYTHONPATH=$PWD KVFUSE_BENCH__DATA_DIR=/work/shared/data \
+taskset -c 1 env OMP_NUM_THREADS=1 KVFUSE_MODEL__THREADS=1 PYTHONPATH=$PWD KVFUSE_BENCH__DATA_DIR=../shared/data \
   KVFUSE_MODEL__SYSTEM_PROMPT='You are a careful reader. Reply with only the answer, taken from the documents.' \
-  /work/main/.venv/bin/python docs/studies/context_modes.py "$MODE" 1 "$N" docs/results/fidelity-context/seed1
+  python docs/studies/context_modes.py "$MODE" 1 "$N" docs/results/fidelity-context/seed1

@@ -4,8 +4,8 @@
 N=${1:-1}
 OUT=docs/results/fidelity-context
 for MODE in none document neighbours prefix; do
-  taskset -c 1 env OMP_NUM_THREADS=1 KVFUSE_MODEL__THREADS=1 PYTHONPATH=$PWD /work/main/.venv/bin/python -m kvfuse.cli \
+  taskset -c 1 env OMP_NUM_THREADS=1 KVFUSE_MODEL__THREADS=1 python -m kvfuse.cli \
     bench fidelity --task needle,multikey,multivalue --n "$N" --docs 8 --doc-tokens 512 --ratios 0.15 \
-    --methods anchor --seed 0 --precompute-context "$MODE" --data-dir /work/shared/data \
+    --methods anchor --seed 0 --precompute-context "$MODE" --data-dir ../shared/data \
     --json "$OUT/tune-seed0-$MODE.json"
 done
