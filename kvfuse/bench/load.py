@@ -273,10 +273,12 @@ LOAD_TABLE = (("method", "method"), ("mode", "mode"), ("concurrency", "streams")
               ("tokens_per_s", "tokens/s"), ("requests_per_s", "requests/s"))
 
 
-def scaling(rows: list[dict[str, Any]], at: int = 8) -> list[dict[str, Any]]:
-    """Per method, what batching buys: closed-loop tokens/s and ITL p50 at `at` streams over 1 stream,
-    and requests/s at `at` streams over vanilla's."""
+def scaling(rows: list[dict[str, Any]], at: int | None = None) -> list[dict[str, Any]]:
+    """Per method, what batching buys: closed-loop tokens/s and ITL p50 at `at` streams (the most the
+    run measured, unless given) over 1 stream, and requests/s at `at` streams over vanilla's."""
     closed = {(r["method"], r["concurrency"]): r for r in rows if r["mode"] == "closed"}
+    if at is None:
+        at = max((c for _, c in closed), default=1)
     ratio = lambda a, b: round(a / b, 3) if a is not None and b else None  # noqa: E731
     out = []
     for method in dict.fromkeys(m for m, _ in closed):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfuse.bench.load import Sample, percentile, plot, summarize
+from kvfuse.bench.load import Sample, percentile, plot, scaling, summarize
 
 
 def test_percentiles_interpolate_between_ranks() -> None:
@@ -32,6 +32,17 @@ def test_plot_has_one_line_per_method(tmp_path: Path) -> None:
             for m, k in (("anchor", 3), ("vanilla", 1)) for c in (1, 2, 4)]
     png = plot(rows, tmp_path / "load.png")
     assert png.stat().st_size > 1000
+
+
+def test_scaling_compares_the_most_streams_measured_with_one() -> None:
+    rows = [{"method": m, "mode": "closed", "concurrency": c, "tokens_per_s": 10.0 * c * k, "itl_p50_s": 0.1 * c,
+             "tpot_p50_s": 0.1, "requests_per_s": float(c * k)} for m, k in (("anchor", 2), ("vanilla", 1))
+            for c in (1, 4)]
+    anchor, vanilla = scaling(rows)
+    assert anchor == {"method": "anchor", "streams": 4, "tokens_per_s_vs_1": 4.0, "itl_p50_vs_1": 4.0,
+                      "tpot_p50_vs_1": 1.0, "requests_per_s_vs_vanilla": 2.0}
+    assert vanilla["requests_per_s_vs_vanilla"] == 1.0
+    assert scaling(rows, at=8) == []
 
 
 @pytest.mark.slow
