@@ -56,13 +56,23 @@ def neighbour_order(vectors: Any, n: int) -> list[list[int]]:
     return out
 
 
+def joined(parts: Sequence[Sequence[int]], budget: int) -> list[int]:
+    """Context pieces in order, concatenated and cut to their last `budget` tokens."""
+    ctx = [t for part in parts for t in part]
+    return ctx[-budget:] if budget > 0 else []
+
+
 def neighbour_contexts(chunks: Sequence[Sequence[int]], vectors: Any, n: int, budget: int) -> list[list[int]]:
     """Each chunk's top-n neighbours' tokens, concatenated (least similar first), cut to the last
     `budget` tokens."""
-    out = []
-    for order in neighbour_order(vectors, n):
-        ctx = [t for j in order for t in chunks[j]]
-        out.append(ctx[-budget:] if budget > 0 else [])
-    return out
+    return [joined([chunks[j] for j in order], budget) for order in neighbour_order(vectors, n)]
+
+
+def nearest_context(scored: Sequence[tuple[float, Sequence[int]]], n: int, budget: int) -> list[int]:
+    """The context of one chunk from scored candidates (cosine, tokens): the n most similar, least similar
+    first, joined and cut to `budget` tokens. Ties keep the candidates' order (what the service does
+    with chunks found in the index; `neighbour_contexts` for the chunks of one set)."""
+    best = sorted(range(len(scored)), key=lambda i: -scored[i][0])[: max(0, n)]
+    return joined([scored[i][1] for i in reversed(best)], budget)
 
 

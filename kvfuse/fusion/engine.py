@@ -10,9 +10,10 @@ import torch
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import eviction, model_loading
 from kvfuse.fusion.cache import FusedCache, Layout
-from kvfuse.fusion.errors import ContextOverflowError, FusionError
+from kvfuse.fusion.errors import ContextOverflowError
 from kvfuse.fusion.generation import Generation
 from kvfuse.fusion.methods import FusionMethod, get_method
+from kvfuse.fusion.prompt import QUESTION_TEMPLATE, template_halves
 from kvfuse.fusion.selection import SelectionContext
 from kvfuse.fusion.transformer import Rows, Transformer
 from kvfuse.fusion.types import (
@@ -25,8 +26,6 @@ from kvfuse.fusion.types import (
 )
 
 _DEFAULTS = FusionSettings()
-_SENTINEL = "\u2063KVFUSE-DOCUMENTS\u2063"  # placed in the user turn to find where documents go
-QUESTION_TEMPLATE = "\n\nQuestion: {question}"  # the question part, before the template's turn end
 
 
 class FusionEngine:
@@ -96,13 +95,7 @@ class FusionEngine:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _template_halves(self, system_prompt: str | None) -> tuple[str, str]:
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": _SENTINEL})
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if text.count(_SENTINEL) != 1:
-            raise FusionError("the chat template does not render the user message verbatim")
-        before, after = text.split(_SENTINEL)
-        return before, after
+        return template_halves(self.tokenizer, system_prompt)
 
     def prompt_parts(self, question: str, system_prompt: str | None) -> tuple[list[int], list[int]]:
         """(prefix_ids, question_ids): the template up to the user's content, and the question text plus

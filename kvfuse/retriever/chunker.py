@@ -61,6 +61,11 @@ class Chunker:
 
         return cls(AutoTokenizer.from_pretrained(path), chunk_tokens)
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` with no special tokens added (thread-safe)."""
+        with self._lock:
+            return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
     def chunk(self, text: str) -> list[Chunk]:
         if not text or text.isspace():
             raise EmptyDocumentError("document text is empty or whitespace only: nothing to chunk")

@@ -74,10 +74,6 @@ def _serve(args: argparse.Namespace) -> int:
     if server.workers == 0 and not s.redis_url:
         print("kvfuse serve: --workers 0 dispatches to `kvfuse worker`s through Redis: set redis_url", file=sys.stderr)
         return 2
-    if s.store.precompute_context != "none":  # the bench's option so far (docs/DESIGN.md): fail, never ignore
-        print(f"kvfuse serve: store.precompute_context={s.store.precompute_context!r} is read by `kvfuse bench "
-              "fidelity` only; the service's ingestion computes chunks alone: set it to none", file=sys.stderr)
-        return 2
     try:
         check_bind(server.host, server)
     except PermissionError as err:

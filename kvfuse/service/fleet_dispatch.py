@@ -324,17 +324,3 @@ class FleetDispatcher:
             yield msg
             if isinstance(msg, (*P.FINAL, Cancelled)):
                 return
-
-    async def run(self, kind: str, payload: dict, timeout: float | None = None) -> dict:
-        """Submit a precompute job ({"chunks": [[ids]]}) and return its Done as a dict."""
-        if kind != "precompute":
-            raise ValueError(f"run() takes precompute jobs, not {kind!r}")
-        job = self.submit(P.precompute_job(payload))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            async for msg in self.events(job, deadline):
-                if isinstance(msg, P.Done):
-                    return {"keys": msg.keys, "nbytes": msg.nbytes, "computed": msg.computed, "worker": msg.worker}
-        finally:
-            self.cancel(job)
-        raise WorkerCrashed("the job ended without a result")

@@ -1,4 +1,5 @@
-"""Ingestion jobs: chunk -> embed -> precompute KV in the worker -> swap the new version in -> `ready`.
+"""Ingestion jobs: chunk -> embed -> choose each chunk's precompute context -> precompute KV in the worker
+-> swap the new version in -> `ready`.
 
 Jobs are durable (kvfuse.store.jobs): each is written to LMDB, with its text, before the API answers
 202, and a restart runs every unfinished job again from its text (chunks already stored are not
@@ -21,9 +22,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvfuse.service.chunk_contexts import contexts_for
 from kvfuse.service.errors import APIError
+from kvfuse.service.protocol import PrecomputeJob
 from kvfuse.service.responses import Submitted
-from kvfuse.service.supervisor import WorkerCrashed, WorkerJobError
+from kvfuse.service.supervisor import WorkerCrashed, WorkerJobError, precompute
 from kvfuse.store.jobs import JobRecord, public_status
 
 if TYPE_CHECKING:
@@ -240,25 +243,30 @@ class IngestManager:
             chunks = await asyncio.to_thread(st.chunker.chunk, rec.text)
             rec.chunks_total, rec.chunks_done = len(chunks), 0
             ids = [c.token_ids for c in chunks]
-            fp = st.supervisor.info["fingerprint"]
-            keys = [kvblob.chunk_key(fp, st.settings.store.kv_dtype, t) for t in ids]
-            # Staged first: the refs make every blob below the job's, so none is ever an orphan.
-            await asyncio.to_thread(jobs.stage, rec, keys)
-            self._check(job)
             vectors = await asyncio.to_thread(st.embedder.embed, [c.text for c in chunks])
+            self._check(job)
+            contexts = await asyncio.to_thread(contexts_for, st, doc_id, ids, vectors)
+            fp = st.supervisor.info["fingerprint"]
+            keys = [kvblob.chunk_key(fp, st.settings.store.kv_dtype, t, c) for t, c in zip(ids, contexts, strict=True)]
+            # Staged before any blob is written: the refs make every blob below the job's, so none is
+            # ever an orphan.
+            await asyncio.to_thread(jobs.stage, rec, keys)
             self._check(job)
             kv_bytes = 0
             batch = st.settings.server.precompute_batch_chunks
             for i in range(0, len(ids), batch):
-                done = await st.supervisor.run("precompute", {"chunks": ids[i : i + batch]})
-                if done.get("keys") != keys[i : i + batch]:
+                done = await precompute(st.supervisor, PrecomputeJob(ids[i : i + batch],
+                                                                     contexts=contexts[i : i + batch]))
+                if done.keys != keys[i : i + batch]:
                     raise RuntimeError("the worker computed other chunk keys than the API (model changed?)")
-                kv_bytes += sum(done["nbytes"])
-                st.metrics.precomputed_chunks.inc(done.get("computed", 0))
+                kv_bytes += sum(done.nbytes)
+                st.metrics.precomputed_chunks.inc(done.computed)
                 rec.chunks_done = min(len(ids), i + batch)
                 self._check(job)
+            hashes = [kvblob.context_hash(c) for c in contexts]
             doc = DocumentRecord(id=doc_id, status="ready", metadata=rec.metadata, chunk_keys=keys,
                                  chunk_tokens=[len(t) for t in ids], tokens=sum(len(t) for t in ids),
+                                 chunk_contexts=hashes if any(hashes) else [],
                                  kv_bytes=kv_bytes, content_hash=content_hash(rec.text))
             self._check(job)
             # The swap: from here the new version answers (a DELETE now deletes it, after this job ends).

@@ -49,6 +49,11 @@ class QueryJob:
 class PrecomputeJob:
     chunks: list[list[int]]
     job_id: int = 0
+    # per chunk, the tokens its KV is computed after ([] or none given: alone); see service/chunk_contexts.py
+    contexts: list[list[int]] = field(default_factory=list)
+
+    def context(self, i: int) -> list[int]:
+        return self.contexts[i] if self.contexts else []
 
 
 @dataclass
@@ -139,7 +144,3 @@ class Step:
 
 FINAL = (Result, Done, Error)
 
-
-def precompute_job(payload: dict) -> PrecomputeJob:
-    """The typed job of an ingestion batch given as {"chunks": [[ids]]}."""
-    return PrecomputeJob(chunks=[list(c) for c in payload["chunks"]])

@@ -179,7 +179,7 @@ class QueryService:
         return {"max_tokens": max_tokens, "temperature": g.temperature if gen.temperature is None else gen.temperature,
                 "top_p": g.top_p if gen.top_p is None else gen.top_p, "seed": gen.seed, "stop": stop}
 
-    def _chunk_token_ids(self, rec: Any) -> list[list[int]]:
+    def chunk_token_ids(self, rec: Any) -> list[list[int]]:
         """A ready document's chunk token ids: its tokens split by the chunk sizes stored at ingest."""
         cache_key = (rec.id, rec.content_hash)
         if cache_key in self._doc_tokens:
@@ -188,7 +188,7 @@ class QueryService:
         text = self.state.store.get_text(rec.id)
         if text is None:
             raise APIError(404, f"document {rec.id!r} has no stored text", code="document_not_found")
-        ids = self.state.chunker.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        ids = self.state.chunker.encode(text)
         if len(ids) != sum(rec.chunk_tokens):
             raise APIError(500, f"document {rec.id!r} no longer tokenizes as it did at ingestion: re-ingest it",
                            code="tokenizer_changed")
@@ -202,7 +202,8 @@ class QueryService:
         return out
 
     def _key(self, rec: Any, i: int, token_ids: list[int]) -> str:
-        """Chunk i's key under the model running now, never the key recorded at ingest: KV stored for
+        """Chunk i's key under the model running now (and the context its KV was computed after, from the
+        record), never the key recorded at ingest: KV stored for
         another model (weights, tokenizer, dtypes) is a miss, rebuilt from the tokens. A document built
         for another model is counted, logged once, and rebuilt for this one in the background."""
         from kvfuse import kvblob
@@ -211,7 +212,8 @@ class QueryService:
         fp = st.supervisor.info.get("fingerprint")
         if not fp:  # no worker yet: the query waits for one, which will have this model
             return rec.chunk_keys[i]
-        key = kvblob.chunk_key(fp, st.settings.store.kv_dtype, token_ids)
+        context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
+        key = kvblob.chunk_key_from_hash(fp, st.settings.store.kv_dtype, kvblob.token_hash(token_ids), context)
         if key != rec.chunk_keys[i]:
             st.metrics.fingerprint_misses.inc()
             if rec.id not in self._stale_logged:
@@ -233,7 +235,7 @@ class QueryService:
             if rec.status != "ready":
                 raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
                                param="document_ids")
-            for i, ids in enumerate(self._chunk_token_ids(rec)):
+            for i, ids in enumerate(self.chunk_token_ids(rec)):
                 chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids))
         return chunks
 
@@ -252,7 +254,7 @@ class QueryService:
             rec = records[h.document_id]
             if rec is None or rec.status != "ready" or h.chunk_index >= len(rec.chunk_keys):
                 continue  # deleted or re-ingested since the search
-            ids = self._chunk_token_ids(rec)[h.chunk_index]
+            ids = self.chunk_token_ids(rec)[h.chunk_index]
             chunks.append(SourceChunk(h.document_id, h.chunk_index, h.score, self._key(rec, h.chunk_index, ids), ids))
         if not chunks:
             raise APIError(404, "no ready document matches the query (ingest documents first, or relax filters)",

@@ -174,22 +174,23 @@ class IngestTask:
         chunks = self.job.chunks
         if self.keys is None:
             e = worker.engine
-            self.keys = [worker.key_of(ids) for ids in chunks]
+            self.keys = [worker.key_of(ids, self.job.context(i)) for i, ids in enumerate(chunks)]
             for i, (key, ids) in enumerate(zip(self.keys, chunks, strict=True)):
                 if worker.store.has_chunk(key):
-                    # Content-addressed: an identical chunk (same model, dtype, tokens) is stored once.
+                    # Content-addressed: an identical chunk (same model, dtype, tokens, context) is stored once.
                     self.nbytes.append(kv_nbytes(len(ids), e.num_layers, e.num_kv_heads, e.head_dim,
                                                  worker.kv_dtype))
                 else:
                     self.nbytes.append(-1)
                     self.todo.append(i)
         piece, tokens = [], 0
-        while self.todo and (not piece or tokens + len(chunks[self.todo[0]]) <= budget_tokens):
+        cost = lambda i: len(chunks[i]) + len(self.job.context(i))  # noqa: E731 - a context is prefilled too
+        while self.todo and (not piece or tokens + cost(self.todo[0]) <= budget_tokens):
             i = self.todo.pop(0)
             piece.append(i)
-            tokens += len(chunks[i])
+            tokens += cost(i)
         if piece:
-            stored = dict(worker.compute_and_store([chunks[i] for i in piece]))
+            stored = dict(worker.compute_and_store([chunks[i] for i in piece], [self.job.context(i) for i in piece]))
             for i in piece:
                 self.nbytes[i] = stored[self.keys[i]]
             self.computed += len(piece)

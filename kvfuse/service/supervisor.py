@@ -356,16 +356,16 @@ class WorkerSupervisor:
             if isinstance(msg, (*P.FINAL, Cancelled)):
                 return
 
-    async def run(self, kind: str, payload: dict, timeout: float | None = None) -> dict:
-        """Submit a precompute job ({"chunks": [[ids]]}) and return its Done as a dict."""
-        if kind != "precompute":
-            raise ValueError(f"run() takes precompute jobs, not {kind!r}")
-        job = self.submit(P.precompute_job(payload))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            async for msg in self.events(job, deadline):
-                if isinstance(msg, P.Done):
-                    return {"keys": msg.keys, "nbytes": msg.nbytes, "computed": msg.computed, "worker": msg.worker}
-        finally:
-            self.cancel(job)
-        raise WorkerCrashed("the job ended without a result")
+
+async def precompute(dispatcher: Any, message: P.PrecomputeJob, timeout: float | None = None) -> P.Done:
+    """Run an ingestion batch on a dispatcher (this module's `WorkerSupervisor` or the fleet's
+    `FleetDispatcher`: both submit, stream and cancel alike) and return its Done."""
+    job = dispatcher.submit(message)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        async for msg in dispatcher.events(job, deadline):
+            if isinstance(msg, P.Done):
+                return msg
+    finally:
+        dispatcher.cancel(job)
+    raise WorkerCrashed("the job ended without a result")

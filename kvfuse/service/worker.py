@@ -92,16 +92,24 @@ class Worker:
                 "kv_budget_tokens": self.scheduler.limits.kv_budget_tokens,
                 "max_running_requests": self.scheduler.limits.max_running}
 
-    def key_of(self, token_ids: list[int]) -> str:
+    def key_of(self, token_ids: list[int], context: list[int] | None = None) -> str:
         from kvfuse import kvblob
 
-        return kvblob.chunk_key(self.engine.fingerprint, self.kv_dtype, token_ids)
+        return kvblob.chunk_key(self.engine.fingerprint, self.kv_dtype, token_ids, context or ())
 
-    def compute_and_store(self, chunks: list[list[int]]) -> list[tuple[str, int]]:
-        """Precompute, encode and store chunks; returns (key, blob bytes) each."""
-        fp = self.engine.fingerprint
-        return [self.store.put_kv(fp, self.kv_dtype, c.token_ids, c.k, c.v, self.chunk_artifacts(c.token_ids))
-                for c in self.engine.precompute(chunks)]
+    def compute_and_store(self, chunks: list[list[int]], contexts: list[list[int]] | None = None
+                          ) -> list[tuple[str, int]]:
+        """Precompute, encode and store chunks, each after its context if given (chunks alone are
+        batched); returns (key, blob bytes) each."""
+        fp, contexts = self.engine.fingerprint, contexts or [[] for _ in chunks]
+        alone = [i for i, c in enumerate(contexts) if not c]
+        computed = dict(zip(alone, self.engine.precompute([chunks[i] for i in alone]), strict=True))
+        for i, context in enumerate(contexts):
+            if context:
+                computed[i] = self.engine.precompute_after(context, chunks[i])
+        return [self.store.put_kv(fp, self.kv_dtype, chunks[i], computed[i].k, computed[i].v,
+                                  self.chunk_artifacts(chunks[i]), context_ids=contexts[i])
+                for i in range(len(chunks))]
 
     def chunk_artifacts(self, token_ids: list[int]) -> dict | None:
         """What the blob keeps beside the KV: samkv's analysis of the chunk (kvfuse.fusion.sparse), when
@@ -124,7 +132,9 @@ class Worker:
         """A chunk's ChunkKV from the store; recomputed from its token ids on a miss or a corrupt blob.
 
         A miss is not written back by default: the owning document may have been deleted meanwhile, and
-        an unreferenced blob would leak. A corrupt blob is replaced (its document still refers to it)."""
+        an unreferenced blob would leak. A corrupt blob is replaced (its document still refers to it).
+        A chunk keyed with a precompute context is rebuilt alone (the query does not carry the context)
+        and never written back: the alone cache is a fallback, not what its key names."""
         from kvfuse import kvblob
         from kvfuse.fusion import ChunkKV
 
@@ -145,7 +155,7 @@ class Worker:
             log.warning("chunk %s does not match its tokens: rebuilding it", key[:16])
             corrupt = True
         ckv = self.engine.precompute([token_ids])[0]
-        if corrupt or write_back:
+        if (corrupt or write_back) and key == self.key_of(token_ids):
             self.store.put_kv(self.engine.fingerprint, self.kv_dtype, token_ids, ckv.k, ckv.v)
         return ckv, True
 

@@ -21,6 +21,8 @@ class DocumentRecord:
     metadata: dict = field(default_factory=dict)
     chunk_keys: list[str] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
+    # per chunk, the hash of the context its KV was computed after (kvblob.context_hash); [] = all alone
+    chunk_contexts: list[str] = field(default_factory=list)
     tokens: int = 0
     kv_bytes: int = 0
     created_at: float = 0.0  # 0 = set by the store on first write

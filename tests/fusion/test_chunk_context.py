@@ -16,6 +16,8 @@ from kvfuse.fusion import FusionEngine, FusionOptions
 from kvfuse.fusion.chunk_context import (
     check_mode,
     document_contexts,
+    joined,
+    nearest_context,
     neighbour_contexts,
     neighbour_order,
 )
@@ -79,3 +81,8 @@ def test_context_choice():
     assert neighbour_order(vecs, 2) == [[2, 1], [2, 0], [0, 1]]
     assert neighbour_order(vecs, 1) == [[1], [0], [1]]
     assert neighbour_contexts(chunks, vecs, 2, 3) == [[6, 4, 5], [1, 2, 3], [3, 4, 5]]
+    assert joined([[1, 2], [3]], 2) == [2, 3] and joined([[1]], 0) == []
+    # scored candidates (the service's neighbours): the 2 best, least similar first, cut to the budget
+    scored = [(0.1, [1]), (0.9, [2, 3]), (0.5, [4])]
+    assert nearest_context(scored, 2, 8) == [4, 2, 3] and nearest_context(scored, 2, 2) == [2, 3]
+    assert nearest_context(scored, 5, 8) == [1, 4, 2, 3] and nearest_context([], 2, 8) == []

@@ -24,13 +24,3 @@ def test_an_unreachable_server_is_one_line_naming_the_url(command: list[str], tm
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"is kvfuse serve running on {url}?" in lines[0] and lines[0].startswith(f"kvfuse {command[0]}:")
-
-
-def test_serve_refuses_a_precompute_context_its_ingestion_does_not_compute(tmp_path: Path) -> None:
-    """The setting is the fidelity bench's so far: a service that would ignore it refuses to start."""
-    env = {**os.environ, "KVFUSE_DATA_DIR": str(tmp_path), "KVFUSE_STORE__PRECOMPUTE_CONTEXT": "document"}
-    env.pop("KVFUSE_CONFIG", None)
-    out = subprocess.run([sys.executable, "-m", "kvfuse.cli", "serve", "--port", str(free_port())], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert "store.precompute_context='document'" in out.stderr and "set it to none" in out.stderr

@@ -10,7 +10,7 @@ from kvfuse.service.codec import CodecError, decode, encode
 
 MESSAGES = [
     P.QueryJob("q?", None, False, {"method": "anchor"}, {"max_tokens": 4}, [P.ChunkRef("k1", [1, 2, 3], 0.5)], 7),
-    P.PrecomputeJob([[1, 2], [3]], 8), P.Cancel(3), P.Shutdown(),
+    P.PrecomputeJob([[1, 2], [3]], 8), P.PrecomputeJob([[1, 2], [3]], 9, [[7], []]), P.Cancel(3), P.Shutdown(),
     P.Plan(1, [0], [1], 10, 5, 3, step=2), P.Delta(1, "héllo", 3),
     P.Result(1, "text", "stop", {"generated_tokens": 2}, {"decode_s": 0.1}, 1, 4, worker="gpu-1"),
     P.Done(2, ["k"], [100], 1, 5, worker="gpu-2"), P.Error(3, P.ERR_WORKER_LOST, "gone", None, 6),

@@ -1,0 +1,27 @@
+"""Where the documents and the question go in the model's chat template.
+
+The prompt is prefix + documents + question: the template rendered up to the user's content (with the
+system prompt), the chunks, then the question and the template from the end of the user turn through the
+assistant header. Tokenizer only, no model: the API process uses it too (the `prefix` precompute
+context, kvfuse/service/chunk_contexts.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfuse.fusion.errors import FusionError
+
+_SENTINEL = "\u2063KVFUSE-DOCUMENTS\u2063"  # placed in the user turn to find where documents go
+QUESTION_TEMPLATE = "\n\nQuestion: {question}"  # the question part, before the template's turn end
+
+
+def template_halves(tokenizer: Any, system_prompt: str | None) -> tuple[str, str]:
+    """The chat template's text before and after the user's content."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": _SENTINEL})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if text.count(_SENTINEL) != 1:
+        raise FusionError("the chat template does not render the user message verbatim")
+    before, after = text.split(_SENTINEL)
+    return before, after

@@ -1,0 +1,80 @@
+"""What each chunk of a document being ingested is precomputed after (`store.precompute_context`).
+
+The API side of kvfuse/fusion/chunk_context.py: the context's tokens are chosen here, where the stored
+documents and the index are, and sent with the precompute job; the worker computes each chunk after its
+context and keys it by both (docs/DESIGN.md, "Context-carrying chunk caches"). Modes:
+
+- `none`: every chunk alone (no context), as before the setting existed.
+- `document`: the last `precompute_context_tokens` tokens before the chunk in its own document.
+- `prefix`: the system prefix of the configured default system prompt (the chat template up to the user's
+  content), so no chunk starts a sequence.
+- `neighbours`: the `precompute_neighbours` chunks most similar to it (embedding cosine) among the other
+  chunks of its document and the ready chunks of every other document in the index, least similar first,
+  cut to the same budget. Chosen once, at ingestion: later documents do not recompute earlier ones.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvfuse.fusion import chunk_context
+
+if TYPE_CHECKING:
+    from kvfuse.service.state import ServiceState
+
+
+def contexts_for(state: ServiceState, doc_id: str, chunk_ids: list[list[int]], vectors: Any) -> list[list[int]]:
+    """One context (token ids, [] = alone) per chunk of `doc_id`. Reads the store and the index: call it
+    in a thread."""
+    s = state.settings.store
+    mode, budget = chunk_context.check_mode(s.precompute_context), s.precompute_context_tokens
+    if mode == "none" or budget <= 0:
+        return [[] for _ in chunk_ids]
+    if mode == "document":
+        return chunk_context.document_contexts(chunk_ids, budget)
+    if mode == "prefix":
+        from kvfuse.fusion.prompt import template_halves
+
+        before, _ = template_halves(state.chunker.tokenizer, state.settings.generation.system_prompt)
+        prefix = chunk_context.joined([state.chunker.encode(before)], budget)
+        return [list(prefix) for _ in chunk_ids]
+    return _neighbour_contexts(state, doc_id, chunk_ids, np.asarray(vectors, dtype=np.float32), s.precompute_neighbours,
+                               budget)
+
+
+def _neighbour_contexts(state: ServiceState, doc_id: str, chunk_ids: list[list[int]], vectors: np.ndarray,
+                        n: int, budget: int) -> list[list[int]]:
+    own = vectors @ vectors.T
+    previous = state.store.get_document(doc_id)
+    # The document's previous version is still in the index: ask for enough hits to skip all of it.
+    top_k = n + (len(previous.chunk_keys) if previous is not None else 0)
+    records: dict[str, Any] = {}
+    out = []
+    for i, vec in enumerate(vectors):
+        scored: list[tuple[float, list[int]]] = [(float(own[i, j]), chunk_ids[j])
+                                                 for j in range(len(chunk_ids)) if j != i]
+        for hit in state.index.search(vec, top_k) if state.index is not None and len(state.index) else []:
+            tokens = _chunk_tokens(state, records, hit.document_id, hit.chunk_index, doc_id)
+            if tokens is not None:
+                scored.append((float(hit.score), tokens))
+        out.append(chunk_context.nearest_context(scored, n, budget))
+    return out
+
+
+def _chunk_tokens(state: ServiceState, records: dict[str, Any], doc_id: str, index: int,
+                  ingesting: str) -> list[int] | None:
+    """The tokens of chunk `index` of another ready document; None for the document being ingested, or
+    one deleted or changed since the search."""
+    if doc_id == ingesting:
+        return None
+    if doc_id not in records:
+        records[doc_id] = state.store.get_document(doc_id)
+    rec = records[doc_id]
+    if rec is None or rec.status != "ready" or index >= len(rec.chunk_tokens):
+        return None
+    try:
+        return state.queries.chunk_token_ids(rec)[index]
+    except Exception:  # noqa: BLE001 - a neighbour that cannot be read is skipped, never fails the ingestion
+        return None
