@@ -28,7 +28,8 @@ def plan_query(worker: Worker, job: P.QueryJob) -> Request | P.Error:
     engine, step = worker.engine, worker.step_no
     fusion = FusionOptions(**job.fusion)
     gen = GenerationOptions(**job.generation)
-    full_prefill = get_method(fusion.method).full_prefill  # unknown method -> ValueError -> 422
+    method = get_method(fusion.method)  # unknown method -> ValueError -> 422
+    full_prefill, per_chunk = method.full_prefill, method.tokens_per_chunk(fusion)
     if gen.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     prefix_ids, question_ids = engine.prompt_parts(job.question, job.system_prompt)
@@ -43,7 +44,8 @@ def plan_query(worker: Worker, job: P.QueryJob) -> Request | P.Error:
     budget = limit - fixed
     kept = list(range(len(chunks)))
     dropped: list[int] = []
-    total = sum(len(c.token_ids) for c in chunks)
+    cost = [len(c.token_ids) + per_chunk for c in chunks]  # a chunk and the rows its method adds after it
+    total = sum(cost)
     if total > budget:
         if job.explicit:
             return P.Error(job.job_id, P.ERR_CONTEXT_OVERFLOW,
@@ -54,7 +56,7 @@ def plan_query(worker: Worker, job: P.QueryJob) -> Request | P.Error:
             if total <= budget:
                 break
             dropped.append(i)
-            total -= len(chunks[i].token_ids)
+            total -= cost[i]
         gone = set(dropped)
         kept = [i for i in kept if i not in gone]
     kv_tokens = fixed + total

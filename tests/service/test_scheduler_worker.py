@@ -197,6 +197,16 @@ def test_small_kv_budget_makes_the_fourth_wait_then_complete_and_a_full_queue_re
     assert isinstance(err, WorkerJobError) and err.kind == P.ERR_KV_BUDGET, err
 
 
+def test_kvlink_link_slots_count_against_the_kv_budget(harness: Harness, chunks) -> None:
+    # 36 chunks of 64 tokens and the prompt fit the budget of 2400 alone; with kvlink's 5 link slots
+    # after each chunk (180 rows more) they do not: refused at planning, with what the links add.
+    job = query(chunks, list(range(36)), method="kvlink", max_tokens=1)
+    job.fusion["link_tokens"] = 5
+    (err,) = harness.run_all([job])
+    assert isinstance(err, WorkerJobError) and err.kind == P.ERR_KV_BUDGET, err
+    assert 0 < err.excess_tokens <= 36 * 5  # without the links it would have fit
+
+
 def test_ingest_shares_the_steps_with_streaming_queries(harness: Harness, chunks) -> None:
     start = harness.sup.steps[-1].step + 1
     pre = P.PrecomputeJob(chunks=[c[:-1] + [c[-1] ^ 1] for c in chunks[:24]])  # new chunks: all computed

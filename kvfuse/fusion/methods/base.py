@@ -44,6 +44,11 @@ class FusionMethod:
         puts tokens of its own between the chunks (kvlink's link tokens) returns them as extra chunks."""
         return chunks
 
+    def tokens_per_chunk(self, options: FusionOptions) -> int:
+        """Cache rows the method adds after each chunk (kvlink's link slots): the scheduler counts them
+        against the model context and the KV budget. Default: none."""
+        return 0
+
     def full_layers(self, options: FusionOptions, num_layers: int) -> int:
         """Layers run in full for all context rows before `select()` (their hidden states are then exact)."""
         return 0

@@ -67,6 +67,9 @@ class KVLink(FusionMethod):
         if found is not None:
             engine.artifacts[cls.name] = found
 
+    def tokens_per_chunk(self, options: FusionOptions) -> int:
+        return int(options.link_tokens)
+
     def prepare(self, engine: Any, chunks: list[ChunkKV], options: FusionOptions) -> list[ChunkKV]:
         k = int(options.link_tokens)
         if k == 0 or not chunks:
