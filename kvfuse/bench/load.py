@@ -225,24 +225,27 @@ class LocalServer:
 
 
 def ingest_documents(url: str, api_key: str | None, texts: list[tuple[str, str]], context_tokens: int,
-                     docs: int = 4) -> tuple[list[str], int]:
-    """Ingest `docs` essay openings of about context_tokens / docs tokens each (cut on a word boundary);
-    returns their ids and their tokens in all."""
+                     docs: int = 4) -> tuple[list[str], int, float]:
+    """Ingest `docs` essay openings of about context_tokens / docs tokens each (cut on a word boundary),
+    one after another, each waited for; returns their ids, their tokens in all and the seconds the
+    ingestion requests took (chunk, embed, precompute and store: what `store.precompute_context` costs)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     chars = max(200, int(context_tokens / docs * 3.5))  # English prose: ~3.5-4 characters per token
-    ids, total = [], 0
+    ids, total, seconds = [], 0, 0.0
     with httpx.Client(base_url=url, headers=headers, timeout=600) as c:
         for name, text in texts[:docs]:
             cut = text[:chars]
             cut = cut[: cut.rfind(" ")] if " " in cut and len(text) > chars else cut
             doc_id = f"load-{name}"
+            t0 = time.perf_counter()
             resp = c.post("/v1/documents?wait=true", json={"id": doc_id, "text": cut, "on_conflict": "overwrite"})
             resp.raise_for_status()
+            seconds += time.perf_counter() - t0
             ids.append(doc_id)
             total += c.get(f"/v1/documents/{doc_id}").json()["tokens"]
-    return ids, total
+    return ids, total, seconds
 
 
 def plot(rows: list[dict[str, Any]], png: Path) -> Path:
@@ -317,7 +320,7 @@ def command(args: Any) -> int:
     def run(url: str, api_key: str | None) -> list[dict[str, Any]]:
         essays = list(load_essays(resolve_data_dir(args.data_dir)))
         random.Random(args.seed).shuffle(essays)
-        doc_ids, context = ingest_documents(url, api_key, essays, args.context_tokens, args.docs)
+        doc_ids, context, ingest_s = ingest_documents(url, api_key, essays, args.context_tokens, args.docs)
         cfg = LoadConfig(url=url, api_key=api_key, document_ids=doc_ids, methods=methods,
                          concurrency=args.concurrency, rounds=args.rounds, max_tokens=args.max_tokens,
                          rate=args.rate, open_requests=args.open_requests, seed=args.seed)
@@ -328,7 +331,8 @@ def command(args: Any) -> int:
             json_path.parent.mkdir(parents=True, exist_ok=True)
             payload = {"kind": "load", "command": command_text, "created": created,
                        "machine": {**machine, **load_info()},
-                       "params": {**config_dict(cfg), "context_tokens": context}, "partial": partial, "rows": rows}
+                       "params": {**config_dict(cfg), "context_tokens": context, "ingest_s": round(ingest_s, 3)},
+                       "partial": partial, "rows": rows}
             json_path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
 
         rows = run_load(cfg, save)

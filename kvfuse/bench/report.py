@@ -202,11 +202,16 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
         from kvfuse.bench import load
 
         load.plot(rows, png)
+        params = payload.get("params", {})
+        ingest = (f" Ingestion before the load: {params['context_tokens']} tokens in {params['ingest_s']:.1f} s "
+                  f"({params['context_tokens'] / params['ingest_s']:.1f} tokens/s, documents one at a time, each "
+                  "waited for)." if params.get("ingest_s") else "")
         body = [
             "Closed loop: N users each send their next streamed query when the last answer ends; open loop: "
             "Poisson arrivals at the given rate. TTFT and ITL as the client sees them (ITL between token "
             "events), TPOT per request (decode time over its tokens after the first); tokens/s and requests/s "
-            "over each level's wall time.", "", markdown_table(rows, load.LOAD_TABLE), "", f"![load]({png.name})",
+            "over each level's wall time." + ingest, "", markdown_table(rows, load.LOAD_TABLE), "",
+            f"![load]({png.name})",
             "", "## What batching buys", "", markdown_table(load.scaling(rows), load.SCALING_TABLE),
         ]
     else:
