@@ -74,12 +74,22 @@ def _render(value: Any) -> str:
     return text
 
 
+_SECRET_WORDS = frozenset({"KEY", "KEYS", "SECRET", "SECRETS", "PASSWORD", "PASSWORDS", "CREDENTIALS"})
+
+
+def _secret(name: str, value: str) -> bool:
+    """Whether an environment setting may hold a secret: API keys, passwords, an access token, or a URL
+    with credentials in it. Token counts (CHUNK_TOKENS, MAX_TOKENS ...) are settings, not secrets."""
+    words = set(name.split("_"))
+    return bool(words & _SECRET_WORDS) or "TOKEN" in words or "@" in value
+
+
 def command_line(prog: str, parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     """The command with every option spelled out as it took effect (defaults included), so the result
     says exactly how to reproduce it whatever the defaults become."""
     # settings overridden from the environment change the run too; secrets are never written down
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-           if k.startswith("KVFUSE_") and not any(w in k for w in ("KEY", "TOKEN", "SECRET", "PASSWORD"))]
+           if k.startswith("KVFUSE_") and not _secret(k, v)]
     parts = [*env, prog]
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":

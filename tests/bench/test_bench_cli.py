@@ -45,8 +45,14 @@ def test_command_line_spells_out_every_effective_option(monkeypatch: pytest.Monk
     assert " --no-cold " in command_line("kvfuse bench speed", args.parser, args)
     monkeypatch.setenv("KVFUSE_MODEL__THREADS", "1")
     monkeypatch.setenv("KVFUSE_SERVER__API_KEYS", "secret")
+    monkeypatch.setenv("KVFUSE_REDIS_URL", "redis://:hunter2@db:6379/0")
     cmd = command_line("kvfuse bench speed", args.parser, args)
     assert cmd.startswith("KVFUSE_MODEL__THREADS=1 kvfuse bench speed ") and "secret" not in cmd
+    assert "hunter2" not in cmd
+    # token counts change the run and are no secret
+    monkeypatch.setenv("KVFUSE_RETRIEVER__CHUNK_TOKENS", "256")
+    cmd = command_line("kvfuse bench speed", args.parser, args)
+    assert cmd.startswith("KVFUSE_MODEL__THREADS=1 KVFUSE_RETRIEVER__CHUNK_TOKENS=256 kvfuse bench speed ")
 
 
 def test_machine_info_names_cpu_cores_and_torch():
