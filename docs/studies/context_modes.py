@@ -10,6 +10,10 @@ once per example (read back from `bench.reference_dir` when there). This is `kvf
 in-process backend (`kvfuse.bench.fidelity.EngineBackend`), scoring and measures; it only shares the
 vanilla run and the example between the two modes, which the CLI does in two runs.
 
+STUDY_SHUFFLE=1 fuses each example's chunks in a shuffled order (seeded by SEED and the example), as a
+retrieval that ranks chunks by score would, while `document` contexts still follow the chunks' order in
+their document: a chunk's context is then no longer the text before it in the prompt.
+
 Writes OUT_PREFIX-none.json and OUT_PREFIX-MODE.json, each a fidelity result (rows, outcomes, ingest
 throughput), checkpointed after every example; `docs/studies/fidelity_context.py` tables them.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import shlex
 import sys
 import time
@@ -52,7 +57,11 @@ def main(argv: list[str]) -> int:
     cfg = tasks.TaskConfig(n=n, docs=docs, doc_tokens=doc_tokens, seed=seed)
     hay = tasks.Haystack(backend.tokenizer, data_dir)
     examples = {t: tasks.build_examples(t, backend.tokenizer, data_dir, cfg, hay) for t in task_names}
-    command = f"STUDY_SHAPE={docs}x{doc_tokens} python docs/studies/context_modes.py " + " ".join(shlex.quote(a) for a in argv)
+    shuffle = os.environ.get("STUDY_SHUFFLE", "0") == "1"
+    if shuffle:
+        examples = {t: [_shuffled(ex, seed, backend) for ex in exs] for t, exs in examples.items()}
+    command = (f"STUDY_SHAPE={docs}x{doc_tokens} STUDY_SHUFFLE={int(shuffle)} python docs/studies/context_modes.py "
+               + " ".join(shlex.quote(a) for a in argv))
     outs: dict[str, list] = {"none": [], mode: []}
     ingest = {m: {"mode": m, "chunk_tokens": 0, "context_tokens": 0, "precompute_s": 0.0, "embed_s": 0.0}
               for m in outs}
@@ -95,6 +104,35 @@ def main(argv: list[str]) -> int:
             save()
             print(f"{ex.id} done in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
+
+
+def _shuffled(ex: tasks.Example, seed: int, backend: EngineBackend) -> tasks.Example:
+    """The example with its chunks in a shuffled prompt order; `document` contexts keep the document's
+    order (the backend's `contexts` is wrapped once to map them)."""
+    n = len(ex.chunks)
+    perm = list(range(n))
+    rng = random.Random(f"{seed}/{ex.id}")
+    while n > 1 and perm == sorted(perm):
+        rng.shuffle(perm)
+    out = dataclasses.replace(ex, id=ex.id + "-shuffled", chunks=[ex.chunks[p] for p in perm],
+                              fact_chunks=[perm.index(f) for f in ex.fact_chunks])
+    perms = backend.__dict__.setdefault("_study_perms", {})
+    perms[out.id] = perm
+    if "_study_contexts" not in backend.__dict__:
+        plain = backend.contexts
+
+        def contexts(example, prefix_ids, chunk_ids):
+            p = perms.get(example.id)
+            if p is None:
+                return plain(example, prefix_ids, chunk_ids)
+            order = sorted(range(len(p)), key=lambda j: p[j])  # prompt slot of each document position
+            ctx = plain(dataclasses.replace(example, chunks=[example.chunks[j] for j in order]), prefix_ids,
+                        [chunk_ids[j] for j in order])
+            return [ctx[p[j]] for j in range(len(p))]
+
+        backend.contexts = contexts
+        backend.__dict__["_study_contexts"] = True
+    return out
 
 
 if __name__ == "__main__":
