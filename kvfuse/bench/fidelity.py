@@ -188,7 +188,7 @@ class EngineBackend:
                 out.reference = hit
                 return out
         opts = self.options(method, ratio)
-        self.ingest_artifacts(method, chunks)
+        self.ingest_artifacts(opts.method, chunks)  # the method itself (a study may run it under a label)
         text, tokens, steps, ttft_s, fused = self.greedy(prefix, chunks, question_ids, opts, budget,
                                                          keep_steps=method == "vanilla")
         stats = fused.stats
