@@ -1,12 +1,13 @@
 """A precompute context against `none`, example by example, for one method (context_modes.py's output).
 
-    python docs/studies/context_pairs.py METHOD LABEL=PREFIX [LABEL=PREFIX ...]
+    python docs/studies/context_pairs.py METHOD LABEL=PREFIX [LABEL=PREFIX ...] [--png PATH]
 
 Each PREFIX names a context_modes.py run: PREFIX-none.json and one PREFIX-<mode>.json, the same examples
 computed both ways. Per run and task, and over all tasks: the pairs, in how many the mode's answer KL to
 vanilla is lower, the two-sided sign test, the ratio of mean answer KL (mode / none) with its 95 % paired
 bootstrap interval (kvfuse.bench.agreement.paired_ratio_ci), and how many answers equal vanilla's in
-each mode. Prints a markdown table.
+each mode. Prints a markdown table; with --png, also plots each example's answer KL with the context
+against without it (log-log, one colour per run; below the diagonal the context brought it closer).
 """
 
 from __future__ import annotations
@@ -49,8 +50,31 @@ def row(label: str, task: str, pairs: list[tuple[dict, dict, str]]) -> dict:
             "same_mode": sum(b["prediction"] == v for _, b, v in pairs)}
 
 
+def plot(points: dict[str, list[tuple[float, float]]], png: Path, method: str) -> None:
+    from kvfuse.bench.plots import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5, 5))
+    every = [v for pts in points.values() for p in pts for v in p if v > 0]
+    lo, hi = min(every) / 2, max(every) * 2
+    ax.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8)
+    for label, pts in points.items():
+        ax.scatter([a for a, _ in pts], [b for _, b in pts], label=label, s=18)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="answer KL, chunks cached alone",
+           ylabel="answer KL, chunks cached after a context", title=f"{method}: each example, vs vanilla")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> int:
+    png = None
+    if "--png" in argv:
+        i = argv.index("--png")
+        png, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
     method, runs = argv[0], [a.split("=", 1) for a in argv[1:]]
+    points: dict[str, list[tuple[float, float]]] = {}
     print("| run | task | pairs | mode KL lower | sign test p | answer KL mode / none (95 % CI) "
           "| same answer as vanilla: none | mode |")
     print("|---|---|---|---|---|---|---|---|")
@@ -60,6 +84,7 @@ def main(argv: list[str]) -> int:
         none, mode, van = _outcomes(base, method), _outcomes(other, method), _vanilla(base)
         keys = [k for k in none if k in mode and k in van]
         tasks = list(dict.fromkeys(t for t, _ in keys))
+        points[label] = [(none[k]["answer_kl_vs_vanilla"], mode[k]["answer_kl_vs_vanilla"]) for k in keys]
         for task in [*tasks, "all"]:
             pairs = [(none[k], mode[k], van[k]) for k in keys if task in ("all", k[0])]
             r = row(label, task, pairs)
@@ -67,6 +92,8 @@ def main(argv: list[str]) -> int:
             ratio = f"{r['ratio']:.2f}{ci}" if r["ratio"] is not None else "–"
             print(f"| {label} | {task} | {r['n']} | {r['lower']} | {r['p']:.3f} | {ratio} | {r['same_none']} "
                   f"| {r['same_mode']} |")
+    if png is not None:
+        plot(points, png, method)
     return 0
 
 
