@@ -1,6 +1,6 @@
 """The API side of a fleet: jobs to `kvfuse worker`s on any host through Redis streams.
 
-`FleetDispatcher` has the interface of `WorkerSupervisor` (supervisor.py; `dispatch.py` picks one), so
+`FleetDispatcher` is a `JobBook` (job_book.py) like `WorkerSupervisor` (supervisor.py; `dispatch.py` picks one), so
 queries and ingestion do not know which transport runs them. Per job (keys in fleet.py):
 
 1. the job's reply stream is opened (and kept from expiring while the API reads it);
@@ -22,38 +22,28 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
 from typing import Any
 
 from kvfuse.config import Settings
 from kvfuse.service import protocol as P
 from kvfuse.service.codec import CodecError, decode, encode
 from kvfuse.service.fleet import FleetKeys, alive_workers, load_of
+from kvfuse.service.job_book import Cancelled, Crashed, Job, JobBook
 from kvfuse.service.metrics import Metrics
-from kvfuse.service.supervisor import (
-    Cancelled,
-    Crashed,
-    Job,
-    QueueFull,
-    WorkerCrashed,
-    WorkerJobError,
-    WorkerUnavailable,
-)
 
 log = logging.getLogger(__name__)
 
 _READ_BLOCK_MS = 500  # one blocking read of a reply stream; liveness is checked between reads
 
 
-class FleetDispatcher:
+class FleetDispatcher(JobBook):
     pid = None  # no local worker process
 
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         if not settings.redis_url:
             raise ValueError("server.workers = 0 dispatches to `kvfuse worker`s through Redis: set redis_url")
-        self.settings = settings
+        super().__init__(settings, metrics)
         self.fleet = settings.fleet
-        self.metrics = metrics
         self.keys = FleetKeys(self.fleet.namespace)
         self.info: dict[str, Any] = {}
         self.workers: dict[str, dict] = {}  # live workers' heartbeats
@@ -61,30 +51,12 @@ class FleetDispatcher:
         self.steps: deque = deque(maxlen=1)  # engine steps are the workers' (see their heartbeats)
         self.restarts = 0
         self._r: Any = None
-        self._jobs: dict[int, Job] = {}
         self._uids: dict[int, str] = {}
         self._directed: dict[str, int] = {}  # jobs sent to a worker's own stream, not yet taken
-        self._waiting = 0
-        self._running = 0
-        self._next_id = 1
-        self._closing = False
-        self._ready = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._monitor: asyncio.Task | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------
-    @property
-    def ready(self) -> bool:
-        return self._ready.is_set()
-
-    @property
-    def waiting(self) -> int:
-        return self._waiting
-
-    @property
-    def running(self) -> int:
-        return self._running
-
     async def start(self) -> None:
         import redis.asyncio as aioredis
 
@@ -112,13 +84,6 @@ class FleetDispatcher:
                 self.last_error = f"the fleet's Redis is unavailable: {err}"
             await asyncio.sleep(min(0.5, self.fleet.heartbeat_s))
 
-    async def wait_ready(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
-
     async def stop(self) -> None:
         self._closing = True
         for job in list(self._jobs.values()):
@@ -136,19 +101,8 @@ class FleetDispatcher:
 
     # -- jobs ----------------------------------------------------------------------------------------------
     def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
-        if self._closing:
-            raise WorkerUnavailable("the service is shutting down")
-        is_query = isinstance(message, P.QueryJob)
-        if is_query and self._waiting >= self.settings.server.queue_size:
-            raise QueueFull(f"{self._waiting} queries are waiting")
-        message.job_id = self._next_id
-        self._next_id += 1
-        job = Job(id=message.job_id, message=message)
-        self._jobs[job.id] = job
+        job = self._register(message)
         self._uids[job.id] = uuid.uuid4().hex
-        if is_query:
-            self._waiting += 1
-            self._gauges()
         task = asyncio.create_task(self._drive(job), name=f"kvfuse-job-{job.id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -251,31 +205,13 @@ class FleetDispatcher:
                 return  # the same plan again, from a worker that re-ran the job
             self._started(job)
         if isinstance(msg, P.FINAL):
-            if isinstance(msg, P.Result):
-                u = msg.usage
-                self.metrics.generation_tokens.inc(u.get("generated_tokens", 0))
-                self.metrics.prompt_tokens.inc(u.get("prefix_tokens", 0) + u.get("context_tokens", 0)
-                                               + u.get("question_tokens", 0))
+            self._count_usage(msg)
             if isinstance(msg, P.Error) and msg.kind == P.ERR_WORKER_LOST:
                 self._finish(job, Crashed(msg.message))
                 return
             self._finish(job, msg)
         else:
             job.events.put_nowait(msg)
-
-    def _started(self, job: Job) -> None:
-        if job.started_at is not None:
-            return
-        job.started_at = time.monotonic()
-        if job.kind == "query":
-            self._waiting -= 1
-            self._running += 1
-            self.metrics.queue_time.observe(job.started_at - job.enqueued_at)
-            self._gauges()
-
-    def _gauges(self) -> None:
-        self.metrics.waiting.set(self._waiting)
-        self.metrics.running.set(self._running)
 
     async def _mark_cancelled(self, uids: list[str]) -> None:
         if not uids:
@@ -298,29 +234,3 @@ class FleetDispatcher:
             self._finish(job, Cancelled())
             return
         job.cancel_deadline = time.monotonic() + self.settings.server.worker_cancel_grace_s
-
-    def _finish(self, job: Job, msg: Any) -> None:
-        if job.finished.is_set():
-            return
-        self._jobs.pop(job.id, None)
-        if job.kind == "query":
-            if job.started_at is None:
-                self._waiting -= 1
-            else:
-                self._running -= 1
-            self._gauges()
-        job.events.put_nowait(msg)
-        job.finished.set()
-
-    async def events(self, job: Job, deadline: float | None = None) -> AsyncIterator[Any]:
-        """As WorkerSupervisor.events."""
-        while True:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            msg = await asyncio.wait_for(job.events.get(), timeout)
-            if isinstance(msg, Crashed):
-                raise WorkerCrashed(msg.message)
-            if isinstance(msg, P.Error):
-                raise WorkerJobError(msg.kind, msg.message, msg.excess_tokens)
-            yield msg
-            if isinstance(msg, (*P.FINAL, Cancelled)):
-                return

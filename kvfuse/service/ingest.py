@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvfuse.service.chunk_contexts import contexts_for
 from kvfuse.service.errors import APIError
+from kvfuse.service.job_book import WorkerCrashed, WorkerJobError, precompute
 from kvfuse.service.protocol import PrecomputeJob
 from kvfuse.service.responses import Submitted
-from kvfuse.service.supervisor import WorkerCrashed, WorkerJobError, precompute
 from kvfuse.store.jobs import JobRecord, public_status
 
 if TYPE_CHECKING:

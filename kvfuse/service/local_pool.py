@@ -15,8 +15,9 @@ from typing import Any
 
 from kvfuse.config import Settings
 from kvfuse.service import protocol as P
+from kvfuse.service.job_book import Job, QueueFull
 from kvfuse.service.metrics import Metrics
-from kvfuse.service.supervisor import Job, QueueFull, WorkerSupervisor
+from kvfuse.service.supervisor import WorkerSupervisor
 
 
 class _Member(WorkerSupervisor):
@@ -125,7 +126,3 @@ class LocalPool:
         finally:
             if job.finished.is_set():
                 self._owner.pop(job, None)
-
-    async def run(self, kind: str, payload: dict, timeout: float | None = None) -> dict:
-        ready = [m for m in self.members if m.ready] or self.members
-        return await min(ready, key=lambda m: len(m._jobs)).run(kind, payload, timeout)

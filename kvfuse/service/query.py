@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 
 from kvfuse.service.errors import APIError
+from kvfuse.service.job_book import QueueFull, WorkerCrashed, WorkerJobError, WorkerUnavailable
 from kvfuse.service.protocol import (
     ERR_CONTEXT_OVERFLOW,
     ERR_INVALID,
@@ -34,7 +35,6 @@ from kvfuse.service.protocol import (
 )
 from kvfuse.service.responses import FusionUsed, QueryAnswer, QuerySources, Source, Timings, Usage
 from kvfuse.service.schemas import FusionIn, GenerationIn
-from kvfuse.service.supervisor import QueueFull, WorkerCrashed, WorkerJobError, WorkerUnavailable
 
 if TYPE_CHECKING:
     from kvfuse.service.state import ServiceState

@@ -3,7 +3,8 @@
 Every job goes to the worker at once (over a writer thread, so a busy worker never blocks the event
 loop); the worker's scheduler decides when it runs, batching many queries into each decode step (see
 `worker.py` and `protocol.py` for the messages). Any number of jobs are in flight; replies are routed
-by job id to each job's event queue.
+by job id to each job's event queue (the book of jobs and counts is `job_book.JobBook`, shared with the
+fleet's dispatcher).
 
 Admission control lives here only as far as the API must answer at once: a query counts as waiting
 from submission until the worker admits it (its Plan), and when `server.queue_size` queries wait the
@@ -23,76 +24,22 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
-import time
 from collections import deque
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
 from kvfuse.config import Settings
 from kvfuse.service import protocol as P
+from kvfuse.service.job_book import Cancelled, Crashed, Job, JobBook
 from kvfuse.service.metrics import Metrics
 from kvfuse.service.worker import worker_main
 
 log = logging.getLogger(__name__)
 
 
-class QueueFull(Exception):
-    """The query queue is full (429)."""
-
-
-class WorkerCrashed(Exception):
-    """The worker process died while running the job (503)."""
-
-
-class WorkerUnavailable(Exception):
-    """The service is shutting down (503)."""
-
-
-class WorkerJobError(Exception):
-    """The worker refused or failed the job; `kind` is one of kvfuse.service.protocol.ERR_*."""
-
-    def __init__(self, kind: str, message: str, excess_tokens: int | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.excess_tokens = excess_tokens
-
-
-@dataclass
-class Crashed:
-    """A job's end on the API side: its worker died (or the service stopped)."""
-
-    message: str
-
-
-@dataclass
-class Cancelled:
-    """A job's end on the API side: cancelled before the worker started it."""
-
-
-@dataclass(eq=False)
-class Job:
-    id: int
-    message: P.QueryJob | P.PrecomputeJob
-    enqueued_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
-    cancelled: bool = False
-    worker: str | None = None  # the fleet worker that took it (fleet_dispatch.py)
-    cancel_deadline: float | None = None
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def kind(self) -> str:
-        return "query" if isinstance(self.message, P.QueryJob) else "precompute"
-
-
-class WorkerSupervisor:
+class WorkerSupervisor(JobBook):
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
-        self.settings = settings
-        self.metrics = metrics
+        super().__init__(settings, metrics)
         self.info: dict[str, Any] = {}
         self.last_error: str | None = None
         self.steps: deque[P.Step] = deque(maxlen=4096)  # the latest engine steps (tests, debugging)
@@ -101,44 +48,19 @@ class WorkerSupervisor:
         self._proc: Any = None
         self._outbox: queue.SimpleQueue | None = None
         self._generation = 0
-        self._ready = asyncio.Event()
-        self._jobs: dict[int, Job] = {}  # submitted, not finished
         self._sent: set[int] = set()  # of those, sent to the current worker
-        self._waiting = 0  # queries submitted and not yet admitted
-        self._running = 0  # queries admitted and not finished
-        self._next_id = 1
-        self._closing = False
         self._failures = 0  # consecutive starts that never reached "ready"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._restart_task: asyncio.Task | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     @property
-    def ready(self) -> bool:
-        return self._ready.is_set()
-
-    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
-
-    @property
-    def waiting(self) -> int:
-        return self._waiting
-
-    @property
-    def running(self) -> int:
-        return self._running
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._spawn()
-
-    async def wait_ready(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
 
     async def stop(self) -> None:
         self._closing = True
@@ -224,11 +146,7 @@ class WorkerSupervisor:
         if isinstance(msg, P.Plan):
             self._started(job)
         if isinstance(msg, P.FINAL):
-            if isinstance(msg, P.Result):
-                u = msg.usage
-                self.metrics.generation_tokens.inc(u.get("generated_tokens", 0))
-                self.metrics.prompt_tokens.inc(u.get("prefix_tokens", 0) + u.get("context_tokens", 0)
-                                               + u.get("question_tokens", 0))
+            self._count_usage(msg)
             self._finish(job, msg)
         else:
             job.events.put_nowait(msg)
@@ -239,20 +157,6 @@ class WorkerSupervisor:
             self.metrics.batch_size.observe(msg.batch_size)
         if msg.ingest_job is not None and msg.ingest_job in self._jobs:
             self._started(self._jobs[msg.ingest_job])
-
-    def _started(self, job: Job) -> None:
-        if job.started_at is not None:
-            return
-        job.started_at = time.monotonic()
-        if job.kind == "query":
-            self._waiting -= 1
-            self._running += 1
-            self.metrics.queue_time.observe(job.started_at - job.enqueued_at)
-            self._gauges()
-
-    def _gauges(self) -> None:
-        self.metrics.waiting.set(self._waiting)
-        self.metrics.running.set(self._running)
 
     def _on_exit(self, gen: int, exitcode: int | None) -> None:
         if gen != self._generation:
@@ -294,18 +198,7 @@ class WorkerSupervisor:
 
     def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
         """Hand a job to the worker; raises QueueFull when `server.queue_size` queries already wait."""
-        if self._closing:
-            raise WorkerUnavailable("the service is shutting down")
-        is_query = isinstance(message, P.QueryJob)
-        if is_query and self._waiting >= self.settings.server.queue_size:
-            raise QueueFull(f"{self._waiting} queries are waiting")
-        message.job_id = self._next_id
-        self._next_id += 1
-        job = Job(id=message.job_id, message=message)
-        self._jobs[job.id] = job
-        if is_query:
-            self._waiting += 1
-            self._gauges()
+        job = self._register(message)
         self._send(job)
         return job
 
@@ -327,45 +220,3 @@ class WorkerSupervisor:
             log.error("job %d ignored its cancellation for %.0f s: killing the worker", job.id,
                       self.settings.server.worker_cancel_grace_s)
             self.kill_worker()
-
-    def _finish(self, job: Job, msg: Any) -> None:
-        if job.finished.is_set():
-            return
-        self._jobs.pop(job.id, None)
-        if job.kind == "query":
-            if job.started_at is None:
-                self._waiting -= 1
-            else:
-                self._running -= 1
-            self._gauges()
-        job.events.put_nowait(msg)
-        job.finished.set()
-
-    async def events(self, job: Job, deadline: float | None = None) -> AsyncIterator[Any]:
-        """The job's messages (protocol dataclasses) through its final one (Result, Done or Cancelled);
-        raises WorkerCrashed / WorkerJobError, TimeoutError past `deadline` (monotonic). The caller
-        cancels the job when it stops iterating early."""
-        while True:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            msg = await asyncio.wait_for(job.events.get(), timeout)
-            if isinstance(msg, Crashed):
-                raise WorkerCrashed(msg.message)
-            if isinstance(msg, P.Error):
-                raise WorkerJobError(msg.kind, msg.message, msg.excess_tokens)
-            yield msg
-            if isinstance(msg, (*P.FINAL, Cancelled)):
-                return
-
-
-async def precompute(dispatcher: Any, message: P.PrecomputeJob, timeout: float | None = None) -> P.Done:
-    """Run an ingestion batch on a dispatcher (this module's `WorkerSupervisor` or the fleet's
-    `FleetDispatcher`: both submit, stream and cancel alike) and return its Done."""
-    job = dispatcher.submit(message)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        async for msg in dispatcher.events(job, deadline):
-            if isinstance(msg, P.Done):
-                return msg
-    finally:
-        dispatcher.cancel(job)
-    raise WorkerCrashed("the job ended without a result")

@@ -19,8 +19,9 @@ import pytest
 
 from kvfuse.config import load_settings
 from kvfuse.service import protocol as P
+from kvfuse.service.job_book import QueueFull, WorkerCrashed, WorkerJobError
 from kvfuse.service.metrics import Metrics
-from kvfuse.service.supervisor import QueueFull, WorkerCrashed, WorkerJobError, WorkerSupervisor
+from kvfuse.service.supervisor import WorkerSupervisor
 
 pytestmark = pytest.mark.slow
 

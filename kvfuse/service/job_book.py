@@ -1,0 +1,187 @@
+"""The API side's book of worker jobs, one for every transport.
+
+`WorkerSupervisor` (a local worker process over a pipe, supervisor.py) and `FleetDispatcher` (`kvfuse
+worker`s through Redis, fleet_dispatch.py) differ in how a job reaches a worker and how its replies come
+back; everything else is this: job ids, the waiting / running query counts behind the queue limit
+(`server.queue_size` → `QueueFull`, 429) and the gauges, a job's start and end, and the stream of its
+messages that the query and ingestion code read. The outcomes a caller sees are defined here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfuse.config import Settings
+from kvfuse.service import protocol as P
+from kvfuse.service.metrics import Metrics
+
+
+class QueueFull(Exception):
+    """The query queue is full (429)."""
+
+
+class WorkerCrashed(Exception):
+    """The worker process died while running the job (503)."""
+
+
+class WorkerUnavailable(Exception):
+    """The service is shutting down (503)."""
+
+
+class WorkerJobError(Exception):
+    """The worker refused or failed the job; `kind` is one of kvfuse.service.protocol.ERR_*."""
+
+    def __init__(self, kind: str, message: str, excess_tokens: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.excess_tokens = excess_tokens
+
+
+@dataclass
+class Crashed:
+    """A job's end on the API side: its worker died (or the service stopped)."""
+
+    message: str
+
+
+@dataclass
+class Cancelled:
+    """A job's end on the API side: cancelled before the worker started it."""
+
+
+@dataclass(eq=False)
+class Job:
+    id: int
+    message: P.QueryJob | P.PrecomputeJob
+    enqueued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    cancelled: bool = False
+    worker: str | None = None  # the fleet worker that took it (fleet_dispatch.py)
+    cancel_deadline: float | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def kind(self) -> str:
+        return "query" if isinstance(self.message, P.QueryJob) else "precompute"
+
+
+class JobBook:
+    """Jobs submitted and not finished, and the query counts; a transport subclasses it."""
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._ready = asyncio.Event()  # a worker can take jobs
+        self._jobs: dict[int, Job] = {}  # submitted, not finished
+        self._waiting = 0  # queries submitted and not yet admitted
+        self._running = 0  # queries admitted and not finished
+        self._next_id = 1
+        self._closing = False
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    async def wait_ready(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def _register(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
+        """A new job with its id, counted as waiting if it is a query; raises WorkerUnavailable while the
+        service stops and QueueFull when `server.queue_size` queries already wait."""
+        if self._closing:
+            raise WorkerUnavailable("the service is shutting down")
+        is_query = isinstance(message, P.QueryJob)
+        if is_query and self._waiting >= self.settings.server.queue_size:
+            raise QueueFull(f"{self._waiting} queries are waiting")
+        message.job_id = self._next_id
+        self._next_id += 1
+        job = Job(id=message.job_id, message=message)
+        self._jobs[job.id] = job
+        if is_query:
+            self._waiting += 1
+            self._gauges()
+        return job
+
+    def _started(self, job: Job) -> None:
+        """The worker admitted the job (a query's Plan, a precompute's first step)."""
+        if job.started_at is not None:
+            return
+        job.started_at = time.monotonic()
+        if job.kind == "query":
+            self._waiting -= 1
+            self._running += 1
+            self.metrics.queue_time.observe(job.started_at - job.enqueued_at)
+            self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.waiting.set(self._waiting)
+        self.metrics.running.set(self._running)
+
+    def _count_usage(self, msg: Any) -> None:
+        """A query's Result into the token counters."""
+        if isinstance(msg, P.Result):
+            u = msg.usage
+            self.metrics.generation_tokens.inc(u.get("generated_tokens", 0))
+            self.metrics.prompt_tokens.inc(u.get("prefix_tokens", 0) + u.get("context_tokens", 0)
+                                           + u.get("question_tokens", 0))
+
+    def _finish(self, job: Job, msg: Any) -> None:
+        """End the job with its final message (or Crashed / Cancelled)."""
+        if job.finished.is_set():
+            return
+        self._jobs.pop(job.id, None)
+        if job.kind == "query":
+            if job.started_at is None:
+                self._waiting -= 1
+            else:
+                self._running -= 1
+            self._gauges()
+        job.events.put_nowait(msg)
+        job.finished.set()
+
+    async def events(self, job: Job, deadline: float | None = None) -> AsyncIterator[Any]:
+        """The job's messages (protocol dataclasses) through its final one (Result, Done or Cancelled);
+        raises WorkerCrashed / WorkerJobError, TimeoutError past `deadline` (monotonic). The caller
+        cancels the job when it stops iterating early."""
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            msg = await asyncio.wait_for(job.events.get(), timeout)
+            if isinstance(msg, Crashed):
+                raise WorkerCrashed(msg.message)
+            if isinstance(msg, P.Error):
+                raise WorkerJobError(msg.kind, msg.message, msg.excess_tokens)
+            yield msg
+            if isinstance(msg, (*P.FINAL, Cancelled)):
+                return
+
+
+async def precompute(dispatcher: Any, message: P.PrecomputeJob, timeout: float | None = None) -> P.Done:
+    """Run an ingestion batch on a dispatcher (a `JobBook` with a transport: submit, events and cancel)
+    and return its Done."""
+    job = dispatcher.submit(message)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        async for msg in dispatcher.events(job, deadline):
+            if isinstance(msg, P.Done):
+                return msg
+    finally:
+        dispatcher.cancel(job)
+    raise WorkerCrashed("the job ended without a result")
