@@ -246,8 +246,9 @@ class IngestManager:
             vectors = await asyncio.to_thread(st.embedder.embed, [c.text for c in chunks])
             self._check(job)
             contexts = await asyncio.to_thread(contexts_for, st, doc_id, ids, vectors)
-            fp = st.supervisor.info["fingerprint"]
-            keys = [kvblob.chunk_key(fp, st.settings.store.kv_dtype, t, c) for t, c in zip(ids, contexts, strict=True)]
+            fp, hashes = st.supervisor.info["fingerprint"], [kvblob.context_hash(c) for c in contexts]
+            keys = [kvblob.chunk_key_from_hash(fp, st.settings.store.kv_dtype, kvblob.token_hash(t), h)
+                    for t, h in zip(ids, hashes, strict=True)]
             # Staged before any blob is written: the refs make every blob below the job's, so none is
             # ever an orphan.
             await asyncio.to_thread(jobs.stage, rec, keys)
@@ -263,7 +264,6 @@ class IngestManager:
                 st.metrics.precomputed_chunks.inc(done.computed)
                 rec.chunks_done = min(len(ids), i + batch)
                 self._check(job)
-            hashes = [kvblob.context_hash(c) for c in contexts]
             doc = DocumentRecord(id=doc_id, status="ready", metadata=rec.metadata, chunk_keys=keys,
                                  chunk_tokens=[len(t) for t in ids], tokens=sum(len(t) for t in ids),
                                  chunk_contexts=hashes if any(hashes) else [],
