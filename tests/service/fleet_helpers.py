@@ -3,16 +3,12 @@ its own data dir (nothing shared between them but Redis), on a key prefix of the
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
-from service_helpers import API_KEY, MODEL_CACHE, REPO, ServerProcess
+from service_helpers import API_KEY, KvfuseProcess, ServerProcess, read_stream
 
 FLEET_TIMING = {  # fast failure detection for tests
     "KVFUSE_FLEET__HEARTBEAT_S": "0.5",
@@ -27,46 +23,21 @@ def fleet_env(redis_url: str, namespace: str) -> dict[str, str]:
             "KVFUSE_FLEET__NAMESPACE": f"{namespace}:fleet", **FLEET_TIMING}
 
 
-class WorkerProcess:
+class WorkerProcess(KvfuseProcess):
     """`python -m kvfuse.cli worker --name NAME` with its own data dir."""
 
     def __init__(self, name: str, root: Path, **env: str) -> None:
+        super().__init__(root / f"worker-{name}", root / f"worker-{name}.log", **env)
         self.name = name
-        self.data_dir = root / f"worker-{name}"
-        self.log_path = root / f"worker-{name}.log"
-        self.env = env
-        self.proc: subprocess.Popen | None = None
 
     def start(self) -> WorkerProcess:
-        env = {**os.environ, "KVFUSE_DATA_DIR": str(self.data_dir), "KVFUSE_MODEL_CACHE_DIR": str(MODEL_CACHE),
-               "KVFUSE_LOG_LEVEL": "info", **self.env}
-        env.pop("KVFUSE_CONFIG", None)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvfuse.cli", "worker", "--name", self.name], cwd=REPO,
-                                     env=env, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        self._spawn(["worker", "--name", self.name])
         return self
 
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
-
-    def stop(self) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except FileNotFoundError:
-            return ""
 
 
 def start_api(root: Path, env: dict[str, str]) -> ServerProcess:
@@ -99,16 +70,8 @@ def wait_workers(url: str, names: set[str], timeout: float = 300.0, workers: lis
 
 def query(client: httpx.Client, body: dict) -> tuple[str, list[tuple[str | None, object]]]:
     """A streamed query: (answer text, every event)."""
-    events: list[tuple[str | None, object]] = []
     with client.stream("POST", "/v1/query", json={**body, "stream": True}) as resp:
         assert resp.status_code == 200, resp.read()
-        event = None
-        for line in resp.iter_lines():
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: "):
-                data = line[6:]
-                events.append((event, data if data == "[DONE]" else json.loads(data)))
-                event = None
+        events = read_stream(resp)
     text = "".join(d["text"] for e, d in events if e == "token")
     return text, events

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Same model cache as tests/conftest.py (a fresh cache would re-convert the GGUF per server).
@@ -23,22 +23,49 @@ API_KEY = "test-key-0123456789"
 START_TIMEOUT_S = 300  # the worker loads the LLM; on a busy 2-core machine this can take a while
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`python -m kvfuse.cli serve` with settings passed as KVFUSE_* environment variables."""
+class KvfuseProcess:
+    """`python -m kvfuse.cli ...` with its own data dir and log, settings passed as KVFUSE_* environment
+    variables (the test model cache, info logging, no config file)."""
 
     def __init__(self, data_dir: Path, log_path: Path, *, new_session: bool = False, **env: str) -> None:
         self.data_dir = data_dir
         self.log_path = log_path
-        self.new_session = new_session  # its own process group, so kill_group() takes the worker too
+        self.new_session = new_session  # its own process group, so kill_group() takes its children too
         self.env = env
-        self.port = 0
         self.proc: subprocess.Popen | None = None
+
+    def _spawn(self, args: list[str], **extra: str) -> None:
+        env = {**os.environ, "KVFUSE_DATA_DIR": str(self.data_dir), "KVFUSE_MODEL_CACHE_DIR": str(MODEL_CACHE),
+               "KVFUSE_LOG_LEVEL": "info", **extra, **self.env}
+        env.pop("KVFUSE_CONFIG", None)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvfuse.cli", *args], cwd=REPO, env=env,
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=self.new_session)
+        log.close()
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+
+class ServerProcess(KvfuseProcess):
+    """`python -m kvfuse.cli serve` on a free loopback port."""
+
+    def __init__(self, data_dir: Path, log_path: Path, *, new_session: bool = False, **env: str) -> None:
+        super().__init__(data_dir, log_path, new_session=new_session, **env)
+        self.port = 0
 
     @property
     def url(self) -> str:
@@ -46,14 +73,7 @@ class ServerProcess:
 
     def start(self, wait: bool = True) -> ServerProcess:
         self.port = free_port()
-        env = {**os.environ, "KVFUSE_DATA_DIR": str(self.data_dir), "KVFUSE_MODEL_CACHE_DIR": str(MODEL_CACHE),
-               "KVFUSE_SERVER__PORT": str(self.port), "KVFUSE_SERVER__HOST": "127.0.0.1",
-               "KVFUSE_LOG_LEVEL": "info", **self.env}
-        env.pop("KVFUSE_CONFIG", None)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvfuse.cli", "serve"], cwd=REPO, env=env,
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=self.new_session)
-        log.close()
+        self._spawn(["serve"], KVFUSE_SERVER__PORT=str(self.port), KVFUSE_SERVER__HOST="127.0.0.1")
         if wait:
             self.wait_ready()
         return self
@@ -79,22 +99,6 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_tail()}")
-
-    def stop(self) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
-
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except FileNotFoundError:
-            return ""
 
 
 def make_client(server: ServerProcess, key: str | None = API_KEY, timeout: float = 180.0) -> httpx.Client:
@@ -135,28 +139,6 @@ def ingest(client: httpx.Client, docs: list[dict]) -> dict:
     resp = client.post("/v1/documents?wait=true", json={"documents": docs})
     assert resp.status_code in (200, 201), resp.text
     return resp.json()
-
-
-def start_redis(port: int, workdir: Path) -> subprocess.Popen:
-    """A private redis-server on `port` (no persistence), so the shared one is never disturbed."""
-    import shutil
-
-    import redis
-
-    if shutil.which("redis-server") is None:
-        raise RuntimeError("redis-server is not installed (these tests start a private one)")
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_connect_timeout=0.5)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"redis-server did not start on port {port}")
 
 
 def wait_job(client: httpx.Client, job_id: str, timeout: float = 300.0) -> dict:

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from service_helpers import REPO, free_port
+from redis_server import free_port
+from service_helpers import REPO
 
 
 @pytest.mark.parametrize("command", [["query", "what is it?"], ["ingest", "README.md"]])

@@ -9,7 +9,8 @@ import time
 
 import httpx
 import pytest
-from service_helpers import ServerProcess, free_port, make_client, start_redis, wait_job
+from redis_server import free_port, start_redis
+from service_helpers import ServerProcess, make_client, wait_job
 
 pytestmark = pytest.mark.slow
 

@@ -6,41 +6,14 @@ shared server on 6379 is never disturbed."""
 
 from __future__ import annotations
 
-import shutil
-import socket
 import subprocess
-import time
 
 import pytest
 import redis
+from redis_server import free_port, start_redis
 from store_kvdata import make_blob
 
 from kvfuse.store import DocumentRecord, IndexUnavailableError, KVStore
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(port: int, workdir) -> subprocess.Popen:
-    if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed (these tests start a private one)")
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port, socket_connect_timeout=0.5)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    pytest.fail(f"redis-server did not start on port {port}")
 
 
 def _stop(proc: subprocess.Popen, port: int | None = None) -> None:
@@ -57,10 +30,10 @@ def _stop(proc: subprocess.Popen, port: int | None = None) -> None:
 
 @pytest.mark.slow
 def test_outage_then_empty_restart(settings_factory, tmp_path) -> None:
-    port = _free_port()
+    port = free_port()
     settings = settings_factory(redis_url=f"redis://127.0.0.1:{port}/0",
                                 store={"redis_namespace": "outage", "redis_timeout_s": 1})
-    proc = _start(port, tmp_path)
+    proc = start_redis(port, tmp_path)
     try:
         with KVStore.open(settings) as store:
             a, blob_a, *_ = make_blob(500)
@@ -78,7 +51,7 @@ def test_outage_then_empty_restart(settings_factory, tmp_path) -> None:
                 store.delete_document("a")
             assert store.load_chunk(a) is not None  # KV reads need only LMDB
 
-            proc = _start(port, tmp_path)  # back, and empty
+            proc = start_redis(port, tmp_path)  # back, and empty
             docs, total = store.list_documents()
             assert total == 2 and {d.id for d in docs} == {"a", "b"}  # rebuilt from LMDB
             assert store.get_document("b").status == "pending"
@@ -92,17 +65,17 @@ def test_outage_then_empty_restart(settings_factory, tmp_path) -> None:
 def test_outage_then_restart_with_old_data_is_caught_up(settings_factory, tmp_path) -> None:
     """Redis comes back with its data (saved at shutdown) but without the writes missed meanwhile:
     the store knows a mirror write failed and rebuilds although the index is not empty."""
-    port = _free_port()
+    port = free_port()
     settings = settings_factory(redis_url=f"redis://127.0.0.1:{port}/0",
                                 store={"redis_namespace": "blip", "redis_timeout_s": 1})
-    proc = _start(port, tmp_path)
+    proc = start_redis(port, tmp_path)
     try:
         with KVStore.open(settings) as store:
             store.put_document(DocumentRecord(id="a", status="pending"), text="a")
             _stop(proc, port)
             with pytest.raises(IndexUnavailableError):
                 store.put_document(DocumentRecord(id="b", status="pending"), text="b")
-            proc = _start(port, tmp_path)
+            proc = start_redis(port, tmp_path)
             assert redis.Redis(port=port).zrange("blip:docs", 0, -1) == [b"a"]  # old data is back
             assert {d.id for d in store.list_documents()[0]} == {"a", "b"}
     finally:
