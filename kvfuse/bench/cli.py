@@ -10,22 +10,14 @@ import logging
 import sys
 from pathlib import Path
 
+from kvfuse.bench.args import csv_list
+
 log = logging.getLogger(__name__)
 
 DEFAULT_RATIOS = "0.05,0.15,0.3,1.0"
 DEFAULT_CONTEXTS = "1024,2048,4096,8192"
 # Other packages' benches, each `register_bench(bench_subparsers)` adding its own subcommand.
 _PACKAGE_BENCHES = ("kvfuse.store.bench",)
-
-
-def _csv(kind: type) -> object:
-    def parse(text: str) -> list:
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s: {text!r}") from err
-
-    return parse
 
 
 def _flat(values: list[list] | None) -> list:
@@ -173,7 +165,7 @@ def _report(args: argparse.Namespace) -> int:
 def _add_common(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:
     from kvfuse.bench.data import DATA_DIR_HELP
 
-    p.add_argument("--methods", type=_csv(str), default=None,
+    p.add_argument("--methods", type=csv_list(str), default=None,
                    help="comma-separated fusion methods (default: every registered method); vanilla always runs")
     p.add_argument("--seed", type=int, default=0, help="example generation seed")
     p.add_argument("--max-tokens", type=int, default=max_tokens,
@@ -191,12 +183,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
 
     fid = bsub.add_parser("fidelity", help="answer quality of every fusion method vs vanilla")
-    fid.add_argument("--task", type=_csv(str), action="append",
+    fid.add_argument("--task", type=csv_list(str), action="append",
                      help="needle, multikey, multivalue, vartrack, musique (repeatable or comma list; default all)")
     fid.add_argument("--n", type=int, default=20, help="examples per task")
     fid.add_argument("--docs", type=int, default=8, help="chunks per synthetic example (musique: its 10 passages)")
     fid.add_argument("--doc-tokens", type=int, default=512, help="tokens per chunk (musique: passages cut to this)")
-    fid.add_argument("--ratios", type=_csv(float), default=_csv(float)(DEFAULT_RATIOS),
+    fid.add_argument("--ratios", type=csv_list(float), default=csv_list(float)(DEFAULT_RATIOS),
                      help=f"recompute ratios of the selective methods (default {DEFAULT_RATIOS})")
     fid.add_argument("--json", default=str(SCRATCH_DIR / "fidelity.json"),
                      help="result file; the .md table and .png plot are written beside it")
@@ -211,7 +203,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fid.set_defaults(func=_fidelity, parser=fid)
 
     spd = bsub.add_parser("speed", help="TTFT (warm and from LMDB), KV load, decode speed, peak memory")
-    spd.add_argument("--contexts", type=_csv(int), default=_csv(int)(DEFAULT_CONTEXTS),
+    spd.add_argument("--contexts", type=csv_list(int), default=csv_list(int)(DEFAULT_CONTEXTS),
                      help=f"context sizes in tokens (default {DEFAULT_CONTEXTS})")
     spd.add_argument("--ratio", type=float, default=0.15, help="recompute ratio of the selective methods")
     spd.add_argument("--repeats", type=int, default=3, help="timed repeats per figure (median; warmup first)")

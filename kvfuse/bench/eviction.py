@@ -305,26 +305,18 @@ def _write(payload: dict[str, Any], json_path: Path) -> None:
 
 def register(bsub: Any) -> None:
     """Add `kvfuse bench evict` (imports nothing heavy)."""
-    import argparse
 
+    from kvfuse.bench.args import csv_list
     from kvfuse.bench.data import DATA_DIR_HELP
 
-    def csv(kind: type) -> Any:
-        def parse(text: str) -> list:
-            try:
-                return [kind(x) for x in text.split(",") if x.strip()]
-            except ValueError as err:
-                raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s: {text!r}") from err
-        return parse
-
     p = bsub.add_parser("evict", help="eviction after the first token: decode tok/s, memory, answer agreement vs C")
-    p.add_argument("--contexts", type=csv(int), default=[4096, 7680], help="context sizes in tokens")
-    p.add_argument("--capacities", type=csv(int), default=[512, 1024, 2048], help="C values (0 = none is always run)")
+    p.add_argument("--contexts", type=csv_list(int), default=[4096, 7680], help="context sizes in tokens")
+    p.add_argument("--capacities", type=csv_list(int), default=[512, 1024, 2048], help="C values (0 = none is always run)")
     p.add_argument("--method", default="a3", help="fusion method whose prefill is evicted (A³'s pairing: a3)")
     p.add_argument("--ratio", type=float, default=0.15, help="its recompute ratio")
-    p.add_argument("--task", type=csv(str), default=["needle", "multikey"], help="fidelity tasks")
+    p.add_argument("--task", type=csv_list(str), default=["needle", "multikey"], help="fidelity tasks")
     p.add_argument("--n", type=int, default=6, help="fidelity examples per task and context (0: no fidelity)")
-    p.add_argument("--streams", type=csv(int), default=[1, 8], help="stream counts of the decode timing")
+    p.add_argument("--streams", type=csv_list(int), default=[1, 8], help="stream counts of the decode timing")
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed window (0: no timing)")
     p.add_argument("--repeats", type=int, default=3, help="timed windows per figure (median)")
     p.add_argument("--doc-tokens", type=int, default=512, help="tokens per chunk")

@@ -352,19 +352,13 @@ def command(args: Any) -> int:
 
 def register(bsub: Any) -> None:
     """Add `kvfuse bench load` (imports nothing heavy)."""
-    import argparse
 
+    from kvfuse.bench.args import csv_list
     from kvfuse.bench.data import DATA_DIR_HELP
     from kvfuse.bench.report import SCRATCH_DIR
 
-    def ints(text: str) -> list[int]:
-        try:
-            return [int(x) for x in text.split(",") if x.strip()]
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from err
-
     p = bsub.add_parser("load", help="many concurrent streamed queries through a real server: TTFT, ITL, tokens/s")
-    p.add_argument("--concurrency", type=ints, default=[1, 2, 4, 8, 16], help="concurrent streams per level")
+    p.add_argument("--concurrency", type=csv_list(int), default=[1, 2, 4, 8, 16], help="concurrent streams per level")
     p.add_argument("--rounds", type=int, default=2, help="queries each stream sends per level")
     p.add_argument("--rate", type=float, default=None, help="also an open-loop run at this many requests/s")
     p.add_argument("--open-requests", type=int, default=32, help="requests of the open-loop run")
