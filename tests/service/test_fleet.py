@@ -182,6 +182,8 @@ def test_chunks_computed_on_one_worker_are_served_on_another_from_the_shared_tie
             wait_workers(api.url, {"b"}, timeout=30)
             body = c.post("/v1/query", json={"query": QUESTIONS[2], "max_tokens": 8, "document_ids": ["pow"]}).json()
             assert body["worker"] == "b" and body["answer"]
+            # b's counters reach /ready with its next heartbeat (every fleet.heartbeat_s)
+            _wait_for(lambda: live_workers(api.url)["b"]["kv"]["hits_shared"] >= 1, 10, "the shared hit counted")
             kv = live_workers(api.url)["b"]["kv"]
             assert kv["hits_shared"] >= 1 and kv["rebuilt"] == 0 and kv["hits_miss"] == 0, kv
             # The shared tier flushed: b rebuilds the chunks it never held from their token ids.
