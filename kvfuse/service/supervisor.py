@@ -42,7 +42,8 @@ class WorkerSupervisor(JobBook):
         super().__init__(settings, metrics)
         self.info: dict[str, Any] = {}
         self.last_error: str | None = None
-        self.steps: deque[P.Step] = deque(maxlen=4096)  # the latest engine steps (tests, debugging)
+        self._steps: deque[P.Step] = deque(maxlen=4096)  # the latest engine steps (tests, debugging)
+        self._steps_lock = threading.Lock()  # appended by the reader thread, read from any other
         self.restarts = 0
         self._ctx = mp.get_context("spawn")
         self._proc: Any = None
@@ -54,6 +55,12 @@ class WorkerSupervisor(JobBook):
         self._restart_task: asyncio.Task | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------
+    @property
+    def steps(self) -> list[P.Step]:
+        """A snapshot of the latest engine steps, oldest first (safe while the worker keeps stepping)."""
+        with self._steps_lock:
+            return list(self._steps)
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
@@ -152,7 +159,8 @@ class WorkerSupervisor(JobBook):
             job.events.put_nowait(msg)
 
     def _on_step(self, msg: P.Step) -> None:
-        self.steps.append(msg)
+        with self._steps_lock:
+            self._steps.append(msg)
         if msg.batch_size:
             self.metrics.batch_size.observe(msg.batch_size)
         if msg.ingest_job is not None and msg.ingest_job in self._jobs:
