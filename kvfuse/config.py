@@ -109,7 +109,7 @@ class StoreSettings(_Section):
     orphan_grace_s: float = Field(3600.0, ge=0)
     # What a chunk's KV is computed after (kvfuse/fusion/chunk_context.py): none | document | neighbours |
     # prefix; the context's tokens are part of the chunk key. Budget and neighbour count for those modes.
-    precompute_context: Literal["none", "document", "neighbours", "prefix"] = "none"
+    precompute_context: Literal["none", "document", "neighbours", "prefix"] = "document"
     precompute_context_tokens: int = Field(1024, ge=0)
     precompute_neighbours: int = Field(2, ge=1)
 

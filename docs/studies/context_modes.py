@@ -10,6 +10,9 @@ once per example (read back from `bench.reference_dir` when there). This is `kvf
 in-process backend (`kvfuse.bench.fidelity.EngineBackend`), scoring and measures; it only shares the
 vanilla run and the example between the two modes, which the CLI does in two runs.
 
+STUDY_SHARD=I/K runs only the examples whose index is I modulo K, so K processes can share one
+accelerator (docs/studies/gpu/decision.sh); docs/studies/context_merge.py joins their outputs.
+
 STUDY_SHUFFLE=1 fuses each example's chunks in a shuffled order (seeded by SEED and the example), as a
 retrieval that ranks chunks by score would, while `document` contexts still follow the chunks' order in
 their document: a chunk's context is then no longer the text before it in the prompt.
@@ -60,8 +63,10 @@ def main(argv: list[str]) -> int:
     shuffle = os.environ.get("STUDY_SHUFFLE", "0") == "1"
     if shuffle:
         examples = {t: [_shuffled(ex, seed, backend) for ex in exs] for t, exs in examples.items()}
-    command = (f"STUDY_SHAPE={docs}x{doc_tokens} STUDY_SHUFFLE={int(shuffle)} python docs/studies/context_modes.py "
-               + " ".join(shlex.quote(a) for a in argv))
+    shard, shards = (int(x) for x in os.environ.get("STUDY_SHARD", "0/1").split("/"))
+    command = (f"STUDY_SHAPE={docs}x{doc_tokens} STUDY_SHUFFLE={int(shuffle)} "
+               + (f"STUDY_SHARD={shard}/{shards} " if shards > 1 else "")
+               + "python docs/studies/context_modes.py " + " ".join(shlex.quote(a) for a in argv))
     outs: dict[str, list] = {"none": [], mode: []}
     ingest = {m: {"mode": m, "chunk_tokens": 0, "context_tokens": 0, "precompute_s": 0.0, "embed_s": 0.0}
               for m in outs}
@@ -80,7 +85,7 @@ def main(argv: list[str]) -> int:
                 "rows": report.sort_fidelity(aggregate(done)), "outcomes": outcome_dicts(done), "ingest": ing}
             Path(f"{prefix}-{m}.json").write_text(json.dumps(payload, indent=1))
 
-    for i in range(n):
+    for i in range(shard, n, shards):
         for task in task_names:
             ex = examples[task][i]
             t0 = time.perf_counter()

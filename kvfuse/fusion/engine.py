@@ -164,7 +164,7 @@ class FusionEngine:
         k = torch.stack([layer.keys[0, :, c:] for layer in layers]).contiguous()
         v = torch.stack([layer.values[0, :, c:] for layer in layers]).contiguous()
         self.rope.shift_keys_(k, -c)
-        return ChunkKV(list(chunk), k, v)
+        return ChunkKV(list(chunk), k, v, after_context=True)
 
     def _empty_chunk(self) -> ChunkKV:
         shape = (self.num_layers, self.num_kv_heads, 0, self.head_dim)
@@ -239,7 +239,8 @@ class FusionEngine:
             full_layers = method.full_layers(options, self.num_layers)
             if not 0 <= full_layers < self.num_layers:
                 raise ValueError(f"check_layer must be in [0, {self.num_layers - 1}], got {full_layers}")
-            ctx = SelectionContext(self.tf, cache, layout, ids, options, full_layers, self.rows)
+            ctx = SelectionContext(self.tf, cache, layout, ids, options, full_layers, self.rows,
+                                   alone=[not c.after_context for c in chunks])
             t = time.perf_counter()
             if full_layers > 0:
                 ctx.hidden = yield from self._layers(cache, self.tf.embed(ids[p:]), ctx.rows_all(), range(full_layers))

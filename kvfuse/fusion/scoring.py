@@ -7,6 +7,7 @@ tokens) where a full attention matrix would be T x T.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -66,13 +67,16 @@ def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(torch.topk(scores, k, sorted=False).indices).values
 
 
-def chunk_edges(chunk_lens: list[int], first: int, last: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Context-relative indices of the first `first` and last `last` tokens of each chunk, sorted."""
+def chunk_edges(chunk_lens: list[int], first: int, last: int, device: torch.device | str = "cpu", *,
+                only: Sequence[bool] | None = None) -> torch.Tensor:
+    """Context-relative indices of the first `first` and last `last` tokens of each chunk, sorted;
+    `only` (one flag per chunk) restricts them to the flagged chunks."""
     mask = torch.zeros(sum(chunk_lens), dtype=torch.bool, device=device)
     start = 0
-    for n in chunk_lens:
-        mask[start : start + min(first, n)] = True
-        if last > 0:
-            mask[start + max(0, n - last) : start + n] = True
+    for i, n in enumerate(chunk_lens):
+        if only is None or only[i]:
+            mask[start : start + min(first, n)] = True
+            if last > 0:
+                mask[start + max(0, n - last) : start + n] = True
         start += n
     return mask.nonzero().view(-1)

@@ -15,7 +15,7 @@ All scores are over context tokens, indexed 0..N-1 (the prefix is exact and neve
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,10 +27,14 @@ from kvfuse.fusion.types import FusionOptions
 
 class SelectionContext:
     def __init__(self, tf: Transformer, cache: FusedCache, layout: Layout, ids: torch.Tensor,
-                 options: FusionOptions, check_layer: int, make_rows: Callable[[torch.Tensor], Rows]) -> None:
+                 options: FusionOptions, check_layer: int, make_rows: Callable[[torch.Tensor], Rows], *,
+                 alone: Sequence[bool] | None = None) -> None:
+        """alone: per chunk, whether its cache was computed as the start of a sequence (None: every
+        chunk), i.e. whether it carries a chunk-start attention sink (ChunkKV.after_context)."""
         self.tf = tf
         self.cache = cache
         self.layout = layout
+        self.alone = list(alone) if alone is not None else [True] * len(layout.chunk_lens)
         self.ids = ids  # every prompt token id, [T]
         self.options = options
         self.check_layer = check_layer  # the first layer not run in full for every row
@@ -117,3 +121,8 @@ class SelectionContext:
     # -- structure -----------------------------------------------------------------------------------
     def chunk_edges(self, first: int, last: int) -> torch.Tensor:
         return scoring.chunk_edges(self.layout.chunk_lens, first, last, self.ids.device)
+
+    def sink_starts(self, first: int) -> torch.Tensor:
+        """The first `first` tokens of each chunk cached alone (those computed after a context have no
+        chunk-start sink), as context-relative indices, sorted."""
+        return scoring.chunk_edges(self.layout.chunk_lens, first, 0, self.ids.device, only=self.alone)

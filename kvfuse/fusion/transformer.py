@@ -127,7 +127,7 @@ class Transformer:
         _, h, r, d = q.shape
         hkv = k.shape[1]
         out = F.scaled_dot_product_attention(q.reshape(1, hkv, (h // hkv) * r, d), k, v, scale=self.scale)
-        return out.view(1, h, r, d)
+        return out.reshape(1, h, r, d)  # CUDA kernels may return it strided
 
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Attention output [B, H, R, D] -> o_proj + residual, then post-attention norm + MLP + residual."""

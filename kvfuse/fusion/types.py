@@ -24,6 +24,9 @@ class ChunkKV:
     token_ids: list[int]
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    # Computed after a context (store.precompute_context, FusionEngine.precompute_after) rather than as
+    # the start of a sequence: its first tokens hold no attention sink, so `anchor` forces none of them.
+    after_context: bool = False
 
     @property
     def has_kv(self) -> bool:

@@ -151,7 +151,7 @@ class Worker:
         if hit is not None:
             k, v, header = hit
             if header.num_tokens == len(token_ids) and header.token_hash == kvblob.token_hash(token_ids):
-                return ChunkKV(token_ids=token_ids, k=k, v=v), False
+                return ChunkKV(token_ids=token_ids, k=k, v=v, after_context=bool(header.context_hash)), False
             log.warning("chunk %s does not match its tokens: rebuilding it", key[:16])
             corrupt = True
         ckv = self.engine.precompute([token_ids])[0]

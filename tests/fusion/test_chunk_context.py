@@ -86,3 +86,25 @@ def test_context_choice():
     scored = [(0.1, [1]), (0.9, [2, 3]), (0.5, [4])]
     assert nearest_context(scored, 2, 8) == [4, 2, 3] and nearest_context(scored, 2, 2) == [2, 3]
     assert nearest_context(scored, 5, 8) == [1, 4, 2, 3] and nearest_context([], 2, 8) == []
+
+
+def test_anchor_forces_no_chunk_starts_on_chunks_cached_after_a_context(engine: FusionEngine, prompt: Prompt):
+    """A chunk cached after a context has no chunk-start sink: `anchor` spends no forced tokens on it
+    (its selection is anchor_tokens = 0's), and still forces them on the chunks cached alone."""
+    seen = list(prompt.prefix.token_ids)
+    after = []
+    for ch in prompt.chunks:
+        after.append(engine.precompute_after(seen, ch.token_ids))
+        seen += ch.token_ids
+    assert all(c.after_context for c in after) and not any(c.after_context for c in prompt.chunks)
+
+    def selected(chunks, **knobs):
+        opts = FusionOptions(method="anchor", recompute_ratio=0.15, **knobs)
+        return engine.fuse(prompt.prefix, chunks, prompt.question_ids, opts).selected.tolist()
+
+    assert selected(after) == selected(after, anchor_tokens=0)
+    starts = [len(prompt.prefix) + sum(len(c) for c in prompt.chunks[:i]) for i in range(len(prompt.chunks))]
+    mixed = [prompt.chunks[0], *after[1:]]  # the first chunk alone, the rest after their text
+    chosen = set(selected(mixed, anchor_tokens=4))
+    assert set(range(starts[0], starts[0] + 4)) <= chosen
+    assert selected(mixed, anchor_tokens=4) != selected(after, anchor_tokens=4)

@@ -5,7 +5,10 @@ What it selects, within round(r * N) context tokens (anchors count toward the bu
    cached alone computed them as the start of a sequence, so they carry attention-sink states; after
    fusion every chunk contributes such a sink and together they drain attention from the real
    content. Recomputing them at their true positions removes the extra sinks. This is most of what
-   separates A³ from CacheBlend and EPIC on the needle task (docs/default_fusion.md).
+   separates A³ from CacheBlend and EPIC on the needle task (docs/default_fusion.md). A chunk cached
+   after a context (store.precompute_context) has no such sink, and gets no anchors: its share goes to
+   evidence (docs/results/fidelity-context/: with a context, forcing them made answers further from
+   vanilla's).
 2. Evidence: the rest of the budget goes to the tokens the question reads. The question-only probe
    (`SelectionContext.question_probe`, ProphetKV's stage I) runs through the layers over the
    position-recovered cache, and each context token is scored by the question's attention onto it in
@@ -79,7 +82,7 @@ class Anchor(FusionMethod):
         n, budget = ctx.num_context, ctx.budget
         device = ctx.ids.device
         chosen = torch.zeros(n, dtype=torch.bool, device=device)
-        anchors = ctx.chunk_edges(ctx.options.anchor_tokens, 0)[:budget]
+        anchors = ctx.sink_starts(ctx.options.anchor_tokens)[:budget]
         chosen[anchors] = True
         rest = budget - int(anchors.numel())
         if rest <= 0:

@@ -74,17 +74,18 @@ def _alpha_and_mean(attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from the tokens after it). alpha: minus the least-squares slope of log a(x) on log x, x the distance;
     NaN with fewer than two later tokens."""
     n = attn.shape[0]
-    i = torch.arange(n, dtype=torch.float32)
+    zero = torch.zeros((), device=attn.device)
+    i = torch.arange(n, dtype=torch.float32, device=attn.device)
     dist = i[:, None] - i[None, :]
     later = dist > 0
-    x = torch.where(later, dist.clamp_min(1).log(), torch.zeros(()))
-    y = torch.where(later, attn.clamp_min(1e-12).log(), torch.zeros(()))
+    x = torch.where(later, dist.clamp_min(1).log(), zero)
+    y = torch.where(later, attn.clamp_min(1e-12).log(), zero)
     m = later.sum(dim=0).float()
     sx, sy = x.sum(dim=0), y.sum(dim=0)
     sxx, sxy = (x * x).sum(dim=0), (x * y).sum(dim=0)
     den = m * sxx - sx * sx
-    slope = (m * sxy - sx * sy) / den.where(den > 0, torch.full((), float("nan")))
-    mean = torch.where(later, attn, torch.zeros(())).sum(dim=0) / m.clamp_min(1)
+    slope = (m * sxy - sx * sy) / den.where(den > 0, torch.full((), float("nan"), device=attn.device))
+    mean = torch.where(later, attn, zero).sum(dim=0) / m.clamp_min(1)
     return -slope, mean
 
 
