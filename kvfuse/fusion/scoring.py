@@ -29,9 +29,10 @@ def attention_probs(q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tens
     qf = q[0].float().reshape(hkv, (h // hkv) * r, d)
     scores = torch.matmul(qf, keys[0].float().transpose(1, 2)).mul_(scale)  # [Hkv, g*R, T]
     scores = scores.view(h, r, t)
-    hidden = torch.arange(t, device=q.device)[None, :] > q_positions[:, None]  # [R, T]
-    if bool(hidden.any()):
-        scores.masked_fill_(hidden[None], float("-inf"))
+    lo = int(q_positions.min()) + 1  # keys before it are seen by every row: only the tail is masked
+    if lo < t:
+        hidden = torch.arange(lo, t, device=q.device)[None, :] > q_positions[:, None]  # [R, T - lo]
+        scores[:, :, lo:].masked_fill_(hidden[None], float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 

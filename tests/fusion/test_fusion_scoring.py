@@ -49,6 +49,17 @@ def test_attention_probs_match_sdpa_with_gqa():
     torch.testing.assert_close(scoring.apply_probs(probs, v), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_attention_probs_mask_scattered_unsorted_rows_by_their_own_positions():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 6, 4, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+    positions = torch.tensor([9, 2, 5, 11])  # rows anywhere in the sequence, in any order
+    probs = scoring.attention_probs(q, positions, k, 8**-0.5)
+    mask = positions[:, None] >= torch.arange(12)[None]
+    assert bool((probs[:, ~mask] == 0).all())
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(scoring.apply_probs(probs, v), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_value_deviation_is_the_per_token_norm():
     a, b = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)
     b[0, 1, 2, 0] = 3.0
