@@ -98,18 +98,20 @@ class ColdStore:
             key, nbytes = self.store.put_kv(fp, self.kv_dtype, c.token_ids, c.k, c.v, arts)
             self.keys.append((key, c.token_ids))
             self.kv_bytes += nbytes
+        # whether each was computed after a context (the blob here does not record it; the selection reads it)
+        self.after_context = [c.after_context for c in chunks]
         self.chunk_payload_bytes = sum(self.store.load_artifacts(k).payload_bytes for k, _ in self.keys[1:])
 
     def load(self) -> list[Any]:
         from kvfuse.fusion import ChunkKV
 
         out = []
-        for key, token_ids in self.keys:
+        for (key, token_ids), after in zip(self.keys, self.after_context, strict=True):
             got = self.store.load_chunk(key)
             if got is None:
                 raise RuntimeError(f"chunk {key} missing from the store it was just written to")
             k, v, _header = got
-            out.append(ChunkKV(token_ids=list(token_ids), k=k, v=v))
+            out.append(ChunkKV(token_ids=list(token_ids), k=k, v=v, after_context=after))
         return out
 
     def load_sparse(self) -> list[Any]:

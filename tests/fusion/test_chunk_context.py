@@ -108,3 +108,23 @@ def test_anchor_forces_no_chunk_starts_on_chunks_cached_after_a_context(engine: 
     chosen = set(selected(mixed, anchor_tokens=4))
     assert set(range(starts[0], starts[0] + 4)) <= chosen
     assert selected(mixed, anchor_tokens=4) != selected(after, anchor_tokens=4)
+
+
+def test_the_speed_bench_cold_store_keeps_whether_a_chunk_was_cached_after_a_context(
+        engine: FusionEngine, prompt: Prompt, tmp_path):
+    """The cold runs of `kvfuse bench speed` read the chunks back from a real store; they must select as
+    the warm runs do, so a chunk cached after a context comes back marked so."""
+    from types import SimpleNamespace
+
+    from kvfuse.bench.speed import ColdStore
+    from kvfuse.config import Settings
+
+    after = engine.precompute_after(prompt.prefix.token_ids, prompt.chunks[0].token_ids)
+    backend = SimpleNamespace(settings=Settings(), engine=engine)  # what ColdStore reads of a bench backend
+    store = ColdStore(backend, [prompt.prefix, after, prompt.chunks[1]], tmp_path)
+    try:
+        loaded = store.load()
+    finally:
+        store.close()
+    assert [c.after_context for c in loaded] == [False, True, False]
+    assert torch.equal(loaded[1].k, after.k.to(loaded[1].k.dtype))
