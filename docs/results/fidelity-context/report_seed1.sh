@@ -7,4 +7,4 @@ MODE=$1
 N=${2:-2}
 taskset -c 1 env OMP_NUM_THREADS=1 KVFUSE_MODEL__THREADS=1 PYTHONPATH=$PWD KVFUSE_BENCH__DATA_DIR=../shared/data \
   KVFUSE_MODEL__SYSTEM_PROMPT='You are a careful reader. Reply with only the answer, taken from the documents.' \
-  python docs/studies/context_modes.py "$MODE" 1 "$N" docs/results/fidelity-context/seed1
+  python studies/context_modes.py "$MODE" 1 "$N" docs/results/fidelity-context/seed1

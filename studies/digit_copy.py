@@ -6,7 +6,7 @@ each variant, and at the step where a variant leaves vanilla's answer it prints 
 vanilla's token and of the token it chose. Variants: `anchor` with stale scaling at -0.5 and
 without it, `anchor` with the fact's tokens forced into its set (with and without scaling), `prophetkv`.
 
-Usage: python docs/studies/digit_copy.py TASK IDS [SEED] [DOCS] [DOC_TOKENS]
+Usage: python studies/digit_copy.py TASK IDS [SEED] [DOCS] [DOC_TOKENS]
   IDS: comma-separated example indices of the benchmark's TASK examples for SEED.
 
 Needs kvfuse at commit 163ffce: `fusion.stale_logit_bias`, which its variants set, was removed after it.

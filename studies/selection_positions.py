@@ -1,6 +1,6 @@
 """Where each method's recomputed rows sit in the sequence, and what that does to the attention work.
 
-    python docs/studies/selection_positions.py [CONTEXTS] [METHODS]    (defaults: 2048,4096 anchor,cacheblend)
+    python studies/selection_positions.py [CONTEXTS] [METHODS]    (defaults: 2048,4096 anchor,cacheblend)
 
 The same needle example as `kvfuse bench speed` (seed 0, 512-token chunks), the chunks prepared in the
 configured `store.precompute_context`. For each method at r = 0.15: the recomputed context rows, their mean

@@ -7,7 +7,7 @@ examples as `kvfuse bench fidelity` (same task generator, seed and sizes), score
 vanilla by the benchmark's own aggregation (score / vanilla with its paired bootstrap interval, examples
 above / below vanilla, same answer, first-token KL).
 
-Usage: python docs/studies/numeric_floor.py TASKS N [SEED] [DOCS] [DOC_TOKENS] [JSON]
+Usage: python studies/numeric_floor.py TASKS N [SEED] [DOCS] [DOC_TOKENS] [JSON]
 """
 
 import torch

@@ -15,7 +15,7 @@ is the `anchor, B` rows (B = -0.5 is the default); `anchor, no scaling` sets it 
 
 Attention in the variants is a plain masked call over all keys (slower than the engine's; no timings).
 
-Usage: python docs/studies/stale_cache.py N TASKS DOCS DOC_TOKENS [SEED]
+Usage: python studies/stale_cache.py N TASKS DOCS DOC_TOKENS [SEED]
 
 Needs kvfuse at commit 163ffce: `fusion.stale_logit_bias` and the engine hooks it patches were removed
 after it.

@@ -1,6 +1,6 @@
 """Join the shards of a context_modes.py run (STUDY_SHARD) into one run, as if one process had made it.
 
-    python docs/studies/context_merge.py PREFIX
+    python studies/context_merge.py PREFIX
 
 Reads PREFIX.s<I>-<mode>.json for every shard I and mode, and writes PREFIX-<mode>.json: the outcomes
 of all shards, the rows aggregated again over all of them (kvfuse.bench.fidelity.aggregate), the ingest

@@ -1,7 +1,7 @@
 """Study: quick TTFT check of the fused prefill against vanilla, with each method's arithmetic floor
 (the full benchmark is `kvfuse bench speed`).
 
-    python docs/studies/speed.py --essays ../shared/data/paul_graham_essays --contexts 8,16 --ratio 0.15 --threads 1
+    python studies/speed.py --essays ../shared/data/paul_graham_essays --contexts 8,16 --ratio 0.15 --threads 1
 
 Chunks are 512-token pieces of the Paul Graham essays; stored KV is cast to `--kv-dtype` first, as the
 store keeps it. Each measurement is the minimum over `--repeats` runs, methods interleaved with vanilla.

@@ -5,7 +5,7 @@ oracle: the r*N context tokens whose position-recovered K/V deviate most from va
 principle) could pick. oracle_anchor: the same after the 16 chunk-start anchors. anchor0: no anchors.
 anchor_pc: half the evidence budget split evenly across chunks.
 
-Usage: python docs/studies/selection_oracle.py N TASKS [SEED]   e.g. 4 needle,multikey,multivalue,musique 0
+Usage: python studies/selection_oracle.py N TASKS [SEED]   e.g. 4 needle,multikey,multivalue,musique 0
 Run from the repository root with the project's environment; the data directory defaults to
 the evaluation data (setting bench.data_dir). Prints, per task, each variant's mean score, median and mean
 first-token KL to vanilla (nats) and how many answers equal vanilla's, on the fidelity benchmark's own

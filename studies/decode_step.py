@@ -4,7 +4,7 @@ Why: `kvfuse bench load` shows what batching buys end to end; this separates the
 every step pays once (reading the weights), what grows with the batch (the matmuls' rows) and what grows
 with each sequence's cache (attention reads). The numbers are in docs/results/load.md.
 
-    taskset -c 0 env OMP_NUM_THREADS=1 python docs/studies/decode_step.py --threads 1 \
+    taskset -c 0 env OMP_NUM_THREADS=1 python studies/decode_step.py --threads 1 \
         --batches 1,2,4,8 --lengths 16,2048,4096 --json docs/results/decode-step.json
 """
 
@@ -62,7 +62,7 @@ def main() -> None:
     tf = engine.tf
     kv_bytes = tf.num_layers * 2 * tf.num_kv_heads * tf.head_dim * torch.finfo(engine.dtype).bits // 8
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    out = {"command": "python docs/studies/decode_step.py " + " ".join(
+    out = {"command": "python studies/decode_step.py " + " ".join(
                f"--{k} {v}" for k, v in vars(a).items() if v is not None),
            "threads": a.threads, "kv_bytes_per_token": kv_bytes, "weight_bytes": weights, "rows": rows}
     if a.json:

@@ -1,6 +1,6 @@
 """Every fusion method once on CUDA, and the recompute-everything identity, before a long GPU run.
 
-    python docs/studies/gpu/smoke.py [TASK] [SHAPE]
+    python studies/gpu/smoke.py [TASK] [SHAPE]
 
 With the model of `KVFUSE_MODEL__LLM` on `KVFUSE_MODEL__DEVICE` (a random-weight copy of the default
 model does for this: the code paths and shapes are the same), one example of TASK (default needle) at

@@ -1,6 +1,6 @@
 """A precompute context against `none`, example by example, for one method (context_modes.py's output).
 
-    python docs/studies/context_pairs.py METHOD LABEL=PREFIX [LABEL=PREFIX ...] [--png PATH]
+    python studies/context_pairs.py METHOD LABEL=PREFIX [LABEL=PREFIX ...] [--png PATH]
 
 Each PREFIX names a context_modes.py run: PREFIX-none.json and one PREFIX-<mode>.json, the same examples
 computed both ways. Per run and task, and over all tasks: the pairs, in how many the mode's answer KL to

@@ -22,6 +22,6 @@ gguf)
   PYTHONPATH=/root/kvx/pkg:$PYTHONPATH python3 -c "from pathlib import Path; from kvfuse.model_files import prepare_default_llm; prepare_default_llm(Path('/root/kvx/models'))" >&2
   d=/root/kvx/models/SmolLM2-135M-Instruct
   cmp -s .gpu/model/tokenizer.json $d/tokenizer.json || { echo "tokenizer differs: using the carried one" >&2; cp .gpu/model/tokenizer* .gpu/model/chat_template.jinja $d/; }
-  python3 docs/studies/gpu/check_model.py $d .gpu/manifest.json >&2
+  python3 studies/gpu/check_model.py $d .gpu/manifest.json >&2
   echo $d ;;
 esac

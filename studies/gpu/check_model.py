@@ -1,7 +1,7 @@
 """Check that a converted default model has exactly the weights of a manifest made where it was first
 prepared (tensor name -> dtype, shape, sha256 of its bytes); exits 1 on any difference.
 
-    python docs/studies/gpu/check_model.py MODEL_DIR MANIFEST.json
+    python studies/gpu/check_model.py MODEL_DIR MANIFEST.json
 
 The default model is converted from its GGUF on each machine (kvfuse/model_files.py); on another machine
 the conversion runs under other library versions, and fidelity numbers are only comparable with those

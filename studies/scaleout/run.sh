@@ -2,7 +2,7 @@
 # The scale-out load figure: `kvfuse bench load --url` against one API with, in turn, the embedded worker,
 # a fleet of 1 `kvfuse worker` and a fleet of 2, every process on the cores this script is given
 # (run it under `taskset`). Results: docs/results/scaleout/. Needs Redis at $REDIS_URL.
-#   taskset -c 0 bash docs/studies/scaleout/run.sh
+#   taskset -c 0 bash studies/scaleout/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-python}

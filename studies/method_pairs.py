@@ -1,6 +1,6 @@
 """One method and context mode against every other, example by example (context_modes.py's output).
 
-    python docs/studies/method_pairs.py TARGET PREFIX [--tasks a,b]
+    python studies/method_pairs.py TARGET PREFIX [--tasks a,b]
 
 TARGET is METHOD@MODE (e.g. anchor@document); PREFIX names a run's PREFIX-none.json and
 PREFIX-<mode>.json. For each other method@mode and each task (and all tasks): the paired difference of
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from context_pairs import sign_test  # docs/studies is on sys.path when this runs as a script
+from context_pairs import sign_test  # studies is on sys.path when this runs as a script
 
 from kvfuse.bench.agreement import bootstrap_ci, paired_ratio_ci
 

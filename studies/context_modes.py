@@ -1,6 +1,6 @@
 """Fusion methods with chunk caches computed alone and after a context, on the same examples, in one run.
 
-    python docs/studies/context_modes.py MODE SEED N OUT_PREFIX [TASKS] [METHODS]
+    python studies/context_modes.py MODE SEED N OUT_PREFIX [TASKS] [METHODS]
 
 For every example (task by task in turn, so every task has examples whenever the run is stopped) the
 chunks are precomputed twice, alone (`none`) and after MODE (`store.precompute_context`), and every method
@@ -11,14 +11,14 @@ in-process backend (`kvfuse.bench.fidelity.EngineBackend`), scoring and measures
 vanilla run and the example between the two modes, which the CLI does in two runs.
 
 STUDY_SHARD=I/K runs only the examples whose index is I modulo K, so K processes can share one
-accelerator (docs/studies/gpu/decision.sh); docs/studies/context_merge.py joins their outputs.
+accelerator (studies/gpu/decision.sh); studies/context_merge.py joins their outputs.
 
 STUDY_SHUFFLE=1 fuses each example's chunks in a shuffled order (seeded by SEED and the example), as a
 retrieval that ranks chunks by score would, while `document` contexts still follow the chunks' order in
 their document: a chunk's context is then no longer the text before it in the prompt.
 
 Writes OUT_PREFIX-none.json and OUT_PREFIX-MODE.json, each a fidelity result (rows, outcomes, ingest
-throughput), checkpointed after every example; `docs/studies/fidelity_context.py` tables them.
+throughput), checkpointed after every example; `studies/fidelity_context.py` tables them.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     shard, shards = (int(x) for x in os.environ.get("STUDY_SHARD", "0/1").split("/"))
     command = (f"STUDY_SHAPE={docs}x{doc_tokens} STUDY_SHUFFLE={int(shuffle)} "
                + (f"STUDY_SHARD={shard}/{shards} " if shards > 1 else "")
-               + "python docs/studies/context_modes.py " + " ".join(shlex.quote(a) for a in argv))
+               + "python studies/context_modes.py " + " ".join(shlex.quote(a) for a in argv))
     outs: dict[str, list] = {"none": [], mode: []}
     ingest = {m: {"mode": m, "chunk_tokens": 0, "context_tokens": 0, "precompute_s": 0.0, "embed_s": 0.0}
               for m in outs}

@@ -5,7 +5,7 @@ For each needle example (16 chunks x 480 tokens, r = 0.15): the share of the fac
 anchors (`anchor_fact`: anchors + fact + the rest by evidence). If `anchor_fact` still misses answers
 vanilla gets, what is left un-recomputed matters more than the selector.
 
-Usage: python docs/studies/needle_recall.py N [SEED]
+Usage: python studies/needle_recall.py N [SEED]
 """
 
 import statistics

@@ -1,6 +1,6 @@
 """Gather `kvfuse bench fidelity --precompute-context MODE` runs into one table and plot.
 
-    python docs/studies/fidelity_context.py OUT_PREFIX RUN.json [RUN.json ...]
+    python studies/fidelity_context.py OUT_PREFIX RUN.json [RUN.json ...]
 
 Each RUN.json is one fidelity run (one context mode; its label is the mode, or `label=path` to name it).
 Writes OUT_PREFIX.json, OUT_PREFIX.md (task × method × mode: score / vanilla, agreement and answer KL,

@@ -1,6 +1,6 @@
 """Study: chunk KV computed alone vs after the shared system prefix, for each selective method.
 
-Usage: python docs/studies/chunk_prefix.py N TASKS [SEED]   e.g. 4 needle,multikey,multivalue,musique,vartrack 0
+Usage: python studies/chunk_prefix.py N TASKS [SEED]   e.g. 4 needle,multikey,multivalue,musique,vartrack 0
 Run from the repository root with the project's environment; the data directory defaults to
 the evaluation data (setting bench.data_dir). Prints, per task, each variant's mean score, median and mean
 first-token KL to vanilla (nats) and how many answers equal vanilla's, on the fidelity benchmark's own

@@ -1,7 +1,7 @@
 """Pieces the study scripts share: their command line, the fidelity benchmark's examples, the fact mask
 and a fact-forcing variant of `anchor`, and the benchmark's own aggregation of their outcomes.
 
-The scripts run as `python docs/studies/NAME.py ...`, so this folder is on their import path.
+The scripts run as `python studies/NAME.py ...`, so this folder is on their import path.
 """
 
 import json

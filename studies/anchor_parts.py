@@ -7,7 +7,7 @@ vanilla (the fidelity benchmark's examples, prefix and chunks precomputed once p
 and compared with vanilla by the benchmark's own aggregation (score / vanilla with its paired bootstrap
 interval, examples above and below vanilla, same answer, first-token KL).
 
-Usage: python docs/studies/anchor_parts.py TASKS N [SEED] [DOCS] [DOC_TOKENS] [JSON]
+Usage: python studies/anchor_parts.py TASKS N [SEED] [DOCS] [DOC_TOKENS] [JSON]
   (the system prompt is config `model.system_prompt`, e.g. KVFUSE_MODEL__SYSTEM_PROMPT)
 """
 
