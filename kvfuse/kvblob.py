@@ -359,20 +359,26 @@ def verify_blob(buf: bytes | bytearray | memoryview) -> KVHeader:
 
 
 def decode(
-    buf: bytes | bytearray | memoryview, *, verify: bool = True, copy: bool = False
+    buf: bytes | bytearray | memoryview, *, verify: bool = True, copy: bool = False, pin: bool = False
 ) -> tuple[Tensor, Tensor, KVHeader]:
     """(k, v, header). Without `copy`, the tensors are views of `buf` (no copy): treat them as read-only
     and keep `buf` valid while they are used (an LMDB buffer dies with its transaction). With `copy`,
-    the payload is copied once, in one memcpy, into memory the tensors own (writable)."""
+    the payload is copied once, in one memcpy, into memory the tensors own (writable); with `pin` too,
+    that memory is page-locked (needs CUDA), so a GPU reads it straight over the bus with no staging copy."""
     mv = _byte_view(buf)
     h, start, specs = _parse(mv)
     arts = _artifacts(mv, start, h, specs, verify) if specs else None  # small: always copied
+    tdt = _torch_dtype(h.dtype)
+    numel = h.payload_bytes // 2 // dtype_size(h.dtype)
+    if copy and pin:
+        owned = torch.empty(h.payload_bytes, dtype=torch.uint8, pin_memory=True)
+        _copy_payload(mv[start : start + h.payload_bytes], h.checksum if verify else None, into=owned.numpy())
+        k, v = (part.view(tdt).view(h.shape) for part in owned.chunk(2))
+        return k, v, replace(h, artifacts=arts) if arts else h
     if copy:
         mv, start = memoryview(_copy_payload(mv[start : start + h.payload_bytes], h.checksum if verify else None)), 0
     elif verify:
         _check(h.checksum, _checksum(mv[start : start + h.payload_bytes]))
-    tdt = _torch_dtype(h.dtype)
-    numel = h.payload_bytes // 2 // dtype_size(h.dtype)
     k = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start).view(h.shape)
     v = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start + h.payload_bytes // 2).view(h.shape)
     return k, v, replace(h, artifacts=arts) if arts else h
@@ -427,11 +433,12 @@ def read_blocks(buf: bytes | bytearray | memoryview, blocks: Sequence[int], *, v
     return torch.cat(ks, dim=2), torch.cat(vs, dim=2), h
 
 
-def _copy_payload(src: memoryview, checksum: str | None) -> bytearray:
+def _copy_payload(src: memoryview, checksum: str | None, into=None) -> bytearray:
     """Copy with plain memcpy (bytearray slices: single-threaded; a torch clone runs on the intra-op pool,
     measured ~10x slower on a busy 2-core host). With a checksum, each block is checksummed right after
-    it is copied, while still in cache: ~1.5x faster than a checksum pass then a copy pass."""
-    dst = bytearray(src.nbytes)
+    it is copied, while still in cache: ~1.5x faster than a checksum pass then a copy pass. `into`: a
+    writable buffer of src's size to copy into instead of a new bytearray."""
+    dst = bytearray(src.nbytes) if into is None else memoryview(into).cast("B")
     if checksum is None:
         dst[:] = src
         return dst

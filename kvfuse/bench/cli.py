@@ -231,6 +231,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     retriever.register(bsub)
 
+    from kvfuse.bench import gpu
+
+    gpu.register(bsub)  # `bench gpu`: the worker at an 8B shape on a GPU
+
     for name in _PACKAGE_BENCHES:
         try:
             module = importlib.import_module(name)

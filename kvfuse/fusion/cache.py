@@ -59,6 +59,22 @@ class FusedCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
         self.position_offset = 0
+        # While the chunks' stored KV is still arriving (kv_loading.LayerLoader), every access to a layer
+        # waits for that layer first; None once every layer is in place.
+        self.loader = None
+
+    def layer(self, layer: int) -> None:
+        """Wait until `layer` holds the assembled KV (no-op once loading finished)."""
+        if self.loader is not None:
+            self.loader.wait(layer)
+
+    def finish_loading(self) -> dict[str, float]:
+        """Every layer in place; returns the loader's copy timings ({} when nothing was loading)."""
+        loader, self.loader = self.loader, None
+        if loader is None:
+            return {}
+        loader.finish()
+        return loader.stats()
 
     @property
     def next_position(self) -> int:
@@ -76,16 +92,27 @@ class FusedCache:
 
     def keys(self, layer: int, upto: int | None = None) -> torch.Tensor:
         """[1, Hkv, upto, D] view (no copy)."""
+        self.layer(layer)
         return self.k[layer, :, : self.length if upto is None else upto].unsqueeze(0)
 
     def values(self, layer: int, upto: int | None = None) -> torch.Tensor:
+        self.layer(layer)
         return self.v[layer, :, : self.length if upto is None else upto].unsqueeze(0)
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store rows' K/V [1, Hkv, R, D] at their positions [R] of one layer (in place, cast to the
         cache's dtype)."""
+        self.layer(layer)
         self.k[layer].index_copy_(1, positions, k[0].to(self.k.dtype))
         self.v[layer].index_copy_(1, positions, v[0].to(self.v.dtype))
+
+    def clone(self) -> FusedCache:
+        """An independent copy (every layer in place first): another sequence decoding from this prompt."""
+        self.finish_loading()
+        twin = FusedCache.__new__(FusedCache)
+        twin.k, twin.v = self.k.clone(), self.v.clone()
+        twin.length, twin.position_offset, twin.loader = self.length, self.position_offset, None
+        return twin
 
     def place(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy (and cast) a [L, Hkv, n, D] slab into positions start..start+n-1 of every layer."""

@@ -12,6 +12,7 @@ from kvfuse.fusion import eviction, model_loading
 from kvfuse.fusion.cache import FusedCache, Layout
 from kvfuse.fusion.errors import ContextOverflowError
 from kvfuse.fusion.generation import Generation
+from kvfuse.fusion.kv_loading import LayerLoader
 from kvfuse.fusion.methods import FusionMethod, get_method
 from kvfuse.fusion.prompt import QUESTION_TEMPLATE, template_halves
 from kvfuse.fusion.selection import SelectionContext
@@ -49,6 +50,10 @@ class FusionEngine:
         self.fingerprint = model_loading.fingerprint(model, tokenizer, dtype)
         self.artifacts: dict[str, object] = {}  # trained per-model data of methods, by method (`load_artifacts`)
         self.stop_token_ids = self._stop_token_ids()
+        # Phase timings (`FusedPrefill.timings`) after the device drained: on a GPU, work is launched
+        # asynchronously and an unsynchronised clock measures the launches. Off by default (each sync
+        # stalls the pipeline); `kvfuse bench gpu` turns it on for its split runs.
+        self.sync_timings = False
 
     @classmethod
     def load(cls, model: str, *, device: str = "cpu", dtype: str = "float32", threads: int = 0,
@@ -85,6 +90,11 @@ class FusionEngine:
 
         for method in registry().values():
             method.load_artifacts(self, settings)
+
+    def _clock(self) -> float:
+        if self.sync_timings and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
 
     def rows(self, positions: torch.Tensor) -> Rows:
         """Query rows at sorted global positions (cos/sin and causal mask built once for every layer)."""
@@ -226,37 +236,39 @@ class FusionEngine:
         timings = {"assemble_s": 0.0, "select_s": 0.0, "recompute_s": 0.0}
         n, p = layout.context_len, layout.prefix_len
 
-        t = time.perf_counter()
+        t = self._clock()
         if method.full_prefill:
             rows = self.rows(torch.arange(layout.total, device=self.device))
             h = yield from self._layers(cache, self.tf.embed(ids), rows, range(self.num_layers))
             selected_ctx = torch.arange(n, device=self.device)
-            timings["recompute_s"] = time.perf_counter() - t
+            timings["recompute_s"] = self._clock() - t
             full_layers = self.num_layers
         else:
             self._assemble(cache, prefix, chunks, layout, method.recover_positions)
-            timings["assemble_s"] = time.perf_counter() - t
+            timings["assemble_s"] = self._clock() - t
             full_layers = method.full_layers(options, self.num_layers)
             if not 0 <= full_layers < self.num_layers:
                 raise ValueError(f"check_layer must be in [0, {self.num_layers - 1}], got {full_layers}")
             ctx = SelectionContext(self.tf, cache, layout, ids, options, full_layers, self.rows,
                                    alone=[not c.after_context for c in chunks])
-            t = time.perf_counter()
+            t = self._clock()
             if full_layers > 0:
                 ctx.hidden = yield from self._layers(cache, self.tf.embed(ids[p:]), ctx.rows_all(), range(full_layers))
-            t_full = time.perf_counter() - t
-            t = time.perf_counter()
+            t_full = self._clock() - t
+            t = self._clock()
             if n == 0:  # nothing to select from
                 selected_ctx = torch.empty(0, dtype=torch.long, device=self.device)
             else:
                 selected_ctx = torch.unique(method.select(ctx).to(self.device))  # sorted, unique
             if selected_ctx.numel() and (int(selected_ctx[0]) < 0 or int(selected_ctx[-1]) >= n):
                 raise ValueError(f"{options.method}: selected indices outside the context [0, {n})")
-            timings["select_s"] = time.perf_counter() - t
-            t = time.perf_counter()
+            timings["select_s"] = self._clock() - t
+            t = self._clock()
             h = yield from self._recompute(method, ctx, selected_ctx)
-            timings["recompute_s"] = t_full + time.perf_counter() - t
+            timings["recompute_s"] = t_full + self._clock() - t
+            timings["full_layers_s"] = t_full
         cache.length = layout.total
+        timings.update(cache.finish_loading())
         logits = self.tf.logits(h[:, -1])[0]
         stats = {
             "prefix_tokens": p, "context_tokens": n, "question_tokens": layout.question_len,
@@ -273,13 +285,11 @@ class FusionEngine:
 
     def _assemble(self, cache: FusedCache, prefix: ChunkKV, chunks: list[ChunkKV], layout: Layout,
                   recover: bool) -> None:
-        """Copy every cache into place (the one copy, casting to the compute dtype), then rotate each
-        chunk's keys in place to its global positions."""
+        """The prefix copied into place now; the chunks' caches start moving in layer by layer
+        (kv_loading.LayerLoader: on a GPU behind the compute, each layer cast to the compute dtype and
+        its keys rotated to their global positions on the way in). Any access to a layer waits for it."""
         cache.place(0, prefix.k, prefix.v)
-        for kv, start in zip(chunks, layout.chunk_starts(), strict=True):
-            cache.place(start, kv.k, kv.v)
-            if recover:
-                self.rope.shift_keys_(cache.k[:, :, start : start + len(kv)], start)
+        cache.loader = LayerLoader(cache, self.rope, chunks, layout.chunk_starts(), recover).start()
 
     def _layers(self, cache: FusedCache, h: torch.Tensor, rows: Rows, layers: range
                 ) -> Generator[int, None, torch.Tensor]:

@@ -59,6 +59,11 @@ class Rope:
         cos, sin = self.rotary_emb(self._probe, torch.tensor([[delta]], device=self.device))
         return cos[0, 0] / self.attention_scaling, sin[0, 0] / self.attention_scaling
 
+    def shift_table(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin [n, D] of pure rotations by `deltas` [n] positions (attention scaling removed)."""
+        cos, sin = self.rotary_emb(self._probe, deltas.to(self.device).view(1, -1))
+        return cos[0] / self.attention_scaling, sin[0] / self.attention_scaling
+
     def shift_keys_(self, k: torch.Tensor, delta: int) -> None:
         """Rotate keys [..., n, D] computed at positions 0..n-1 to positions delta..delta+n-1, in place."""
         if delta == 0:

@@ -86,7 +86,7 @@ class SelectionContext:
         """[N] fp32: ||V_new - V_cached|| per context token at the check layer."""
         _, _, v = self.check_projections()
         n = self.num_context
-        cached = self.cache.v[self.check_layer, :, self.context].unsqueeze(0)
+        cached = self.cache.values(self.check_layer, self.layout.question_start)[:, :, self.context]
         return scoring.value_deviation(v[:, :, :n], cached)
 
     # -- signals from a question-only pass -----------------------------------------------------------

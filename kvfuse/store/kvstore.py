@@ -35,7 +35,7 @@ class KVStore:
         self.env = env
         self.hot = HotTier(s.hot_tier_mb << 20)
         if keep_blobs:
-            self.blobs = LmdbTier(env, verify=s.verify_checksums)
+            self.blobs = LmdbTier(env, verify=s.verify_checksums, pin=settings.model.device.startswith("cuda"))
         else:  # a fleet's API: the blobs live on the workers (remote_blobs.py)
             from kvfuse.store.remote_blobs import RemoteBlobs
 

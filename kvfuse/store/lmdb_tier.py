@@ -47,9 +47,12 @@ def check_key(key: str, header_key: str) -> None:
 class LmdbTier(ChunkStore):
     name = "lmdb"
 
-    def __init__(self, env: LmdbEnv, *, verify: bool = True) -> None:
+    def __init__(self, env: LmdbEnv, *, verify: bool = True, pin: bool = False) -> None:
+        """pin: decode into page-locked memory (a CUDA worker: its GPU then copies the KV without a
+        staging copy, and the RAM hot tier above keeps it so)."""
         self.env = env
         self._verify = verify
+        self._pin = pin
         self._blobs = env.db("chunks")
         self._infos = env.db("chunkinfo")
         self._meta = env.db("meta")
@@ -64,7 +67,7 @@ class LmdbTier(ChunkStore):
             buf = txn.get(key.encode(), db=self._blobs)
             if buf is None:
                 return None
-            entry = decode(buf, verify=self._verify, copy=True)  # the one copy, before the txn ends
+            entry = decode(buf, verify=self._verify, copy=True, pin=self._pin)  # the one copy, before the txn ends
         check_key(key, entry[2].key)
         return entry
 
