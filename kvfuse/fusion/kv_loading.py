@@ -114,13 +114,15 @@ class LayerLoader:
         if self.cuda:
             self.start_event.record(torch.cuda.current_stream(self.device))
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the cache was allocated there
+            # inference mode is per thread: the copies run in the caller's, or they could not write its tensors
+            self._inference = torch.is_inference_mode_enabled()
             self._thread = threading.Thread(target=self._copy_all, name="kv-layer-loader", daemon=True)
             self._thread.start()
         return self
 
     def _copy_all(self) -> None:
         try:
-            with torch.cuda.stream(self.stream):
+            with torch.inference_mode(self._inference), torch.cuda.stream(self.stream):
                 pageable = [c.k.device.type == "cpu" and not (c.k.is_pinned() and c.v.is_pinned())
                             for c in self.chunks]
                 if all(pageable):
