@@ -13,13 +13,13 @@ causal mask instead.
 
 On CPU the transformer takes `attention_cpu`'s blocked kernel instead, which skips the masked work
 (its gain is measured in docs/DESIGN.md); tests/fusion/test_attention_blocks.py pins it to the dense
-path. On CUDA the rows of a masked phase go in `row_groups` groups of consecutive positions, each
-attending only the keys up to its last row: a masked kernel cannot skip keys past every row, and the
-selected rows of a long context are spread over it (docs/results/gpu/).
+path.
 
-On CUDA the cuDNN attention backend is switched off for the process: it builds an execution plan for
-every new key length, which a decode step (one more key each time) pays on every step; the flash and
-memory-efficient kernels need none (docs/results/gpu/).
+On CUDA the calls where every row sees every key (`attend_all`: a decode step, the last prompt row)
+keep off the cuDNN attention backend: it builds an execution plan for every new key length, which a
+decode step (one more key each time) would pay on every step; the flash kernel needs none. The
+prefill phases keep it: on long prompts its attention ran about twice as fast as flash
+(docs/results/gpu/README.md).
 
 A decode step (`Transformer.decode`) runs B sequences at once: one new row each, every row seeing all
 of its own cache, so it needs no mask.
@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvfuse.fusion import attention_cpu
 from kvfuse.fusion.cache import FusedCache
 from kvfuse.fusion.errors import FusionError, UnsupportedModelError
 from kvfuse.fusion.rope import Rope, apply_rope
 
-ROW_GROUPS = 8  # groups of a masked phase's rows on CUDA, each reading only the keys up to its last row
-_MIN_GROUP_ROWS = 64
+# Every row sees every key (decode): no cuDNN, which plans anew for each key length (module docstring).
+_NO_PLAN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -59,7 +60,6 @@ class Rows:
             hidden = positions[:, None] < keys[None, :]
             self.mask = torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill_(hidden, -torch.inf)
         self.plan: object | None = None  # a device kernel's per-phase state (attention_cpu), built on first use
-        self.spans: list[tuple[int, int, int, torch.Tensor]] | None = None  # row groups (Transformer.attend)
 
 
 class Transformer:
@@ -87,9 +87,6 @@ class Transformer:
         self.rope = Rope(base.rotary_emb, cfg, weight.device)
         self.blocked = (attention_cpu.BlockedAttention(attention_block_rows, self.scale)
                         if attention_block_rows > 0 and attention_cpu.supports(weight.device) else None)
-        self.row_groups = ROW_GROUPS if weight.device.type == "cuda" else 0
-        if weight.device.type == "cuda":
-            torch.backends.cuda.enable_cudnn_sdp(False)
 
     def _check_structure(self) -> None:
         for i, layer in enumerate(self.layers):
@@ -127,22 +124,8 @@ class Transformer:
         k, v = cache.keys(layer, rows.stop), cache.values(layer, rows.stop)
         if self.blocked is not None:
             return self.blocked(q, k, v, rows)
-        if rows.mask is not None and self.row_groups > 1 and rows.count >= 2 * _MIN_GROUP_ROWS:
-            if rows.spans is None:
-                rows.spans = self._spans(rows)
-            return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, :stop], v[:, :, :stop],
-                                                             attn_mask=mask, scale=self.scale, enable_gqa=True)
-                              for a, b, stop, mask in rows.spans], dim=2)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, is_causal=rows.mask is None,
                                               scale=self.scale, enable_gqa=True)
-
-    def _spans(self, rows: Rows) -> list[tuple[int, int, int, torch.Tensor]]:
-        """(first row, end row, keys read, their mask) of each group of consecutive rows."""
-        n = min(self.row_groups, rows.count // _MIN_GROUP_ROWS)
-        bounds = [rows.count * i // n for i in range(n + 1)]
-        last = rows.positions[[b - 1 for b in bounds[1:]]].tolist()
-        return [(a, b, stop + 1, rows.mask[a:b, : stop + 1].contiguous())
-                for a, b, stop in zip(bounds[:-1], bounds[1:], last, strict=True)]
 
     def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Rows q [1, H, R, D] that all see every key of k/v [1, Hkv, T, D]: [1, H, R, D].
@@ -152,6 +135,10 @@ class Transformer:
         reading the cache)."""
         _, h, r, d = q.shape
         hkv = k.shape[1]
+        if q.device.type == "cuda":
+            with sdpa_kernel(_NO_PLAN_BACKENDS):
+                out = F.scaled_dot_product_attention(q.reshape(1, hkv, (h // hkv) * r, d), k, v, scale=self.scale)
+            return out.reshape(1, h, r, d)
         out = F.scaled_dot_product_attention(q.reshape(1, hkv, (h // hkv) * r, d), k, v, scale=self.scale)
         return out.reshape(1, h, r, d)  # CUDA kernels may return it strided
 

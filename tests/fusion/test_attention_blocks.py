@@ -9,7 +9,6 @@ import torch
 
 from kvfuse.fusion import attention_cpu
 from kvfuse.fusion.cache import FusedCache
-from kvfuse.fusion import transformer
 from kvfuse.fusion.transformer import Rows, Transformer
 
 TOTAL = 300
@@ -39,9 +38,9 @@ def _positions(kind: str, gen: torch.Generator) -> torch.Tensor:
 KINDS = ["scattered", "contiguous-after-prefix", "from-zero", "one-row", "starts-at-zero", "scattered-then-question"]
 
 
-@pytest.mark.parametrize("path", ["dense", "blocked", "grouped"])
+@pytest.mark.parametrize("path", ["dense", "blocked"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_attention_matches_attention_by_hand(engine, path: str, kind: str, monkeypatch) -> None:
+def test_attention_matches_attention_by_hand(engine, path: str, kind: str) -> None:
     tf: Transformer = engine.tf
     gen = torch.Generator().manual_seed(3)
     positions = _positions(kind, gen)
@@ -52,14 +51,12 @@ def test_attention_matches_attention_by_hand(engine, path: str, kind: str, monke
     q = torch.randn(1, tf.num_heads, positions.numel(), tf.head_dim, generator=gen)
     rows = Rows(positions, engine.rope, torch.float32)
     k, v = cache.keys(0, rows.stop), cache.values(0, rows.stop)
-    if path in ("dense", "grouped"):  # grouped: the CUDA path (row groups reading only their keys)
-        monkeypatch.setattr(tf, "blocked", None)
-        monkeypatch.setattr(tf, "row_groups", 4 if path == "grouped" else 0)
-        monkeypatch.setattr(transformer, "_MIN_GROUP_ROWS", 8)
-        out = tf.attend(cache, 0, rows, q)
-        if path == "grouped" and kind == "scattered":  # 70 rows in 4 groups, each reading its keys only
-            assert [b - a for a, b, _, _ in rows.spans] == [17, 18, 17, 18]
-            assert [stop for _, _, stop, _ in rows.spans] == sorted({stop for _, _, stop, _ in rows.spans})
+    if path == "dense":
+        blocked, tf.blocked = tf.blocked, None
+        try:
+            out = tf.attend(cache, 0, rows, q)
+        finally:
+            tf.blocked = blocked
     else:
         out = attention_cpu.BlockedAttention(16, tf.scale)(q, k, v, rows)
         if kind == "scattered":  # 70 rows in blocks of 16
