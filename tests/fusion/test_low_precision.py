@@ -83,9 +83,16 @@ def test_greedy_answers_at_full_ratio_equal_vanilla_in_bf16(default_llm_path, es
         assert all(t == tokens["vanilla"] for t in tokens.values()), tokens
 
 
+# A batch's rows go through matrix products of another shape than a row alone, and in bf16 the products'
+# blocking changes the rounding: the same token's logits may differ by a few units in the last place
+# (0.125 for a logit in [16, 32)), compounded over the layers. Not bit for bit, then: within this
+# budget, and the same greedy token wherever the request alone is not that close to a tie.
+BATCH_LOGIT_BUDGET = 1.0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_batch_in_bf16_writes_each_request_alone_tokens(default_llm_path, essays, device):
+def test_a_batch_in_bf16_decodes_as_each_request_alone(default_llm_path, essays, device):
     eng = FusionEngine.load(default_llm_path, dtype="bfloat16", device=device)
     texts = list(dict(essays).values())
     prompts = [make_prompt(eng, texts[i], q, sizes) for i, q, sizes in
@@ -97,20 +104,23 @@ def test_a_batch_in_bf16_writes_each_request_alone_tokens(default_llm_path, essa
     def fused(p):
         return eng.fuse(p.prefix, p.chunks, p.question_ids, opts, max_tokens=steps)
 
-    alone = []
+    alone = []  # per request: the logits of each step, decoding its own greedy tokens
     for p in prompts:
         f = fused(p)
-        toks = [int(f.logits.argmax())]
+        rows = [f.logits]
         for _ in range(steps - 1):
-            toks.append(int(eng.decode_batch([f.cache], torch.tensor([toks[-1]]))[0].argmax()))
-        alone.append(toks)
+            rows.append(eng.decode_batch([f.cache], rows[-1].argmax().view(1))[0])
+        alone.append(torch.stack(rows))
     batch = [fused(p) for p in prompts]
-    toks = [[int(f.logits.argmax())] for f in batch]
-    for _ in range(steps - 1):
-        nxt = eng.decode_batch([f.cache for f in batch], torch.tensor([t[-1] for t in toks])).argmax(-1)
-        for t, n in zip(toks, nxt.tolist(), strict=True):
-            t.append(n)
-    assert toks == alone
+    rows = [torch.stack([f.logits for f in batch])]
+    for step in range(steps - 1):  # fed each request's own tokens, so a tie cannot send it elsewhere
+        rows.append(eng.decode_batch([f.cache for f in batch], torch.stack([a[step].argmax() for a in alone])))
+    together = torch.stack(rows, dim=1)
+    for solo, joint in zip(alone, together, strict=True):
+        assert float((solo - joint).abs().max()) <= BATCH_LOGIT_BUDGET
+        top2 = solo.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * BATCH_LOGIT_BUDGET
+        assert torch.equal(solo.argmax(-1)[clear], joint.argmax(-1)[clear])
 
 
 def _reference_placement(eng: FusionEngine, chunks: list[ChunkKV], starts: list[int], dtype: torch.dtype):
