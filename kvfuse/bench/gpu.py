@@ -184,7 +184,7 @@ class Bench:
         return len(caches) * steps / (self.now() - t)
 
     def context(self, context_tokens: int, methods: list[str], progress) -> list[dict[str, Any]]:
-        torch, e = self.torch, self.engine
+        torch = self.torch
         prefix_ids, chunk_ids, question_ids = self.prompt(context_tokens)
         rows = []
         with tempfile.TemporaryDirectory(prefix="kvfuse-gpu-") as tmp:
@@ -258,8 +258,8 @@ def run(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from kvfuse.bench.machine import command_line, machine_info
     from kvfuse.bench.gpu_report import write_json
+    from kvfuse.bench.machine import command_line, machine_info
 
     engine = build_engine(args.shape, args.tokenizer, args.device, args.dtype, args.seed)
     bench = Bench(engine, kv_dtype=args.kv_dtype, chunk_tokens=args.chunk_tokens, repeats=args.repeats,
