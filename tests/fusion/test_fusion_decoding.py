@@ -25,7 +25,10 @@ def test_max_tokens_usage_and_timings(engine, prompt):
     assert result.usage == {"prefix_tokens": len(prompt.prefix), "context_tokens": 168,
                             "question_tokens": len(prompt.question_ids), "recomputed_tokens": 0,
                             "generated_tokens": 5}
-    assert set(result.timings) == {"assemble_s", "select_s", "recompute_s", "ttft_s", "decode_s"}
+    assert set(result.timings) == {"assemble_s", "select_s", "recompute_s", "full_layers_s", "kv_copy_s",
+                                   "kv_copy_exposed_s", "ttft_s", "decode_s"}
+    # on a CPU nothing overlaps the chunks' copy into the fused cache: all of it is exposed
+    assert result.timings["kv_copy_exposed_s"] == result.timings["kv_copy_s"] > 0
     assert 0 < result.timings["ttft_s"] and result.timings["decode_s"] > 0
 
 
