@@ -199,9 +199,9 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
             "unused heap (malloc_trim). Decode tok/s: forward steps after the first token over their time (the step that produced EOS included).",
         ]
     elif kind == "load":
-        from kvfuse.bench import load
+        from kvfuse.bench import load_report
 
-        load.plot(rows, png)
+        load_report.plot(rows, png)
         params = payload.get("params", {})
         ingest = (f" Ingestion before the load: {params['context_tokens']} tokens in {params['ingest_s']:.1f} s "
                   f"({params['context_tokens'] / params['ingest_s']:.1f} tokens/s, documents one at a time, each "
@@ -210,9 +210,9 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
             "Closed loop: N users each send their next streamed query when the last answer ends; open loop: "
             "Poisson arrivals at the given rate. TTFT and ITL as the client sees them (ITL between token "
             "events), TPOT per request (decode time over its tokens after the first); tokens/s and requests/s "
-            "over each level's wall time." + ingest, "", markdown_table(rows, load.LOAD_TABLE), "",
+            "over each level's wall time." + ingest, "", markdown_table(rows, load_report.LOAD_TABLE), "",
             f"![load]({png.name})",
-            "", "## What batching buys", "", markdown_table(load.scaling(rows), load.SCALING_TABLE),
+            "", "## What batching buys", "", markdown_table(load_report.scaling(rows), load_report.SCALING_TABLE),
         ]
     else:
         raise ValueError(f"unknown result kind {kind!r} in {json_path}")
@@ -268,9 +268,9 @@ def readme_block(results_dir: Path, readme: Path, *, every_file: bool = False) -
         if kind == "fidelity":
             parts.append(fidelity_summary(rows))
         elif kind == "load":
-            from kvfuse.bench import load
+            from kvfuse.bench import load_report
 
-            parts.append(markdown_table(load.scaling(rows), load.SCALING_TABLE))
+            parts.append(markdown_table(load_report.scaling(rows), load_report.SCALING_TABLE))
         else:
             cols = [c for c in SPEED_TABLE if c[0] in ("context_tokens", "method", "ratio", "ttft_s_median",
                                                         "ttft_vs_vanilla", "ttft_cold_s_median",

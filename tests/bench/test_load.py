@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfuse.bench.load import Sample, percentile, plot, scaling, summarize
+from kvfuse.bench.load import Sample, percentile, summarize
+from kvfuse.bench.load_report import plot, scaling
 
 
 def test_percentiles_interpolate_between_ranks() -> None:
