@@ -1,23 +1,17 @@
-"""`kvfuse bench ...`: fidelity, speed, retriever, report, and the store bench of that package.
+"""`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, gpu and report.
 
 Nothing heavy is imported until a subcommand runs, so `kvfuse --help` stays instant."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import logging
 import sys
 from pathlib import Path
 
 from kvfuse.bench.args import csv_list
 
-log = logging.getLogger(__name__)
-
 DEFAULT_RATIOS = "0.05,0.15,0.3,1.0"
 DEFAULT_CONTEXTS = "1024,2048,4096,8192"
-# Other packages' benches, each `register_bench(bench_subparsers)` adding its own subcommand.
-_PACKAGE_BENCHES = ("kvfuse.store.bench",)
 
 
 def _flat(values: list[list] | None) -> list:
@@ -235,15 +229,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     gpu.register(bsub)  # `bench gpu`: the worker at an 8B shape on a GPU
 
-    for name in _PACKAGE_BENCHES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name and name.startswith(err.name):  # that bench does not exist: the rest still works
-                continue
-            log.warning("%s is broken, `kvfuse bench` goes on without it: %s", name, err)
-            continue
-        except ImportError as err:
-            log.warning("%s is broken, `kvfuse bench` goes on without it: %s", name, err)
-            continue
-        module.register_bench(bsub)
+    from kvfuse.bench import store
+
+    store.register(bsub)  # `bench store`: KV blob write and read rates per dtype

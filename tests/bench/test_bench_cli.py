@@ -27,12 +27,6 @@ def test_bench_subcommands_parse():
         _parser().parse_args(["bench", "speed", "--contexts", "1k"])
 
 
-def test_a_missing_package_bench_does_not_break_the_cli(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(bench_cli, "_PACKAGE_BENCHES", ("kvfuse.not_a_package.bench", "kvfuse.store.nope"))
-    args = _parser().parse_args(["bench", "report", "--no-readme"])
-    assert args.func is bench_cli._report
-
-
 def test_command_line_spells_out_every_effective_option(monkeypatch: pytest.MonkeyPatch):
     for k in [k for k in __import__("os").environ if k.startswith("KVFUSE_")]:
         monkeypatch.delenv(k)

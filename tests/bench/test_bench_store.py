@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvfuse.store.bench import run_store_bench
+from kvfuse.bench.store import run_store_bench
 
 
 def test_tiny_store_bench_reports_every_rate(settings_factory, tmp_path, capsys) -> None:

@@ -236,7 +236,7 @@ def _cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
+def register(bench_subparsers: argparse._SubParsersAction) -> None:
     """Add `kvfuse bench store`; imports nothing heavy."""
     p = bench_subparsers.add_parser("store", help="KV blob write/read GB/s per dtype (512-token chunks)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
