@@ -148,6 +148,11 @@ def parse_json(raw: bytes) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:
+        # The decoder recurses per nesting level: a body nested deeper than the interpreter's recursion
+        # limit is refused here, as the client's error, before anything else walks it.
+        raise APIError(400, "request body is nested too deeply to be parsed (no request needs more than a "
+                       "few levels)", code="invalid_json") from None
 
 
 def validate(model: type[M], payload: Any) -> M:

@@ -3,6 +3,7 @@ the timed-out generation is cancelled in the worker."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 
@@ -68,3 +69,34 @@ def test_a_stream_past_the_timeout_ends_with_an_error_event(server: ServerProces
             assert err["status"] == 504 and err["error"]["code"] == "timeout"
     with make_client(server, key=None) as c:
         assert _idle(c, 60)
+
+
+# -- hostile bodies --------------------------------------------------------------------------------------
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+DEEP = [  # as the endpoints received them: depth 100000 in a document's metadata, 5000 in a query body
+    ("/v1/documents", '{"text": "deep", "metadata": {"a": ' + _nested(100_000) + "}}"),
+    ("/v1/query", '{"query": "q", "filters": {"a": ' + _nested(5000) + "}}"),
+    ("/v1/chat/completions", '{"model": "kvfuse", "messages": [{"role": "user", "content": ' + _nested(5000) + "}]}"),
+]
+
+
+def test_deeply_nested_json_is_a_400_on_every_endpoint_and_the_connection_keeps_working(
+        server: ServerProcess) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)  # one connection: no reconnects
+    try:
+        for path, body in DEEP:
+            conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            err = json.loads(resp.read())["error"]
+            assert resp.status == 400 and err["code"] == "invalid_json", (path, err)
+            assert "nested too deeply" in err["message"]
+        conn.request("GET", "/v1/documents")
+        resp = conn.getresponse()
+        assert resp.status == 200 and [d["id"] for d in json.loads(resp.read())["documents"]] == ["owls"]
+    finally:
+        conn.close()

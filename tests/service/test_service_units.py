@@ -74,6 +74,14 @@ def test_body_parsing_errors() -> None:
     assert validate(QueryIn, json.loads('{"query": "q", "fusion": {"recompute_ratio": 1}}')).fusion.recompute_ratio == 1
 
 
+@pytest.mark.parametrize("depth", [5000, 100_000])
+def test_deeply_nested_json_is_a_400_not_a_recursion_error(depth: int) -> None:
+    raw = b'{"text": "t", "metadata": {"a": ' + b"[" * depth + b"]" * depth + b"}}"
+    with pytest.raises(APIError) as e:
+        parse_json(raw)
+    assert e.value.status == 400 and e.value.code == "invalid_json" and "nested too deeply" in e.value.message
+
+
 def test_cli_file_collection_and_ids(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     (tmp_path / "a essay.txt").write_text("a")
