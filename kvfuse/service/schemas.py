@@ -7,19 +7,22 @@ know the settings; the models here hold only what is fixed by the contract.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+import math
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
+    AllowInfNan,
     BaseModel,
     ConfigDict,
     Field,
     StrictBool,
-    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
     create_model,
 )
+from pydantic import Strict as StrictMode
 from pydantic.json_schema import models_json_schema
 
 from kvfuse.config import FusionRequestSettings
@@ -27,12 +30,24 @@ from kvfuse.service.errors import APIError
 
 # Document ids travel in URL paths: no slashes, no spaces.
 DOC_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}$"
-MetaValue = StrictStr | StrictInt | StrictFloat | StrictBool | None
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must be a finite number (NaN and Infinity are not JSON numbers)")
+    return value
+
+
+# Python's json accepts bare NaN and Infinity, which no JSON consumer can read back: refused with the
+# field's name (the float member admits them only so that this one check, not four union branches, speaks).
+MetaValue = Annotated[StrictStr | StrictInt | Annotated[float, StrictMode(), AllowInfNan(True)] | StrictBool | None,
+                      AfterValidator(_finite)]
 OnConflict = Literal["skip", "overwrite", "fail"]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan: a bare NaN or Infinity (which Python's json accepts) is refused in every float field.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class DocumentIn(Strict):

@@ -100,3 +100,15 @@ def test_deeply_nested_json_is_a_400_on_every_endpoint_and_the_connection_keeps_
         assert resp.status == 200 and [d["id"] for d in json.loads(resp.read())["documents"]] == ["owls"]
     finally:
         conn.close()
+
+
+def test_nan_and_infinity_in_metadata_are_refused_naming_the_field(server: ServerProcess) -> None:
+    with make_client(server, key=None) as c:
+        for raw, param in ((b'{"id": "nan", "text": "t", "metadata": {"a": NaN}}', "metadata.a"),
+                           (b'{"documents": [{"id": "inf", "text": "t", "metadata": {"b": Infinity}}]}',
+                            "documents.0.metadata.b")):
+            resp = c.post("/v1/documents?wait=true", content=raw, headers={"Content-Type": "application/json"})
+            assert resp.status_code == 422, resp.text
+            err = resp.json()["error"]
+            assert err["param"] == param and "finite number" in err["message"]
+        assert [d["id"] for d in c.get("/v1/documents").json()["documents"]] == ["owls"]  # nothing stored

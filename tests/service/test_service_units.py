@@ -15,7 +15,15 @@ from kvfuse.service import sse
 from kvfuse.service.auth import check_bind, is_loopback, key_is_valid
 from kvfuse.service.cli import collect_files, doc_id_for
 from kvfuse.service.errors import APIError
-from kvfuse.service.schemas import DOC_ID_PATTERN, QueryIn, decode_utf8, parse_json, validate
+from kvfuse.service.schemas import (
+    DOC_ID_PATTERN,
+    ChatIn,
+    DocumentIn,
+    QueryIn,
+    decode_utf8,
+    parse_json,
+    validate,
+)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.5"])
@@ -80,6 +88,28 @@ def test_deeply_nested_json_is_a_400_not_a_recursion_error(depth: int) -> None:
     with pytest.raises(APIError) as e:
         parse_json(raw)
     assert e.value.status == 400 and e.value.code == "invalid_json" and "nested too deeply" in e.value.message
+
+
+@pytest.mark.parametrize(("model", "raw", "param"), [
+    (DocumentIn, b'{"text": "t", "metadata": {"a": NaN}}', "metadata.a"),
+    (DocumentIn, b'{"text": "t", "metadata": {"ok": 1.5, "b": -Infinity}}', "metadata.b"),
+    (QueryIn, b'{"query": "q", "filters": {"year": Infinity}}', "filters.year"),
+    (QueryIn, b'{"query": "q", "temperature": NaN}', "temperature"),
+    (QueryIn, b'{"query": "q", "fusion": {"recompute_ratio": NaN}}', "fusion.recompute_ratio"),
+    (ChatIn, b'{"model": "m", "messages": [{"role": "user", "content": "q"}], "top_p": NaN}', "top_p"),
+])
+def test_nan_and_infinity_are_refused_naming_the_field(model: type, raw: bytes, param: str) -> None:
+    # Python's json reads a bare NaN or Infinity: the schema, not the store, must refuse it.
+    with pytest.raises(APIError) as e:
+        validate(model, parse_json(raw))
+    assert e.value.status == 422 and e.value.param == param and "finite number" in e.value.message
+    assert e.value.message.startswith(param + ":")
+
+
+def test_finite_metadata_numbers_and_every_scalar_type_still_pass() -> None:
+    doc = validate(DocumentIn, parse_json(b'{"text": "t", "metadata": {"f": 1.5, "i": 2, "b": true, "s": "x", '
+                                          b'"n": null}}'))
+    assert doc.metadata == {"f": 1.5, "i": 2, "b": True, "s": "x", "n": None}
 
 
 def test_cli_file_collection_and_ids(tmp_path: Path) -> None:
