@@ -43,6 +43,7 @@ def _finite(value: Any) -> Any:
 MetaValue = Annotated[StrictStr | StrictInt | Annotated[float, StrictMode(), AllowInfNan(True)] | StrictBool | None,
                       AfterValidator(_finite)]
 OnConflict = Literal["skip", "overwrite", "fail"]
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
 class Strict(BaseModel):
@@ -78,7 +79,8 @@ class GenerationIn(Strict):
     temperature: float | None = Field(None, ge=0.0, le=5.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # The sampler's generator takes a 64-bit seed: a larger one would fail in the worker, not here.
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
 
 
 class RetrievalIn(Strict):

@@ -73,6 +73,8 @@ def test_a_stream_past_the_timeout_ends_with_an_error_event(server: ServerProces
 
 # -- hostile bodies --------------------------------------------------------------------------------------
 
+SMALL = {"query": "What do barn owls swallow?", "max_tokens": 2}
+
 
 def _nested(depth: int) -> str:
     return "[" * depth + "]" * depth
@@ -112,3 +114,11 @@ def test_nan_and_infinity_in_metadata_are_refused_naming_the_field(server: Serve
             err = resp.json()["error"]
             assert err["param"] == param and "finite number" in err["message"]
         assert [d["id"] for d in c.get("/v1/documents").json()["documents"]] == ["owls"]  # nothing stored
+
+
+def test_a_seed_past_64_bits_is_a_422_naming_it(server: ServerProcess) -> None:
+    with make_client(server, key=None) as c:
+        resp = c.post("/v1/query", json={**SMALL, "temperature": 0.7, "seed": 2**70})
+    assert resp.status_code == 422, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "seed" and "less than or equal to" in err["message"] and "Overflow" not in err["message"]

@@ -17,6 +17,8 @@ from kvfuse.service.cli import collect_files, doc_id_for
 from kvfuse.service.errors import APIError
 from kvfuse.service.schemas import (
     DOC_ID_PATTERN,
+    SEED_MAX,
+    SEED_MIN,
     ChatIn,
     DocumentIn,
     QueryIn,
@@ -110,6 +112,18 @@ def test_finite_metadata_numbers_and_every_scalar_type_still_pass() -> None:
     doc = validate(DocumentIn, parse_json(b'{"text": "t", "metadata": {"f": 1.5, "i": 2, "b": true, "s": "x", '
                                           b'"n": null}}'))
     assert doc.metadata == {"f": 1.5, "i": 2, "b": True, "s": "x", "n": None}
+
+
+def test_the_seed_is_bounded_to_what_the_sampler_accepts() -> None:
+    import torch
+
+    for seed in (SEED_MIN, SEED_MAX):  # the bounds are torch's own
+        torch.Generator().manual_seed(seed)
+        assert validate(QueryIn, {"query": "q", "seed": seed}).seed == seed
+    for seed in (SEED_MAX + 1, 2**70, SEED_MIN - 1):
+        with pytest.raises(APIError) as e:
+            validate(QueryIn, {"query": "q", "seed": seed})
+        assert e.value.status == 422 and e.value.param == "seed" and e.value.message.startswith("seed: Input should")
 
 
 def test_cli_file_collection_and_ids(tmp_path: Path) -> None:
