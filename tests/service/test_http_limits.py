@@ -3,6 +3,7 @@ the timed-out generation is cancelled in the worker."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import time
@@ -122,3 +123,16 @@ def test_a_seed_past_64_bits_is_a_422_naming_it(server: ServerProcess) -> None:
     assert resp.status_code == 422, resp.text
     err = resp.json()["error"]
     assert err["param"] == "seed" and "less than or equal to" in err["message"] and "Overflow" not in err["message"]
+
+
+def test_a_compressed_body_is_a_415(server: ServerProcess) -> None:
+    with make_client(server, key=None) as c:
+        for path, body in (("/v1/query", SMALL), ("/v1/documents", {"text": "zipped"})):
+            resp = c.post(path, content=gzip.compress(json.dumps(body).encode()),
+                          headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+            assert resp.status_code == 415, resp.text
+            assert resp.json()["error"]["code"] == "unsupported_content_encoding"
+            assert resp.headers["accept-encoding"] == "identity"
+        # identity is no encoding: such a body reaches the route (here refused for its empty question)
+        resp = c.post("/v1/query", json={"query": " "}, headers={"Content-Encoding": "identity"})
+        assert resp.status_code == 422 and resp.json()["error"]["code"] == "empty_query"
