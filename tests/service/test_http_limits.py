@@ -1,11 +1,14 @@
 """A server with no API key (loopback) and a short request timeout: open access, 504 on slow queries, and
-the timed-out generation is cancelled in the worker."""
+the timed-out generation is cancelled in the worker. Hostile bodies (a question far past the model
+context, JSON nested thousands deep, bare NaN, an out-of-range seed, a compressed body) get a clear 4xx
+at once, stall no one, and leave the connection usable."""
 
 from __future__ import annotations
 
 import gzip
 import http.client
 import json
+import threading
 import time
 
 import httpx
@@ -75,6 +78,45 @@ def test_a_stream_past_the_timeout_ends_with_an_error_event(server: ServerProces
 # -- hostile bodies --------------------------------------------------------------------------------------
 
 SMALL = {"query": "What do barn owls swallow?", "max_tokens": 2}
+# Generous: a small query's sources come within a second or two even on a busy machine; behind the huge
+# question's embedding they came only after it (about 18 s), and the huge question's 400 as late.
+NOT_STALLED_S = 10.0
+
+
+def _until_sources(server: ServerProcess, body: dict) -> tuple[httpx.Response, object, float]:
+    """(response, its first SSE event or None, seconds until it came): a streamed query's sources event
+    comes once retrieval is done and the worker has planned it; leaving then cancels the generation (so
+    the module's short request timeout does not matter)."""
+    with make_client(server, key=None) as c:
+        t0 = time.monotonic()
+        with c.stream("POST", "/v1/query", json={**body, "stream": True}) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                return resp, None, time.monotonic() - t0
+            first = next(sse_events(resp))
+            return resp, first, time.monotonic() - t0
+
+
+def test_a_question_past_the_context_is_refused_at_once_and_stalls_no_other_query(server: ServerProcess) -> None:
+    answers: dict[str, tuple[httpx.Response, object, float]] = {}
+
+    def send(name: str, body: dict) -> None:
+        answers[name] = _until_sources(server, body)
+
+    huge = threading.Thread(target=send, args=("huge", {"query": "why " * 50_000}))
+    huge.start()
+    time.sleep(0.2)  # the small query is sent while the huge one is in the server
+    send("small", SMALL)
+    huge.join(120)
+    resp, _, took = answers["huge"]
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "prompt_too_long" and err["param"] == "query" and "model context" in err["message"]
+    assert took < NOT_STALLED_S
+    resp, first, took = answers["small"]
+    assert resp.status_code == 200, resp.text
+    assert first is not None and first[0] == "sources"
+    assert took < NOT_STALLED_S
 
 
 def _nested(depth: int) -> str:
