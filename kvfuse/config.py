@@ -24,7 +24,7 @@ from pydantic_settings import (
 
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
 
-FusionMethodName = str  # validated against the fusion registry by the service, which owns the list
+FusionMethodName = str  # checked against the fusion registry by the service's create_app, before anything loads
 
 
 class _Section(BaseModel):
@@ -253,13 +253,21 @@ def config_path() -> Path | None:
     return REPO_CONFIG if REPO_CONFIG.is_file() else None
 
 
+def _error_line(loc: tuple | list, msg: str, value: Any) -> str:
+    key = ".".join(str(p) for p in loc)
+    env = "KVFUSE_" + "__".join(str(p) for p in loc).upper()
+    return f"  {key} (env {env}): {msg} (got {value!r})"
+
+
 def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        env = "KVFUSE_" + "__".join(str(p) for p in e["loc"]).upper()
-        lines.append(f"  {key} (env {env}): {e['msg']} (got {e.get('input')!r})")
+    lines = [_error_line(e["loc"], e["msg"], e.get("input")) for e in err.errors()]
     return "invalid kvfuse configuration:\n" + "\n".join(lines)
+
+
+def setting_error(loc: tuple[str, ...], msg: str, value: Any) -> ConfigError:
+    """A bad setting that only a package this module cannot import can judge (the fusion registry owns
+    the method names), worded as `load_settings` words its own errors."""
+    return ConfigError("invalid kvfuse configuration:\n" + _error_line(loc, msg, value))
 
 
 def load_settings(**overrides: Any) -> Settings:
