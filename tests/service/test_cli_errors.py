@@ -32,11 +32,22 @@ def test_an_unreachable_server_is_one_line_naming_the_url(command: list[str], tm
     assert f"is kvfuse serve running on {url}?" in lines[0] and lines[0].startswith(f"kvfuse {command[0]}:")
 
 
+def test_ingest_with_an_empty_batch_size_stops_before_contacting_the_server(tmp_path: Path) -> None:
+    # An unreachable server would be exit status 1: 2 says the argument was refused first.
+    out = _kvfuse(["ingest", "README.md", "--batch", "0", "--url", f"http://127.0.0.1:{free_port()}"], tmp_path)
+    assert out.returncode == 2 and "argument --batch: must be >= 1" in out.stderr, out.stderr
+
+
 def _refused_before_loading(out: subprocess.CompletedProcess, data_dir: Path) -> list[str]:
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert not data_dir.exists(), "the store was opened before the arguments were checked"
     return out.stderr.strip().splitlines()
+
+
+def test_serve_refuses_a_port_out_of_range_before_loading(tmp_path: Path) -> None:
+    lines = _refused_before_loading(_kvfuse(["serve", "--port", "99999"], tmp_path / "data"), tmp_path / "data")
+    assert lines[-1] == "kvfuse serve: error: argument --port: must be >= 1 and <= 65535, got '99999'"
 
 
 def test_serve_refuses_an_unknown_default_fusion_method_before_loading(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Service pieces that need no server: bind policy, API-key checks, SSE framing, error bodies, CLI helpers."""
+"""Service pieces that need no server: bind policy, API-key checks, SSE framing, error bodies, request
+schemas, CLI helpers and argument types."""
 
 from __future__ import annotations
 
@@ -138,6 +139,38 @@ def test_cli_file_collection_and_ids(tmp_path: Path) -> None:
     assert doc_id_for(files[0]) == "a-essay" and re.match(DOC_ID_PATTERN, doc_id_for(Path("/x/(weird) name!.txt")))
     with pytest.raises(FileNotFoundError):
         collect_files([tmp_path / "missing"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["ingest", "docs", "--batch", "0"],
+    ["ingest", "docs", "--batch", "-2"],
+    ["ingest", "docs", "--timeout", "0"],
+    ["query", "q", "--timeout", "-1"],
+    ["query", "q", "--top-k", "0"],
+    ["query", "q", "--max-tokens", "0"],
+    ["query", "q", "--ratio", "1.5"],
+    ["query", "q", "--ratio", "nan"],
+    ["serve", "--port", "99999"],
+    ["serve", "--port", "0"],
+    ["serve", "--workers", "-1"],
+])
+def test_out_of_range_cli_numbers_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    from kvfuse.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[-2]}: must be" in err and repr(argv[-1]) in err
+
+
+def test_in_range_cli_numbers_pass() -> None:
+    from kvfuse.cli import build_parser
+
+    args = build_parser().parse_args(["query", "q", "--top-k", "1", "--max-tokens", "1", "--ratio", "0",
+                                      "--timeout", "0.5"])
+    assert (args.top_k, args.max_tokens, args.ratio, args.timeout) == (1, 1, 0.0, 0.5)
+    assert build_parser().parse_args(["serve", "--port", "65535", "--workers", "0"]).port == 65535
 
 
 def test_cli_help_lists_the_service_commands() -> None:
