@@ -101,13 +101,33 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         check_bind(server.host, server)
-    except PermissionError as err:
+        check_listen(server.host, server.port)
+    except OSError as err:  # check_bind's PermissionError is one too
         print(f"kvfuse serve: {err}", file=sys.stderr)
         return 2
     settings = s.model_copy(update={"server": server})
     uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=s.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def check_listen(host: str, port: int) -> None:
+    """Raise OSError (one line) unless `host:port` can be listened on now: an unknown host, an address
+    not on this machine, a port in use or not permitted. Checked before the store, the model and the
+    worker load, rather than found by the server after all of that."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as err:
+        raise OSError(f"cannot resolve the bind address {host!r}: {err.strerror}") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is no obstacle
+        try:
+            sock.bind(address)
+        except OSError as err:
+            raise OSError(f"cannot listen on {host}:{port}: {err.strerror}") from None
 
 
 def _server_url(args: argparse.Namespace) -> str:

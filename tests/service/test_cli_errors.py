@@ -6,6 +6,7 @@ nothing loaded or created."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,19 @@ def _refused_before_loading(out: subprocess.CompletedProcess, data_dir: Path) ->
 def test_serve_refuses_a_port_out_of_range_before_loading(tmp_path: Path) -> None:
     lines = _refused_before_loading(_kvfuse(["serve", "--port", "99999"], tmp_path / "data"), tmp_path / "data")
     assert lines[-1] == "kvfuse serve: error: argument --port: must be >= 1 and <= 65535, got '99999'"
+
+
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = _kvfuse(["serve", "--host", "127.0.0.1", "--port", str(port)], tmp_path / "data")
+    lines = _refused_before_loading(out, tmp_path / "data")
+    assert lines == [f"kvfuse serve: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    out = _kvfuse(["serve", "--host", "999.1.1.1"], tmp_path / "data", KVFUSE_SERVER__API_KEYS="k")
+    lines = _refused_before_loading(out, tmp_path / "data")
+    assert len(lines) == 1 and lines[0].startswith("kvfuse serve: cannot resolve the bind address '999.1.1.1'")
 
 
 def test_serve_refuses_an_unknown_default_fusion_method_before_loading(tmp_path: Path) -> None:
