@@ -7,6 +7,7 @@ working directory, else the copy shipped beside the package). `config.yaml` docu
 
 from __future__ import annotations
 
+import json
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +26,24 @@ from pydantic_settings import (
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
 
 FusionMethodName = str  # checked against the fusion registry by the service's create_app, before anything loads
+
+
+def string_list(v: Any) -> Any:
+    """A list setting given as one string (an environment variable): a JSON list (`["a", "b"]`, what
+    other tools write) or comma-separated items (`a, b`, friendlier in an env file). Either way the items
+    are what was meant, never the brackets and quotes of a JSON list taken as one item."""
+    if not isinstance(v, str):
+        return v
+    if v.strip().startswith("["):
+        try:
+            items = json.loads(v)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"starts with '[' but is not a JSON list ({err}); or give comma-separated items"
+                             ) from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ValueError("must be a JSON list of strings, or comma-separated items")
+        return [i.strip() for i in items if i.strip()]
+    return [i.strip() for i in v.split(",") if i.strip()]
 
 
 class _Section(BaseModel):
@@ -66,10 +85,7 @@ class ServerSettings(_Section):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
-        # KVFUSE_SERVER__API_KEYS=a,b is friendlier than JSON in an env file.
-        if isinstance(v, str):
-            return [k.strip() for k in v.split(",") if k.strip()]
-        return v
+        return string_list(v)
 
 
 class ModelSettings(_Section):
@@ -86,8 +102,7 @@ class ModelSettings(_Section):
     @field_validator("devices", mode="before")
     @classmethod
     def _split_devices(cls, v: Any) -> Any:
-        devices = [d.strip() for d in v.split(",") if d.strip()] if isinstance(v, str) else v
-        return [cls._device(d) for d in devices]
+        return [cls._device(d) for d in string_list(v)]
 
     @field_validator("device")
     @classmethod
