@@ -7,6 +7,7 @@ working directory, else the copy shipped beside the package). `config.yaml` docu
 
 from __future__ import annotations
 
+import json
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -24,7 +25,25 @@ from pydantic_settings import (
 
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
 
-FusionMethodName = str  # validated against the fusion registry by the service, which owns the list
+FusionMethodName = str  # checked against the fusion registry by the service's create_app, before anything loads
+
+
+def string_list(v: Any) -> Any:
+    """A list setting given as one string (an environment variable): a JSON list (`["a", "b"]`, what
+    other tools write) or comma-separated items (`a, b`, friendlier in an env file). Either way the items
+    are what was meant, never the brackets and quotes of a JSON list taken as one item."""
+    if not isinstance(v, str):
+        return v
+    if v.strip().startswith("["):
+        try:
+            items = json.loads(v)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"starts with '[' but is not a JSON list ({err}); or give comma-separated items"
+                             ) from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ValueError("must be a JSON list of strings, or comma-separated items")
+        return [i.strip() for i in items if i.strip()]
+    return [i.strip() for i in v.split(",") if i.strip()]
 
 
 class _Section(BaseModel):
@@ -66,10 +85,7 @@ class ServerSettings(_Section):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
-        # KVFUSE_SERVER__API_KEYS=a,b is friendlier than JSON in an env file.
-        if isinstance(v, str):
-            return [k.strip() for k in v.split(",") if k.strip()]
-        return v
+        return string_list(v)
 
 
 class ModelSettings(_Section):
@@ -86,8 +102,7 @@ class ModelSettings(_Section):
     @field_validator("devices", mode="before")
     @classmethod
     def _split_devices(cls, v: Any) -> Any:
-        devices = [d.strip() for d in v.split(",") if d.strip()] if isinstance(v, str) else v
-        return [cls._device(d) for d in devices]
+        return [cls._device(d) for d in string_list(v)]
 
     @field_validator("device")
     @classmethod
@@ -253,13 +268,21 @@ def config_path() -> Path | None:
     return REPO_CONFIG if REPO_CONFIG.is_file() else None
 
 
+def _error_line(loc: tuple | list, msg: str, value: Any) -> str:
+    key = ".".join(str(p) for p in loc)
+    env = "KVFUSE_" + "__".join(str(p) for p in loc).upper()
+    return f"  {key} (env {env}): {msg} (got {value!r})"
+
+
 def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        env = "KVFUSE_" + "__".join(str(p) for p in e["loc"]).upper()
-        lines.append(f"  {key} (env {env}): {e['msg']} (got {e.get('input')!r})")
+    lines = [_error_line(e["loc"], e["msg"], e.get("input")) for e in err.errors()]
     return "invalid kvfuse configuration:\n" + "\n".join(lines)
+
+
+def setting_error(loc: tuple[str, ...], msg: str, value: Any) -> ConfigError:
+    """A bad setting that only a package this module cannot import can judge (the fusion registry owns
+    the method names), worded as `load_settings` words its own errors."""
+    return ConfigError("invalid kvfuse configuration:\n" + _error_line(loc, msg, value))
 
 
 def load_settings(**overrides: Any) -> Settings:

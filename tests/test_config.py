@@ -97,3 +97,26 @@ def test_missing_config_file_is_refused(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("KVFUSE_CONFIG", "/nonexistent/kvfuse.yaml")
     with pytest.raises(ConfigError, match="KVFUSE_CONFIG"):
         load_settings()
+
+
+@pytest.mark.parametrize(("value", "keys"), [
+    ('["k"]', ["k"]),  # a JSON list, as other tools write it: the key is k, not the text ["k"]
+    ('["k1", "k2,with a comma"]', ["k1", "k2,with a comma"]),
+    ("k1, k2", ["k1", "k2"]),
+    ("", []),
+])
+def test_a_list_setting_from_the_environment_is_a_json_list_or_comma_separated(
+        monkeypatch: pytest.MonkeyPatch, value: str, keys: list[str]):
+    monkeypatch.setenv("KVFUSE_SERVER__API_KEYS", value)
+    assert load_settings().server.api_keys == keys
+    monkeypatch.setenv("KVFUSE_MODEL__DEVICES", '["cuda:0", "cpu"]')
+    assert load_settings().model.devices == ["cuda:0", "cpu"]
+
+
+@pytest.mark.parametrize("value", ['["k"', "[1, 2]", '["k", ["nested"]]'])
+def test_a_list_setting_that_looks_like_json_but_is_not_a_list_of_strings_is_refused(
+        monkeypatch: pytest.MonkeyPatch, value: str):
+    monkeypatch.setenv("KVFUSE_SERVER__API_KEYS", value)
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    assert "server.api_keys" in str(err.value) and "KVFUSE_SERVER__API_KEYS" in str(err.value)

@@ -14,7 +14,7 @@ from kvfuse.fusion.errors import ContextOverflowError
 from kvfuse.fusion.generation import Generation
 from kvfuse.fusion.kv_loading import LayerLoader
 from kvfuse.fusion.methods import FusionMethod, get_method
-from kvfuse.fusion.prompt import QUESTION_TEMPLATE, template_halves
+from kvfuse.fusion.prompt import prompt_texts, template_halves
 from kvfuse.fusion.selection import SelectionContext
 from kvfuse.fusion.transformer import Rows, Transformer
 from kvfuse.fusion.types import (
@@ -110,8 +110,8 @@ class FusionEngine:
     def prompt_parts(self, question: str, system_prompt: str | None) -> tuple[list[int], list[int]]:
         """(prefix_ids, question_ids): the template up to the user's content, and the question text plus
         the template from the end of the user turn through the assistant header. Documents go between."""
-        before, after = self._template_halves(system_prompt)
-        return self.tokenize(before), self.tokenize(QUESTION_TEMPLATE.format(question=question) + after)
+        before, question_part = prompt_texts(self.tokenizer, question, system_prompt)
+        return self.tokenize(before), self.tokenize(question_part)
 
     def _stop_token_ids(self) -> set[int]:
         ids = set()

@@ -3,7 +3,8 @@
 The prompt is prefix + documents + question: the template rendered up to the user's content (with the
 system prompt), the chunks, then the question and the template from the end of the user turn through the
 assistant header. Tokenizer only, no model: the API process uses it too (the `prefix` precompute
-context, kvfuse/service/chunk_contexts.py).
+context, kvfuse/service/chunk_contexts.py; the prompt size check before retrieval,
+kvfuse/service/prompt_size.py).
 """
 
 from __future__ import annotations
@@ -25,3 +26,19 @@ def template_halves(tokenizer: Any, system_prompt: str | None) -> tuple[str, str
         raise FusionError("the chat template does not render the user message verbatim")
     before, after = text.split(_SENTINEL)
     return before, after
+
+
+def prompt_texts(tokenizer: Any, question: str, system_prompt: str | None) -> tuple[str, str]:
+    """(prefix, question part): the two texts of the prompt around the documents, as tokenized."""
+    before, after = template_halves(tokenizer, system_prompt)
+    return before, QUESTION_TEMPLATE.format(question=question) + after
+
+
+def overflow(prompt_tokens: int, max_tokens: int, limit: int) -> str | None:
+    """Why a prompt of `prompt_tokens` (documents aside) plus `max_tokens` cannot fit a context of `limit`
+    tokens, or None when it can."""
+    excess = prompt_tokens + max_tokens - limit
+    if excess <= 0:
+        return None
+    return (f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceed the model context of "
+            f"{limit} tokens by {excess}")

@@ -8,6 +8,7 @@ and the chunks would no longer concatenate back to the document.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,14 @@ class Chunker:
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(path), chunk_tokens)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token as the vocabulary spells it, which is never shorter than the
+        text the token stands for (byte-level vocabularies spell one byte per character, SentencePiece
+        one character per character): a text longer than n times this has more than n tokens, which is
+        known without tokenizing it."""
+        return max(map(len, self.tokenizer.get_vocab()))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` with no special tokens added (thread-safe)."""

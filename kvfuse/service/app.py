@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfuse import __version__
-from kvfuse.config import Settings
+from kvfuse.config import Settings, setting_error
 from kvfuse.service import documents_api, openai_api, query_api
 from kvfuse.service.auth import key_is_valid, presented_key
 from kvfuse.service.dependencies import State
@@ -28,7 +28,21 @@ from kvfuse.service.schemas import add_body_schemas
 from kvfuse.service.state import ServiceState
 
 
+def check_settings(settings: Settings) -> None:
+    """Refuse settings only the service can judge, before anything loads: raises ConfigError (the CLI
+    prints it and exits 2) rather than a service that starts and then refuses every query that relies on
+    the default."""
+    from kvfuse.fusion import available_methods
+
+    methods = available_methods()
+    if settings.fusion.method not in methods:
+        raise setting_error(("fusion", "method"), f"unknown fusion method; available: {', '.join(methods)}",
+                            settings.fusion.method)
+
+
 def create_app(settings: Settings) -> FastAPI:
+    check_settings(settings)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = ServiceState(settings)

@@ -15,12 +15,34 @@ TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown", ".rst", ".text"})  # file
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:@-]+")
 
 
+def bounded(kind: type, low: float, high: float | None = None, *, above: bool = False) -> Any:
+    """An argparse type: a finite number of `kind`, at least `low` (greater than `low` with `above`), at
+    most `high`. Out of range is a usage error (exit 2) before anything runs, rather than a request the
+    server refuses later or, worse, one it accepts (an empty batch)."""
+    import math
+
+    wanted = (f"> {low:g}" if above else f">= {low:g}") + (f" and <= {high:g}" if high is not None else "")
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+                                             ) from None
+        ok = math.isfinite(value) and (value > low if above else value >= low) and (high is None or value <= high)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return value
+
+    return parse
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this package's subcommands; import nothing heavy here."""
     p = sub.add_parser("serve", help="run the HTTP service (API process + model worker)")
     p.add_argument("--host", help="bind address (default: server.host)")
-    p.add_argument("--port", type=int, help="bind port (default: server.port)")
-    p.add_argument("--workers", type=int,
+    p.add_argument("--port", type=bounded(int, 1, 65535), help="bind port (default: server.port)")
+    p.add_argument("--workers", type=bounded(int, 0),
                    help="local worker processes (default: server.workers); 0 = dispatch to `kvfuse worker`s "
                         "through Redis (needs redis_url)")
     p.set_defaults(func=_serve)
@@ -39,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(no other server may be using that data dir)")
     p.add_argument("--on-conflict", choices=("skip", "overwrite", "fail"), default="skip",
                    help="when a document id exists already (default: skip)")
-    p.add_argument("--batch", type=int, default=16, help="documents per request (default: 16)")
+    p.add_argument("--batch", type=bounded(int, 1), default=16, help="documents per request (default: 16)")
     p.add_argument("--no-wait", action="store_true", help="return once queued instead of waiting for ready")
     p.set_defaults(func=_unreachable_is_one_line("ingest", _ingest))
 
@@ -47,18 +69,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("question")
     _client_args(p)
     p.add_argument("--method", help="fusion method (default: fusion.method)")
-    p.add_argument("--ratio", type=float, help="recompute ratio in [0, 1] (default: fusion.recompute_ratio)")
+    p.add_argument("--ratio", type=bounded(float, 0, 1),
+                   help="recompute ratio in [0, 1] (default: fusion.recompute_ratio)")
     p.add_argument("--doc", action="append", dest="docs", metavar="ID",
                    help="answer from exactly these documents, in this order (repeatable)")
-    p.add_argument("--top-k", type=int, help="chunks to retrieve (default: retriever.top_k)")
-    p.add_argument("--max-tokens", type=int, help="answer length limit (default: generation.max_tokens)")
+    p.add_argument("--top-k", type=bounded(int, 1), help="chunks to retrieve (default: retriever.top_k)")
+    p.add_argument("--max-tokens", type=bounded(int, 1),
+                   help="answer length limit (default: generation.max_tokens)")
     p.set_defaults(func=_unreachable_is_one_line("query", _query))
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="server URL (default: server.url, else http://server.host:server.port)")
     p.add_argument("--api-key", help="API key (default: $KVFUSE_API_KEY, else the first of server.api_keys)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the server (default: 600)")
+    p.add_argument("--timeout", type=bounded(float, 0, above=True), default=600.0,
+                   help="seconds to wait for the server (default: 600)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -76,13 +101,33 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         check_bind(server.host, server)
-    except PermissionError as err:
+        check_listen(server.host, server.port)
+    except OSError as err:  # check_bind's PermissionError is one too
         print(f"kvfuse serve: {err}", file=sys.stderr)
         return 2
     settings = s.model_copy(update={"server": server})
     uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=s.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def check_listen(host: str, port: int) -> None:
+    """Raise OSError (one line) unless `host:port` can be listened on now: an unknown host, an address
+    not on this machine, a port in use or not permitted. Checked before the store, the model and the
+    worker load, rather than found by the server after all of that."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as err:
+        raise OSError(f"cannot resolve the bind address {host!r}: {err.strerror}") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is no obstacle
+        try:
+            sock.bind(address)
+        except OSError as err:
+            raise OSError(f"cannot listen on {host}:{port}: {err.strerror}") from None
 
 
 def _server_url(args: argparse.Namespace) -> str:

@@ -1,4 +1,5 @@
-"""ASGI guard in front of every route: API-key check, then the request body size limit (413)."""
+"""ASGI guard in front of every route: API-key check, then the body's encoding (415 unless identity),
+then the request body size limit (413)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class GuardMiddleware:
         limit = self.server.max_body_bytes
         try:
             check_request(request, self.server)
+            check_encoding(request)
             declared = request.headers.get("content-length")
             if declared is not None and (not declared.isdigit() or int(declared) > limit):
                 raise _too_large(limit)
@@ -47,3 +49,12 @@ class GuardMiddleware:
 
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body exceeds {limit} bytes (server.max_body_bytes)", code="body_too_large")
+
+
+def check_encoding(request: Request) -> None:
+    """Bodies are read as sent: a compressed one (Content-Encoding: gzip, ...) would otherwise reach the
+    JSON parser as bytes and be misreported as bad UTF-8. RFC 9110: 415, naming what is accepted."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(415, f"unsupported Content-Encoding {encoding!r}: send the body uncompressed",
+                       code="unsupported_content_encoding", headers={"Accept-Encoding": "identity"})

@@ -1,6 +1,7 @@
 """The query pipeline shared by /v1/query and /v1/chat/completions.
 
-prepare(): validate knobs, retrieve (embed + vector search) or take the caller's documents in order, and
+prepare(): validate knobs, check the prompt can fit the context (prompt_size.py, before any embedding),
+retrieve (embed + vector search) or take the caller's documents in order, and
 gather each chunk's store key and token ids (split from the document's tokens by the stored chunk sizes,
 so chunking settings may change later without invalidating stored KV). start(): queue the job and wait
 for the worker's plan (which chunks fit the context), so errors still get a proper HTTP status. Then
@@ -22,6 +23,7 @@ from starlette.requests import Request
 
 from kvfuse.service.errors import APIError
 from kvfuse.service.job_book import QueueFull, WorkerCrashed, WorkerJobError, WorkerUnavailable
+from kvfuse.service.prompt_size import check_prompt_fits
 from kvfuse.service.protocol import (
     ERR_CONTEXT_OVERFLOW,
     ERR_INVALID,
@@ -133,6 +135,8 @@ class QueryService:
                            param="top_k")
         fusion_opts = self.fusion_options(fusion)
         gen_opts = self.generation_options(gen)
+        system_prompt = system_prompt if system_prompt is not None else s.model.system_prompt
+        await check_prompt_fits(st, question, system_prompt, gen_opts["max_tokens"])  # before the embedding
         t0 = time.perf_counter()
         if document_ids is not None:
             chunks = await asyncio.to_thread(self._explicit_chunks, document_ids)
@@ -141,10 +145,9 @@ class QueryService:
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
             st.metrics.retrieval.observe(retrieval_s)
-        return QueryPlan(question=question, system_prompt=system_prompt if system_prompt is not None
-                         else s.model.system_prompt, chunks=chunks, explicit=document_ids is not None,
-                         fusion=fusion_opts, generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
-                         deadline=arrived + s.server.request_timeout_s)
+        return QueryPlan(question=question, system_prompt=system_prompt, chunks=chunks,
+                         explicit=document_ids is not None, fusion=fusion_opts, generation=gen_opts,
+                         retrieval_s=retrieval_s, arrived=arrived, deadline=arrived + s.server.request_timeout_s)
 
     def fusion_options(self, fusion: FusionIn | None) -> dict[str, Any]:
         from kvfuse.fusion import FusionOptions, available_methods

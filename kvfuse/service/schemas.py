@@ -7,19 +7,22 @@ know the settings; the models here hold only what is fixed by the contract.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+import math
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
+    AllowInfNan,
     BaseModel,
     ConfigDict,
     Field,
     StrictBool,
-    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
     create_model,
 )
+from pydantic import Strict as StrictMode
 from pydantic.json_schema import models_json_schema
 
 from kvfuse.config import FusionRequestSettings
@@ -27,12 +30,25 @@ from kvfuse.service.errors import APIError
 
 # Document ids travel in URL paths: no slashes, no spaces.
 DOC_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}$"
-MetaValue = StrictStr | StrictInt | StrictFloat | StrictBool | None
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must be a finite number (NaN and Infinity are not JSON numbers)")
+    return value
+
+
+# Python's json accepts bare NaN and Infinity, which no JSON consumer can read back: refused with the
+# field's name (the float member admits them only so that this one check, not four union branches, speaks).
+MetaValue = Annotated[StrictStr | StrictInt | Annotated[float, StrictMode(), AllowInfNan(True)] | StrictBool | None,
+                      AfterValidator(_finite)]
 OnConflict = Literal["skip", "overwrite", "fail"]
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan: a bare NaN or Infinity (which Python's json accepts) is refused in every float field.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class DocumentIn(Strict):
@@ -63,7 +79,8 @@ class GenerationIn(Strict):
     temperature: float | None = Field(None, ge=0.0, le=5.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # The sampler's generator takes a 64-bit seed: a larger one would fail in the worker, not here.
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
 
 
 class RetrievalIn(Strict):
@@ -148,6 +165,11 @@ def parse_json(raw: bytes) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:
+        # The decoder recurses per nesting level: a body nested deeper than the interpreter's recursion
+        # limit is refused here, as the client's error, before anything else walks it.
+        raise APIError(400, "request body is nested too deeply to be parsed (no request needs more than a "
+                       "few levels)", code="invalid_json") from None
 
 
 def validate(model: type[M], payload: Any) -> M:

@@ -24,6 +24,7 @@ def plan_query(worker: Worker, job: P.QueryJob) -> Request | P.Error:
     """The scheduler request of a query, or the Error that refuses it (it could never run)."""
     from kvfuse.fusion import FusionOptions, GenerationOptions
     from kvfuse.fusion.methods import get_method
+    from kvfuse.fusion.prompt import overflow
 
     engine, step = worker.engine, worker.step_no
     fusion = FusionOptions(**job.fusion)
@@ -35,11 +36,9 @@ def plan_query(worker: Worker, job: P.QueryJob) -> Request | P.Error:
     prefix_ids, question_ids = engine.prompt_parts(job.question, job.system_prompt)
     limit = worker.max_context
     fixed = len(prefix_ids) + len(question_ids) + gen.max_tokens
-    if fixed > limit:
-        return P.Error(job.job_id, P.ERR_MAX_TOKENS,
-                       f"the prompt ({len(prefix_ids) + len(question_ids)} tokens) plus max_tokens "
-                       f"({gen.max_tokens}) exceed the model context of {limit} tokens by {fixed - limit}",
-                       fixed - limit, step)
+    too_long = overflow(len(prefix_ids) + len(question_ids), gen.max_tokens, limit)
+    if too_long:
+        return P.Error(job.job_id, P.ERR_MAX_TOKENS, too_long, fixed - limit, step)
     chunks = job.chunks
     budget = limit - fixed
     kept = list(range(len(chunks)))

@@ -21,8 +21,10 @@ from kvfuse.service.responses import DocumentOut, DocumentPage, QueryAnswer, Que
 pytestmark = pytest.mark.slow
 
 MAX_CONTEXT = 1024
+SECOND_KEY = "second-key-9876543210"
 SERVER_ENV = {
-    "KVFUSE_SERVER__API_KEYS": API_KEY,
+    # As a JSON list, as deployment tools write a list (a comma-separated list works too, see test_config.py).
+    "KVFUSE_SERVER__API_KEYS": json.dumps([API_KEY, SECOND_KEY]),
     "KVFUSE_RETRIEVER__CHUNK_TOKENS": "128",
     "KVFUSE_RETRIEVER__TOP_K": "2",
     "KVFUSE_FUSION__SAMKV_INGEST_ARTIFACTS": "true",  # the ingest-time path of samkv's artifacts
@@ -104,6 +106,8 @@ def test_api_key_is_required_and_both_headers_work(holder: Holder) -> None:
         assert anon.get("/metrics").status_code == 401
         assert anon.get("/v1/documents", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
         assert anon.get("/v1/documents", headers={"X-API-Key": API_KEY}).status_code == 200
+        assert anon.get("/v1/documents", headers={"X-API-Key": SECOND_KEY}).status_code == 200
+        assert anon.get("/v1/documents", headers={"X-API-Key": json.dumps([API_KEY])}).status_code == 401
 
 
 def test_metrics_expose_the_documented_names(client: httpx.Client) -> None:

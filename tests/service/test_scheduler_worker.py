@@ -198,6 +198,15 @@ def test_small_kv_budget_makes_the_fourth_wait_then_complete_and_a_full_queue_re
     assert isinstance(err, WorkerJobError) and err.kind == P.ERR_KV_BUDGET, err
 
 
+def test_a_prompt_past_the_context_is_refused_at_planning(harness: Harness, chunks) -> None:
+    # The API refuses such a prompt before retrieval (kvfuse/service/prompt_size.py); the worker, whose
+    # context is the one that counts (a fleet's workers may differ), still checks exactly, in the same words.
+    (err,) = harness.run_all([query(chunks, [0], max_tokens=4096)])
+    assert isinstance(err, WorkerJobError) and err.kind == P.ERR_MAX_TOKENS, err
+    assert "plus max_tokens (4096) exceed the model context of 4096 tokens by" in err.message
+    assert err.excess_tokens > 0
+
+
 def test_kvlink_link_slots_count_against_the_kv_budget(harness: Harness, chunks) -> None:
     # 36 chunks of 64 tokens and the prompt fit the budget of 2400 alone; with kvlink's 5 link slots
     # after each chunk (180 rows more) they do not: refused at planning, with what the links add.

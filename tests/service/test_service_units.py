@@ -1,4 +1,5 @@
-"""Service pieces that need no server: bind policy, API-key checks, SSE framing, error bodies, CLI helpers."""
+"""Service pieces that need no server: bind policy, API-key checks, SSE framing, error bodies, request
+schemas, CLI helpers and argument types."""
 
 from __future__ import annotations
 
@@ -15,7 +16,17 @@ from kvfuse.service import sse
 from kvfuse.service.auth import check_bind, is_loopback, key_is_valid
 from kvfuse.service.cli import collect_files, doc_id_for
 from kvfuse.service.errors import APIError
-from kvfuse.service.schemas import DOC_ID_PATTERN, QueryIn, decode_utf8, parse_json, validate
+from kvfuse.service.schemas import (
+    DOC_ID_PATTERN,
+    SEED_MAX,
+    SEED_MIN,
+    ChatIn,
+    DocumentIn,
+    QueryIn,
+    decode_utf8,
+    parse_json,
+    validate,
+)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.5"])
@@ -74,6 +85,48 @@ def test_body_parsing_errors() -> None:
     assert validate(QueryIn, json.loads('{"query": "q", "fusion": {"recompute_ratio": 1}}')).fusion.recompute_ratio == 1
 
 
+@pytest.mark.parametrize("depth", [5000, 100_000])
+def test_deeply_nested_json_is_a_400_not_a_recursion_error(depth: int) -> None:
+    raw = b'{"text": "t", "metadata": {"a": ' + b"[" * depth + b"]" * depth + b"}}"
+    with pytest.raises(APIError) as e:
+        parse_json(raw)
+    assert e.value.status == 400 and e.value.code == "invalid_json" and "nested too deeply" in e.value.message
+
+
+@pytest.mark.parametrize(("model", "raw", "param"), [
+    (DocumentIn, b'{"text": "t", "metadata": {"a": NaN}}', "metadata.a"),
+    (DocumentIn, b'{"text": "t", "metadata": {"ok": 1.5, "b": -Infinity}}', "metadata.b"),
+    (QueryIn, b'{"query": "q", "filters": {"year": Infinity}}', "filters.year"),
+    (QueryIn, b'{"query": "q", "temperature": NaN}', "temperature"),
+    (QueryIn, b'{"query": "q", "fusion": {"recompute_ratio": NaN}}', "fusion.recompute_ratio"),
+    (ChatIn, b'{"model": "m", "messages": [{"role": "user", "content": "q"}], "top_p": NaN}', "top_p"),
+])
+def test_nan_and_infinity_are_refused_naming_the_field(model: type, raw: bytes, param: str) -> None:
+    # Python's json reads a bare NaN or Infinity: the schema, not the store, must refuse it.
+    with pytest.raises(APIError) as e:
+        validate(model, parse_json(raw))
+    assert e.value.status == 422 and e.value.param == param and "finite number" in e.value.message
+    assert e.value.message.startswith(param + ":")
+
+
+def test_finite_metadata_numbers_and_every_scalar_type_still_pass() -> None:
+    doc = validate(DocumentIn, parse_json(b'{"text": "t", "metadata": {"f": 1.5, "i": 2, "b": true, "s": "x", '
+                                          b'"n": null}}'))
+    assert doc.metadata == {"f": 1.5, "i": 2, "b": True, "s": "x", "n": None}
+
+
+def test_the_seed_is_bounded_to_what_the_sampler_accepts() -> None:
+    import torch
+
+    for seed in (SEED_MIN, SEED_MAX):  # the bounds are torch's own
+        torch.Generator().manual_seed(seed)
+        assert validate(QueryIn, {"query": "q", "seed": seed}).seed == seed
+    for seed in (SEED_MAX + 1, 2**70, SEED_MIN - 1):
+        with pytest.raises(APIError) as e:
+            validate(QueryIn, {"query": "q", "seed": seed})
+        assert e.value.status == 422 and e.value.param == "seed" and e.value.message.startswith("seed: Input should")
+
+
 def test_cli_file_collection_and_ids(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     (tmp_path / "a essay.txt").write_text("a")
@@ -86,6 +139,38 @@ def test_cli_file_collection_and_ids(tmp_path: Path) -> None:
     assert doc_id_for(files[0]) == "a-essay" and re.match(DOC_ID_PATTERN, doc_id_for(Path("/x/(weird) name!.txt")))
     with pytest.raises(FileNotFoundError):
         collect_files([tmp_path / "missing"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["ingest", "docs", "--batch", "0"],
+    ["ingest", "docs", "--batch", "-2"],
+    ["ingest", "docs", "--timeout", "0"],
+    ["query", "q", "--timeout", "-1"],
+    ["query", "q", "--top-k", "0"],
+    ["query", "q", "--max-tokens", "0"],
+    ["query", "q", "--ratio", "1.5"],
+    ["query", "q", "--ratio", "nan"],
+    ["serve", "--port", "99999"],
+    ["serve", "--port", "0"],
+    ["serve", "--workers", "-1"],
+])
+def test_out_of_range_cli_numbers_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    from kvfuse.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[-2]}: must be" in err and repr(argv[-1]) in err
+
+
+def test_in_range_cli_numbers_pass() -> None:
+    from kvfuse.cli import build_parser
+
+    args = build_parser().parse_args(["query", "q", "--top-k", "1", "--max-tokens", "1", "--ratio", "0",
+                                      "--timeout", "0.5"])
+    assert (args.top_k, args.max_tokens, args.ratio, args.timeout) == (1, 1, 0.0, 0.5)
+    assert build_parser().parse_args(["serve", "--port", "65535", "--workers", "0"]).port == 65535
 
 
 def test_cli_help_lists_the_service_commands() -> None:
