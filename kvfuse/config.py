@@ -25,6 +25,8 @@ from pydantic_settings import (
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
 
 FusionMethodName = str  # validated against the fusion registry by the service, which owns the list
+# The collection of a document ingested without one. A name, not a setting: stored documents carry it.
+DEFAULT_COLLECTION = "default"
 
 
 class _Section(BaseModel):
