@@ -7,9 +7,19 @@ no calibration between them. k damps the head of each list (k = 60 in the paper;
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvfuse.retriever.results import Hit
+
+if TYPE_CHECKING:
+    from kvfuse.retriever.index import VectorIndex
+    from kvfuse.retriever.keyword_index import KeywordIndex
+
+MODES = ("dense", "keyword", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -42,3 +52,21 @@ def reciprocal_rank_fusion(dense: list[Hit], keyword: list[Hit], *, k: int, top_
     inf = float("inf")
     fused.sort(key=lambda h: (-h.score, min(h.dense_rank or inf, h.keyword_rank or inf), h.dense_rank or inf))
     return fused[:top_k]
+
+
+def search(mode: str, question: str, top_k: int, *, embed: Callable[[str], np.ndarray], dense: VectorIndex,
+           keyword: KeywordIndex, document_ids: list[str] | None = None, rrf_k: int = 60,
+           candidates: int = 50) -> list[RankedHit]:
+    """The top_k chunks for `question` in one mode, among `document_ids` (None: all). Hybrid reads
+    max(top_k, candidates) of each list and fuses them; a question with no keyword (only stopwords) is
+    then dense alone. Keyword mode never embeds the question."""
+    if mode not in MODES:
+        raise ValueError(f"unknown retrieval mode {mode!r}; one of {', '.join(MODES)}")
+    if mode == "keyword":
+        return ranked(keyword.search(question, top_k, document_ids=document_ids), "keyword")
+    vec = embed(question)
+    if mode == "dense":
+        return ranked(dense.search(vec, top_k, document_ids=document_ids), "dense")
+    depth = max(top_k, candidates)
+    return reciprocal_rank_fusion(dense.search(vec, depth, document_ids=document_ids),
+                                  keyword.search(question, depth, document_ids=document_ids), k=rrf_k, top_k=top_k)

@@ -54,6 +54,7 @@ class VectorIndex:
         self._start_docs: list[str] = []
         self._generation = 0
         self._dirty = False
+        self._collections: dict[str, int] | None = None  # documents per collection, counted after a change
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -103,6 +104,7 @@ class VectorIndex:
             if doc_id in self._state.docs:
                 self._remove_locked(doc_id)
             self._add_locked(self._state, doc_id, vecs, meta, collection)
+            self._collections = None
             self._index_starts(doc_id, self._state.docs[doc_id].start)
             self._dirty = True
 
@@ -159,12 +161,14 @@ class VectorIndex:
             return copy.deepcopy(doc.metadata) if doc else None
 
     def collections(self) -> dict[str, int]:
-        """{collection: indexed documents}, by name."""
+        """{collection: indexed documents}, by name (counted once after each change, not per query)."""
         with self._lock:
-            counts: dict[str, int] = {}
-            for doc in self._state.docs.values():
-                counts[doc.collection] = counts.get(doc.collection, 0) + 1
-        return dict(sorted(counts.items()))
+            if self._collections is None:
+                counts: dict[str, int] = {}
+                for doc in self._state.docs.values():
+                    counts[doc.collection] = counts.get(doc.collection, 0) + 1
+                self._collections = dict(sorted(counts.items()))
+            return dict(self._collections)
 
     def select(self, *, document_ids: list[str] | None = None, filters: dict | None = None,
                collections: list[str] | None = None) -> list[str]:
@@ -305,6 +309,7 @@ class VectorIndex:
         doc = state.docs.pop(doc_id, None)
         if doc is None:
             return 0
+        self._collections = None
         pos = bisect.bisect_left(self._starts, doc.start)
         del self._starts[pos], self._start_docs[pos]
         if self.index_type == "hnsw":
@@ -323,6 +328,7 @@ class VectorIndex:
 
     def _install(self, state: IndexState) -> None:
         self._state = state
+        self._collections = None
         pairs = sorted((r.start, d) for d, r in state.docs.items())
         self._starts = [s for s, _ in pairs]
         self._start_docs = [d for _, d in pairs]

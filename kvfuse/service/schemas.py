@@ -7,7 +7,7 @@ know the settings; the models here hold only what is fixed by the contract.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -17,16 +17,20 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    StringConstraints,
     ValidationError,
     create_model,
 )
 from pydantic.json_schema import models_json_schema
 
-from kvfuse.config import FusionRequestSettings
+from kvfuse.config import FusionRequestSettings, RetrievalRequestSettings
 from kvfuse.service.errors import APIError
 
 # Document ids travel in URL paths: no slashes, no spaces.
 DOC_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}$"
+# Collection names travel in query strings and default document ids: no ':' (it separates them there).
+COLLECTION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+CollectionName = Annotated[str, StringConstraints(pattern=COLLECTION_PATTERN)]
 MetaValue = StrictStr | StrictInt | StrictFloat | StrictBool | None
 OnConflict = Literal["skip", "overwrite", "fail"]
 
@@ -39,11 +43,13 @@ class DocumentIn(Strict):
     id: str | None = Field(None, pattern=DOC_ID_PATTERN)
     text: str
     metadata: dict[str, MetaValue] = {}
+    collection: CollectionName | None = None
     on_conflict: OnConflict | None = None
 
 
 class DocumentBatchIn(Strict):
     documents: list[DocumentIn] = Field(min_length=1)
+    collection: CollectionName | None = None  # of every document that names none
     on_conflict: OnConflict | None = None
 
 
@@ -54,6 +60,11 @@ def _all_optional(model: type[BaseModel]) -> dict[str, Any]:
 
 # The per-request fusion knobs are declared once, in config (FusionRequestSettings): same names, bounds.
 FusionIn = create_model("FusionIn", __base__=Strict, **_all_optional(FusionRequestSettings))
+# Likewise the retrieval knobs (RetrievalRequestSettings), plus the collections searched (default: the
+# default collection).
+RetrievalOptionsIn = create_model("RetrievalOptionsIn", __base__=Strict,
+                                  collections=(list[CollectionName] | None, Field(None, min_length=1)),
+                                  **_all_optional(RetrievalRequestSettings))
 
 
 class GenerationIn(Strict):
@@ -70,6 +81,7 @@ class RetrievalIn(Strict):
     top_k: int | None = Field(None, ge=1)
     document_ids: list[str] | None = Field(None, min_length=1)
     filters: dict[str, MetaValue] | None = None
+    retrieval: RetrievalOptionsIn | None = None
     fusion: FusionIn | None = None
 
 
