@@ -61,3 +61,37 @@ def test_hybrid_finds_a_rare_name_and_a_paraphrase_on_real_essays(tmp_path, essa
         fused = reciprocal_rank_fusion(dense.search(vec, 50), keyword.search(query, 50), k=60, top_k=3)
         assert essay in [h.document_id for h in fused], (query, fused)
     assert keyword.search(rare, 1)[0].document_id == "todo"
+
+
+def test_search_runs_each_mode_over_the_same_selection(tmp_path, unit_vectors):
+    from kvfuse.retriever.hybrid import search
+
+    texts = {"a": ["red apples and pears", "green grapes"], "b": ["blue whales swim", "grey whales sing"]}
+    vecs = {"a": unit_vectors(2, 16, seed=1), "b": unit_vectors(2, 16, seed=2)}
+    dense = VectorIndex.open(tmp_path / "faiss", 16, RetrieverSettings())
+    keyword = KeywordIndex.open(tmp_path / "kw", RetrieverSettings())
+    for d in texts:
+        dense.add(d, vecs[d])
+        keyword.add(d, texts[d])
+    embedded: list[str] = []
+
+    def embed(q: str):
+        embedded.append(q)
+        return vecs["b"][1]  # the question "means" b's second chunk
+
+    def run(mode: str, **kw):
+        return search(mode, "whales", 4, embed=embed, dense=dense, keyword=keyword, **kw)
+
+    hits = run("keyword")
+    assert embedded == [] and [(h.document_id, h.chunk_index, h.keyword_rank) for h in hits] == [
+        ("b", 0, 1), ("b", 1, 2)]  # equal BM25: row order
+    dense_hits = run("dense")
+    assert embedded == ["whales"] and (dense_hits[0].document_id, dense_hits[0].chunk_index) == ("b", 1)
+    assert [h.dense_rank for h in dense_hits] == [1, 2, 3, 4] and {h.keyword_rank for h in dense_hits} == {None}
+    fused = run("hybrid", candidates=2)
+    assert (fused[0].document_id, fused[0].chunk_index, fused[0].dense_rank, fused[0].keyword_rank) == ("b", 1, 1, 2)
+    assert len(fused) == 4  # each list read to max(top_k, candidates) = 4: all 4 chunks, 2 of them in both
+    assert sum(h.keyword_rank is not None for h in fused) == 2
+    assert run("hybrid", document_ids=["a"]) and all(h.document_id == "a" for h in run("hybrid", document_ids=["a"]))
+    with pytest.raises(ValueError, match="unknown retrieval mode"):
+        run("sparse")
