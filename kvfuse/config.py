@@ -46,6 +46,10 @@ def string_list(v: Any) -> Any:
     return [i.strip() for i in v.split(",") if i.strip()]
 
 
+# The collection of a document ingested without one. A name, not a setting: stored documents carry it.
+DEFAULT_COLLECTION = "default"
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -129,7 +133,18 @@ class StoreSettings(_Section):
     precompute_neighbours: int = Field(2, ge=1)
 
 
-class RetrieverSettings(_Section):
+class RetrievalRequestSettings(_Section):
+    """The retrieval knobs a request may set (`retrieval` on /v1/query and /v1/chat/completions), declared
+    once: the request schema is derived from these fields (names, defaults, bounds)."""
+
+    # dense: FAISS over chunk embeddings; keyword: BM25 over chunk terms; hybrid: both, fused by
+    # reciprocal rank (docs/DESIGN.md, "Retrieval"; measured in docs/results/retriever/).
+    mode: Literal["dense", "keyword", "hybrid"] = "hybrid"
+    rrf_k: int = Field(60, ge=1)  # hybrid: a chunk scores sum(1 / (rrf_k + rank)) over the two lists
+    candidates: int = Field(50, ge=1)  # hybrid: how deep each list is read before fusing (at least top_k)
+
+
+class RetrieverSettings(RetrievalRequestSettings):
     chunk_tokens: int = Field(512, ge=16)
     top_k: int = Field(4, ge=1)
     max_top_k: int = Field(64, ge=1)
@@ -138,6 +153,12 @@ class RetrieverSettings(_Section):
     hnsw_ef_construction: int = Field(200, ge=8)
     hnsw_ef_search: int = Field(128, ge=8)
     hnsw_compact_ratio: float = Field(0.25, gt=0.0, le=1.0)  # removed share of an HNSW index that triggers its rebuild
+    bm25_k1: float = Field(1.5, gt=0.0)
+    bm25_b: float = Field(0.75, ge=0.0, le=1.0)
+    # The keyword index's base segment is rebuilt once fresh + removed chunks pass this share of it (and
+    # this many chunks): kvfuse/retriever/keyword_segments.py.
+    keyword_merge_ratio: float = Field(0.1, gt=0.0, le=1.0)
+    keyword_merge_min_chunks: int = Field(256, ge=0)
 
 
 class FusionRequestSettings(_Section):
@@ -250,6 +271,10 @@ class Settings(BaseSettings):
         return self.data_dir / "faiss"
 
     @property
+    def keyword_dir(self) -> Path:
+        return self.data_dir / "keyword"
+
+    @property
     def models_dir(self) -> Path:
         return self.model_cache_dir or self.data_dir / "models"
 
@@ -313,7 +338,7 @@ def config_table_markdown(path: Path = REPO_CONFIG) -> str:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         level = (len(line) - len(line.lstrip())) // 2
-        key, rest = re.match(r"\s*([a-z_]+):\s*(.*)$", line).groups()
+        key, rest = re.match(r"\s*([a-z0-9_]+):\s*(.*)$", line).groups()
         stack = stack[:level]
         if not rest:
             stack.append(key)

@@ -1,5 +1,6 @@
-"""`kvfuse bench retriever`: embedding throughput on real essay chunks, and vector search latency at
-growing corpus sizes for each index type.
+"""`kvfuse bench retriever`: embedding throughput on real essay chunks, vector search latency at growing
+corpus sizes for each index type, and the retrieval modes (dense, keyword, hybrid) on MuSiQue
+(`retrieval_modes`: answer recall, MRR, latency, build time and size).
 
 The size sweep uses synthetic unit vectors of the embedder's dimension, grouped like a corpus: each
 document's chunks scatter around a random direction of its own (cosine about 0.5 between chunks of one
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvfuse.bench.args import csv_list
 from kvfuse.bench.data import DATA_DIR_HELP, load_essays, resolve_data_dir
 from kvfuse.config import RetrieverSettings, Settings
 
@@ -39,6 +41,9 @@ def run_retriever_bench(
     data_dir: str | Path | None = None,
     max_chunks: int | None = None,
     index_types: tuple[str, ...] = ("flat", "hnsw"),
+    modes_questions: int = 0,
+    modes_chunk_tokens: tuple[int, ...] = (512,),
+    rrf_ks: tuple[int, ...] = (60,),
 ) -> dict[str, Any]:
     """Measure; progress goes to stderr. Returns the JSON-ready result."""
     import faiss
@@ -47,7 +52,8 @@ def run_retriever_bench(
     from kvfuse.model_files import resolve_embedder, resolve_llm
     from kvfuse.retriever import Chunker, Embedder
 
-    essays = [text for _, text in load_essays(resolve_data_dir(data_dir, settings))]
+    data = resolve_data_dir(data_dir, settings)
+    essays = [text for _, text in load_essays(data)]
     chunker = Chunker.from_pretrained(resolve_llm(settings.model.llm, settings.models_dir),
                                       settings.retriever.chunk_tokens)
     embedder = Embedder(resolve_embedder(settings.model.embedder), device="cpu",
@@ -79,6 +85,11 @@ def run_retriever_bench(
                 row["recall_at_k_vs_flat"] = round(
                     sum(len(a & b) for a, b in zip(found, exact, strict=True)) / (TOP_K * len(exact)), 4)
             result["search"].append(row)
+    if modes_questions:
+        from kvfuse.bench.retrieval_modes import run_modes_bench
+
+        result["modes"] = run_modes_bench(settings, embedder, data, questions=modes_questions,
+                                          chunk_tokens=modes_chunk_tokens, rrf_ks=rrf_ks, progress=progress)
     result["machine"]["load_average_1m_end"] = round(os.getloadavg()[0], 2)
     return result
 
@@ -200,6 +211,10 @@ def _format(result: dict[str, Any]) -> str:
             f"{r['filtered_median_ms']} | {r.get('recall_at_k_vs_flat', 1.0 if r['index_type'] == 'flat' else '-')} | "
             f"{r['save_s']} | {r['open_s']} |"
         )
+    if result.get("modes"):
+        from kvfuse.bench.retrieval_modes import format_modes
+
+        lines += ["", format_modes(result["modes"])]
     return "\n".join(lines)
 
 
@@ -213,14 +228,23 @@ def _run(args: argparse.Namespace) -> int:
         queries=args.queries,
         data_dir=args.data_dir,
         max_chunks=args.max_chunks,
+        modes_questions=args.modes_questions,
+        modes_chunk_tokens=tuple(args.modes_chunk_tokens),
+        rrf_ks=tuple(args.rrf_ks),
     )
     if args.json is None:
         print(_format(result))
     elif args.json == "-":
         print(json.dumps(result, indent=2))
     else:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        path.with_suffix(".md").write_text(_format(result) + "\n")
+        if result.get("modes"):
+            from kvfuse.bench.retrieval_modes import plot_modes
+
+            plot_modes(result["modes"], path.with_suffix(".png"))
         print(_format(result))
     return 0
 
@@ -237,14 +261,22 @@ def _sizes(text: str) -> list[int]:
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
     """Add `kvfuse bench retriever`; import nothing heavy here."""
-    p = bench_subparsers.add_parser("retriever", help="embedding throughput and vector search latency")
+    p = bench_subparsers.add_parser("retriever", help="embedding throughput, vector search latency, and the "
+                                                      "retrieval modes on MuSiQue")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="print the result as JSON (to PATH if given, else stdout)")
+                   help="print the result as JSON (to PATH if given, else stdout; with a PATH, the table goes "
+                        "beside it as .md and the modes' plot as .png)")
     p.add_argument("--sizes", type=_sizes, default=[10_000, 100_000],
                    help="corpus sizes in vectors (default 10000,100000)")
     p.add_argument("--queries", type=int, default=200, help="timed queries per index")
     p.add_argument("--max-chunks", type=int, default=None,
                    help="embed at most this many essay chunks (0: skip the embedding figures)")
     p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
+    p.add_argument("--modes-questions", type=int, default=150,
+                   help="MuSiQue questions for the retrieval modes (default 150, all; 0: skip that part)")
+    p.add_argument("--modes-chunk-tokens", type=csv_list(int), default=[512, 96],
+                   help="chunk sizes of the modes' corpus (default 512,96: the default, and ~10k chunks)")
+    p.add_argument("--rrf-ks", type=csv_list(int), default=[1, 10, 30, 60, 100],
+                   help="RRF k values of the hybrid sweep (default 1,10,30,60,100)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=_run)

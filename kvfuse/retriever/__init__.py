@@ -2,8 +2,9 @@
 
 from kvfuse.retriever.chunker import Chunk, Chunker
 from kvfuse.retriever.embedder import Embedder
-from kvfuse.retriever.errors import EmbedderError, EmptyDocumentError, IndexLoadError
-from kvfuse.retriever.index import DriftReport, Hit, VectorIndex
+from kvfuse.retriever.errors import EmbedderError, EmptyDocumentError, FilterTypeError, IndexLoadError
+from kvfuse.retriever.index import VectorIndex
+from kvfuse.retriever.results import DriftReport, Hit
 
 __all__ = [
     "Chunk",
@@ -12,6 +13,7 @@ __all__ = [
     "Embedder",
     "EmbedderError",
     "EmptyDocumentError",
+    "FilterTypeError",
     "Hit",
     "IndexLoadError",
     "VectorIndex",

@@ -15,3 +15,13 @@ class IndexLoadError(RuntimeError):
     """The saved vector index cannot be used as it is (torn or corrupt files, another dimension).
 
     The caller rebuilds it from the stored documents (`VectorIndex.rebuild`)."""
+
+
+class FilterTypeError(ValueError):
+    """A metadata filter compares a field with a value of another JSON type than the documents store
+    there (a string against numbers, say): it could never match, so it is refused rather than answered
+    with nothing."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field

@@ -19,7 +19,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from kvfuse.config import RetrieverSettings
+from kvfuse.config import DEFAULT_COLLECTION, RetrieverSettings
 
 # Adds smaller than this run on one OpenMP thread: a document's few chunks are too little work to share,
 # and each parallel region waits at a barrier for every thread, which on a busy machine costs more than
@@ -30,11 +30,13 @@ PARALLEL_ADD_MIN = 4096
 
 @dataclass
 class DocRange:
-    """A document's chunk vectors: ids [start, start + count), chunk i has id start + i."""
+    """A document's chunk vectors: ids [start, start + count), chunk i has id start + i; its metadata and
+    collection, which searches filter on."""
 
     start: int
     count: int
     metadata: dict[str, Any]
+    collection: str = DEFAULT_COLLECTION
 
 
 @dataclass

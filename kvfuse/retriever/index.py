@@ -16,15 +16,15 @@ import json
 import logging
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import faiss
 import numpy as np
 
-from kvfuse.config import RetrieverSettings
+from kvfuse.config import DEFAULT_COLLECTION, RetrieverSettings
 from kvfuse.retriever import index_files
 from kvfuse.retriever.compaction import compacted, needs_compaction
+from kvfuse.retriever.errors import FilterTypeError
 from kvfuse.retriever.faiss_index import (
     DocRange,
     IndexState,
@@ -34,36 +34,9 @@ from kvfuse.retriever.faiss_index import (
     omp_threads,
     stored_vectors,
 )
+from kvfuse.retriever.results import DriftReport, Hit, drift
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Hit:
-    document_id: str
-    chunk_index: int
-    score: float
-
-
-@dataclass
-class DriftReport:
-    """Index vs. store: what a startup check found."""
-
-    missing: list[str] = field(default_factory=list)  # in the store, not in the index
-    extra: list[str] = field(default_factory=list)  # in the index, not in the store
-    mismatched: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (store chunks, indexed)
-
-    @property
-    def ok(self) -> bool:
-        return not (self.missing or self.extra or self.mismatched)
-
-    def summary(self) -> str:
-        if self.ok:
-            return "index matches the store"
-        return (
-            f"index drift: {len(self.missing)} documents missing, {len(self.extra)} extra, "
-            f"{len(self.mismatched)} with another chunk count"
-        )
 
 
 class VectorIndex:
@@ -81,6 +54,7 @@ class VectorIndex:
         self._start_docs: list[str] = []
         self._generation = 0
         self._dirty = False
+        self._collections: dict[str, int] | None = None  # documents per collection, counted after a change
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -117,8 +91,10 @@ class VectorIndex:
 
     # -- documents --------------------------------------------------------------------------------
 
-    def add(self, doc_id: str, vectors: np.ndarray, metadata: dict | None = None) -> None:
-        """Index a document's chunk vectors (row i = chunk i); re-adding a document replaces it.
+    def add(self, doc_id: str, vectors: np.ndarray, metadata: dict | None = None,
+            collection: str = DEFAULT_COLLECTION) -> None:
+        """Index a document's chunk vectors (row i = chunk i) in `collection`; re-adding a document
+        replaces it (and moves it, given another collection).
 
         Vectors are expected L2-normalized (inner product = cosine). Metadata must be JSON-serializable:
         it is saved in the sidecar and matched by `filters`."""
@@ -127,7 +103,8 @@ class VectorIndex:
         with self._lock:
             if doc_id in self._state.docs:
                 self._remove_locked(doc_id)
-            self._add_locked(self._state, doc_id, vecs, meta)
+            self._add_locked(self._state, doc_id, vecs, meta, collection)
+            self._collections = None
             self._index_starts(doc_id, self._state.docs[doc_id].start)
             self._dirty = True
 
@@ -139,19 +116,21 @@ class VectorIndex:
                 self._dirty = True
             return n
 
-    def rebuild(self, docs: Iterable[tuple[str, np.ndarray, dict | None]]) -> int:
-        """Replace the whole content with `docs` ((doc_id, vectors, metadata) each); returns documents.
+    def rebuild(self, docs: Iterable[tuple]) -> int:
+        """Replace the whole content with `docs` ((doc_id, vectors, metadata[, collection]) each); returns
+        documents.
 
         The new index is built aside (the iterable may embed texts as it goes) and swapped in at the end,
         so searches keep answering from the old one meanwhile; an add() made during the rebuild is lost
         with the old content, so rebuild before ingestion starts. Call save() to persist it."""
         state = IndexState(new_faiss(self.dim, self.settings), {})
         blocks: list[np.ndarray] = []
-        for doc_id, vectors, metadata in docs:
+        for doc_id, vectors, metadata, *collection in docs:
             if doc_id in state.docs:
                 raise ValueError(f"document {doc_id!r} appears twice in the rebuild")
             vecs = self._check_vectors(doc_id, vectors)
-            state.docs[doc_id] = DocRange(state.next_id, len(vecs), _json_copy(metadata or {}, doc_id))
+            state.docs[doc_id] = DocRange(state.next_id, len(vecs), _json_copy(metadata or {}, doc_id),
+                                          collection[0] if collection else DEFAULT_COLLECTION)
             state.next_id += len(vecs)
             blocks.append(vecs)
         if blocks:  # one add, large enough to use every OpenMP thread
@@ -165,14 +144,7 @@ class VectorIndex:
         """Compare with the store's view {document_id: number of chunks}."""
         with self._lock:
             have = {d: r.count for d, r in self._state.docs.items()}
-        report = DriftReport(
-            missing=sorted(set(expected) - set(have)),
-            extra=sorted(set(have) - set(expected)),
-            mismatched={d: (n, have[d]) for d, n in sorted(expected.items()) if d in have and have[d] != n},
-        )
-        if not report.ok:
-            log.warning("%s", report.summary())
-        return report
+        return drift("vector index", have, expected)
 
     def document_ids(self) -> set[str]:
         with self._lock:
@@ -188,6 +160,28 @@ class VectorIndex:
             doc = self._state.docs.get(doc_id)
             return copy.deepcopy(doc.metadata) if doc else None
 
+    def collections(self) -> dict[str, int]:
+        """{collection: indexed documents}, by name (counted once after each change, not per query)."""
+        with self._lock:
+            if self._collections is None:
+                counts: dict[str, int] = {}
+                for doc in self._state.docs.values():
+                    counts[doc.collection] = counts.get(doc.collection, 0) + 1
+                self._collections = dict(sorted(counts.items()))
+            return dict(self._collections)
+
+    def select(self, *, document_ids: list[str] | None = None, filters: dict | None = None,
+               collections: list[str] | None = None) -> list[str]:
+        """The indexed documents passing every restriction given (None: no restriction), in index order
+        (or in `document_ids`' order). The selection other indexes over the same documents search in.
+        Raises FilterTypeError for a filter value of a JSON type its field never has in these collections."""
+        with self._lock:
+            docs = self._state.docs
+            names = list(self._names(document_ids, collections))
+            if filters:
+                self._check_filter_types(names, filters)
+            return [d for d in names if self._passes(docs[d], filters)]
+
     def __len__(self) -> int:
         """Live vectors (removed ones excluded)."""
         with self._lock:
@@ -202,12 +196,14 @@ class VectorIndex:
         *,
         document_ids: list[str] | None = None,
         filters: dict | None = None,
+        collections: list[str] | None = None,
     ) -> list[Hit]:
-        """The top_k chunks by inner product, best first, among documents passing both restrictions.
+        """The top_k chunks by inner product, best first, among documents passing every restriction.
 
         `document_ids`: only these documents (an empty list matches none). `filters`: every key equals
-        the document's metadata value. Restricted searches still return top_k hits when that many
-        chunks pass: FAISS scans only the allowed ids (IDSelectorBatch)."""
+        the document's metadata value, of the same JSON type (see `select`). `collections`: only
+        documents of these. Restricted searches still return top_k hits when that many chunks pass:
+        FAISS scans only the allowed ids (IDSelectorBatch)."""
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         q = np.ascontiguousarray(np.asarray(query, dtype=np.float32).reshape(1, -1))
@@ -216,8 +212,9 @@ class VectorIndex:
         with self._lock:
             state = self._state
             allowed: np.ndarray | None = None
-            if document_ids is not None or filters:
-                chosen = self._select(document_ids, filters)
+            if document_ids is not None or filters or collections is not None:
+                chosen = [state.docs[d] for d in self.select(document_ids=document_ids, filters=filters,
+                                                             collections=collections)]
                 if not chosen:
                     return []
                 allowed = id_ranges((r.start, r.count) for r in chosen)
@@ -233,16 +230,29 @@ class VectorIndex:
                 scores, ids = self._exact_search(q, k, allowed)
             return [self._hit(int(i), float(s)) for s, i in zip(scores, ids, strict=True)]
 
-    def _select(self, document_ids: list[str] | None, filters: dict | None) -> list[DocRange]:
+    def _names(self, document_ids: list[str] | None, collections: list[str] | None) -> Iterable[str]:
         docs = self._state.docs
-        names = docs.keys() if document_ids is None else dict.fromkeys(d for d in document_ids if d in docs)
-        chosen = []
-        for name in names:
-            doc = docs[name]
-            if filters and not all(k in doc.metadata and doc.metadata[k] == v for k, v in filters.items()):
-                continue
-            chosen.append(doc)
-        return chosen
+        names: Iterable[str] = docs.keys() if document_ids is None else dict.fromkeys(
+            d for d in document_ids if d in docs)
+        if collections is not None:
+            wanted = set(collections)
+            names = [d for d in names if docs[d].collection in wanted]
+        return names
+
+    def _passes(self, doc: DocRange, filters: dict | None) -> bool:
+        return not filters or all(k in doc.metadata and _same(doc.metadata[k], v) for k, v in filters.items())
+
+    def _check_filter_types(self, names: Iterable[str], filters: dict) -> None:
+        kinds: dict[str, set[str]] = {k: set() for k in filters}
+        for d in names:
+            meta = self._state.docs[d].metadata
+            for k in filters:
+                if k in meta:
+                    kinds[k].add(_kind(meta[k]))
+        for k, v in filters.items():
+            if kinds[k] and _kind(v) not in kinds[k]:
+                raise FilterTypeError(k, f"filter {k!r} is a {_kind(v)}, but the documents searched store "
+                                         f"{k!r} as {' or '.join(sorted(kinds[k]))}: it could never match")
 
     def _faiss_search(self, q: np.ndarray, k: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         state = self._state
@@ -288,10 +298,10 @@ class VectorIndex:
         return vecs
 
     @staticmethod
-    def _add_locked(state: IndexState, doc_id: str, vecs: np.ndarray, meta: dict) -> None:
+    def _add_locked(state: IndexState, doc_id: str, vecs: np.ndarray, meta: dict, collection: str) -> None:
         start = state.next_id
         add_vectors(state.index, vecs, np.arange(start, start + len(vecs), dtype=np.int64))
-        state.docs[doc_id] = DocRange(start, len(vecs), meta)
+        state.docs[doc_id] = DocRange(start, len(vecs), meta, collection)
         state.next_id = start + len(vecs)
 
     def _remove_locked(self, doc_id: str) -> int:
@@ -299,6 +309,7 @@ class VectorIndex:
         doc = state.docs.pop(doc_id, None)
         if doc is None:
             return 0
+        self._collections = None
         pos = bisect.bisect_left(self._starts, doc.start)
         del self._starts[pos], self._start_docs[pos]
         if self.index_type == "hnsw":
@@ -317,6 +328,7 @@ class VectorIndex:
 
     def _install(self, state: IndexState) -> None:
         self._state = state
+        self._collections = None
         pairs = sorted((r.start, d) for d, r in state.docs.items())
         self._starts = [s for s, _ in pairs]
         self._start_docs = [d for _, d in pairs]
@@ -324,6 +336,22 @@ class VectorIndex:
     def _compact(self) -> None:
         self._state = compacted(self._state, self.dim, self.settings)
         self._dirty = True
+
+
+def _kind(value: object) -> str:
+    """A metadata value's JSON type: what a filter must share with the field to match it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return "string" if isinstance(value, str) else type(value).__name__
+
+
+def _same(stored: object, wanted: object) -> bool:
+    """Equal and of one JSON type: true is not 1, "1" is not 1 (Python alone says True == 1)."""
+    return _kind(stored) == _kind(wanted) and stored == wanted
 
 
 def _json_copy(metadata: dict, doc_id: str) -> dict:

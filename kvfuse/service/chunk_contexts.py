@@ -9,8 +9,10 @@ context and keys it by both (docs/DESIGN.md, "Context-carrying chunk caches"). M
 - `prefix`: the system prefix of the configured default system prompt (the chat template up to the user's
   content), so no chunk starts a sequence.
 - `neighbours`: the `precompute_neighbours` chunks most similar to it (embedding cosine) among the other
-  chunks of its document and the ready chunks of every other document in the index, least similar first,
-  cut to the same budget. Chosen once, at ingestion: later documents do not recompute earlier ones.
+  chunks of its document and the ready chunks of every other document of its collection in the index,
+  least similar first, cut to the same budget. Chosen once, at ingestion: later documents do not
+  recompute earlier ones. Never from another collection: a chunk's KV carries its context's content, and
+  a query of one collection must not be answered with text of another shaping it.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvfuse.config import DEFAULT_COLLECTION
 from kvfuse.fusion import chunk_context
 
 if TYPE_CHECKING:
     from kvfuse.service.state import ServiceState
 
 
-def contexts_for(state: ServiceState, doc_id: str, chunk_ids: list[list[int]], vectors: Any) -> list[list[int]]:
+def contexts_for(state: ServiceState, doc_id: str, chunk_ids: list[list[int]], vectors: Any,
+                 collection: str = DEFAULT_COLLECTION) -> list[list[int]]:
     """One context (token ids, [] = alone) per chunk of `doc_id`. Reads the store and the index: call it
     in a thread."""
     s = state.settings.store
@@ -40,12 +44,12 @@ def contexts_for(state: ServiceState, doc_id: str, chunk_ids: list[list[int]], v
         before, _ = template_halves(state.chunker.tokenizer, state.settings.generation.system_prompt)
         prefix = chunk_context.joined([state.chunker.encode(before)], budget)
         return [list(prefix) for _ in chunk_ids]
-    return _neighbour_contexts(state, doc_id, chunk_ids, np.asarray(vectors, dtype=np.float32), s.precompute_neighbours,
-                               budget)
+    return _neighbour_contexts(state, doc_id, collection, chunk_ids, np.asarray(vectors, dtype=np.float32),
+                               s.precompute_neighbours, budget)
 
 
-def _neighbour_contexts(state: ServiceState, doc_id: str, chunk_ids: list[list[int]], vectors: np.ndarray,
-                        n: int, budget: int) -> list[list[int]]:
+def _neighbour_contexts(state: ServiceState, doc_id: str, collection: str, chunk_ids: list[list[int]],
+                        vectors: np.ndarray, n: int, budget: int) -> list[list[int]]:
     own = vectors @ vectors.T
     previous = state.store.get_document(doc_id)
     # The document's previous version is still in the index: ask for enough hits to skip all of it.
@@ -55,7 +59,8 @@ def _neighbour_contexts(state: ServiceState, doc_id: str, chunk_ids: list[list[i
     for i, vec in enumerate(vectors):
         scored: list[tuple[float, list[int]]] = [(float(own[i, j]), chunk_ids[j])
                                                  for j in range(len(chunk_ids)) if j != i]
-        for hit in state.index.search(vec, top_k) if state.index is not None and len(state.index) else []:
+        found = state.index.search(vec, top_k, collections=[collection]) if state.index is not None else []
+        for hit in found:
             tokens = _chunk_tokens(state, records, hit.document_id, hit.chunk_index, doc_id)
             if tokens is not None:
                 scored.append((float(hit.score), tokens))

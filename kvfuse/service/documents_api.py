@@ -1,4 +1,5 @@
-"""Document and job endpoints: POST/GET /v1/documents, GET/DELETE /v1/documents/{id}, GET /v1/jobs/{id}."""
+"""Document and job endpoints: POST/GET/DELETE /v1/documents, GET/DELETE /v1/documents/{id},
+GET /v1/collections, GET /v1/jobs/{id}."""
 
 from __future__ import annotations
 
@@ -7,11 +8,23 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Query, Request, Response
 
+from kvfuse.config import DEFAULT_COLLECTION
 from kvfuse.service.dependencies import ReadyState, State
 from kvfuse.service.errors import ERROR_RESPONSES, APIError
 from kvfuse.service.ingest import IngestJob, default_doc_id
-from kvfuse.service.responses import Deleted, DocumentOut, DocumentPage, JobOut, Submitted, SubmittedBatch
+from kvfuse.service.responses import (
+    CollectionDeleted,
+    CollectionList,
+    CollectionOut,
+    Deleted,
+    DocumentOut,
+    DocumentPage,
+    JobOut,
+    Submitted,
+    SubmittedBatch,
+)
 from kvfuse.service.schemas import (
+    COLLECTION_PATTERN,
     DocumentBatchIn,
     DocumentIn,
     OnConflict,
@@ -29,39 +42,43 @@ router = APIRouter(responses=ERROR_RESPONSES)
 _DELETE_WAIT_S = 30.0  # how long DELETE waits for a cancelled ingestion to roll back
 
 
-def _parse_documents(request: Request, raw: bytes, doc_id: str | None, on_conflict: str | None
-                     ) -> tuple[list[DocumentIn], bool, str]:
+def _parse_documents(request: Request, raw: bytes, doc_id: str | None, on_conflict: str | None,
+                     collection: str | None) -> tuple[list[DocumentIn], bool, str, str]:
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    default_collection = collection or DEFAULT_COLLECTION
     if ctype == "text/plain":
-        # A raw upload: the body is the text; id and on_conflict come from the query string.
+        # A raw upload: the body is the text; id, on_conflict and collection come from the query string.
         doc = validate(DocumentIn, {"id": doc_id, "text": decode_utf8(raw, "document text")})
-        return [doc], False, on_conflict or "skip"
+        return [doc], False, on_conflict or "skip", default_collection
     if ctype != "application/json" and not ctype.endswith("+json"):
         raise APIError(415, f"unsupported content type {ctype!r}: send application/json or text/plain",
                        code="unsupported_media_type")
     payload = parse_json(raw)
     if isinstance(payload, dict) and "documents" in payload:
         batch = validate(DocumentBatchIn, payload)
-        return batch.documents, True, batch.on_conflict or on_conflict or "skip"
+        return batch.documents, True, batch.on_conflict or on_conflict or "skip", batch.collection or default_collection
     doc = validate(DocumentIn, payload)
-    return [doc], False, on_conflict or "skip"
+    return [doc], False, on_conflict or "skip", default_collection
 
 
 @router.post("/v1/documents", status_code=202, response_model=JobOut | Submitted | SubmittedBatch,
              openapi_extra=documented_body(DocumentIn, DocumentBatchIn, text=True))
 async def create_documents(request: Request, response: Response, state: ReadyState, wait: bool = False,
-                           id: str | None = None, on_conflict: OnConflict | None = None
+                           id: str | None = None, on_conflict: OnConflict | None = None,
+                           collection: str | None = Query(None, pattern=COLLECTION_PATTERN)
                            ) -> JobOut | Submitted | SubmittedBatch:
     """Ingest one document or a batch. 202 with a job per document; with ?wait=true, 201 once stored (200
     when every document was skipped, 202 if waiting timed out). The body is JSON, or the raw text as
-    text/plain (id and on_conflict then come from the query string)."""
+    text/plain (id, on_conflict and collection then come from the query string). A document goes to its
+    own `collection`, else the batch's, else ?collection=, else `default`."""
     srv = state.settings.server
-    docs, batch, default_conflict = _parse_documents(request, await request.body(), id, on_conflict)
+    docs, batch, default_conflict, default_collection = _parse_documents(request, await request.body(), id,
+                                                                         on_conflict, collection)
     if len(docs) > srv.max_batch_documents:
         raise APIError(413, f"{len(docs)} documents exceed the batch limit of {srv.max_batch_documents}",
                        code="batch_too_large", param="documents")
     # Validate everything before queuing anything: a bad batch writes nothing.
-    items: list[tuple[str, DocumentIn, str]] = []
+    items: list[tuple[str, DocumentIn, str, str]] = []
     seen: set[str] = set()
     for i, d in enumerate(docs):
         param = f"documents.{i}.text" if batch else "text"
@@ -70,15 +87,17 @@ async def create_documents(request: Request, response: Response, state: ReadySta
                            f"{srv.max_document_chars}", code="document_too_large", param=param)
         if not d.text.strip():
             raise APIError(422, "document text is empty or whitespace only", code="empty_document", param=param)
-        doc_id = d.id or default_doc_id(d.text)
+        coll = d.collection or default_collection
+        doc_id = d.id or default_doc_id(d.text, coll)
         if doc_id in seen:
             raise APIError(422, f"document id {doc_id!r} appears twice in the batch", code="duplicate_id",
                            param="documents")
         seen.add(doc_id)
-        items.append((doc_id, d, d.on_conflict or default_conflict))
-    for doc_id, _, policy in items:
+        items.append((doc_id, d, d.on_conflict or default_conflict, coll))
+    for doc_id, _, policy, _ in items:
         state.ingest.check_conflict(doc_id, policy)
-    results = state.ingest.submit_all([(doc_id, d.text, dict(d.metadata), policy) for doc_id, d, policy in items])
+    results = state.ingest.submit_all([(doc_id, d.text, dict(d.metadata), policy, coll)
+                                       for doc_id, d, policy, coll in items])
     jobs = [job for job, _ in results if job is not None]
     if not wait:
         response.status_code = 202 if jobs else 200
@@ -114,11 +133,46 @@ def _waited(request: Request, state: ServiceState, job: IngestJob) -> JobOut:
 
 
 @router.get("/v1/documents")
-async def list_documents(state: ReadyState, offset: int = Query(0, ge=0),
-                         limit: int = Query(50, ge=1, le=1000)) -> DocumentPage:
-    page, total = await asyncio.to_thread(state.store.list_documents, offset=offset, limit=limit)
+async def list_documents(state: ReadyState, offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=1000),
+                         collection: str | None = Query(None, pattern=COLLECTION_PATTERN)) -> DocumentPage:
+    """A page of documents in creation order; of one collection with ?collection= (404 if it has none)."""
+    page, total = await asyncio.to_thread(state.store.list_documents, offset=offset, limit=limit,
+                                          collection=collection)
+    if collection is not None and total == 0:
+        raise _no_collection(collection)
     return DocumentPage(documents=[DocumentOut.of(r, state.ingest.active.get(r.id)) for r in page], total=total,
                         offset=offset, limit=limit)
+
+
+@router.delete("/v1/documents")
+async def delete_collection(state: ReadyState,
+                            collection: str = Query(..., pattern=COLLECTION_PATTERN)) -> CollectionDeleted:
+    """Delete every document of a collection (?collection= is required: no call deletes everything)."""
+    ids: list[str] = []
+    while True:  # listed anew each round: a page from a shrinking listing would skip documents
+        page, _ = await asyncio.to_thread(state.store.list_documents, offset=len(ids), limit=500,
+                                          collection=collection)
+        if not page:
+            break
+        ids.extend(r.id for r in page)
+    ids.extend(d for d, job in state.ingest.active.items() if job.rec.collection == collection and d not in ids)
+    if not ids:
+        raise _no_collection(collection)
+    for doc_id in ids:
+        await _delete(state, doc_id)
+    return CollectionDeleted(collection=collection, deleted=len(ids), ids=ids)
+
+
+@router.get("/v1/collections")
+async def list_collections(state: ReadyState) -> CollectionList:
+    """Collections that have ready documents (what queries can search), with their counts."""
+    counts = await asyncio.to_thread(state.index.collections)
+    return CollectionList(collections=[CollectionOut(name=n, documents=c) for n, c in counts.items()])
+
+
+def _no_collection(collection: str) -> APIError:
+    return APIError(404, f"collection {collection!r} has no documents", code="collection_not_found",
+                    param="collection")
 
 
 @router.get("/v1/documents/{doc_id}")
@@ -137,6 +191,11 @@ async def get_document(state: ReadyState, doc_id: str, include_text: bool = Fals
 
 @router.delete("/v1/documents/{doc_id}")
 async def delete_document(state: ReadyState, doc_id: str) -> Deleted:
+    return Deleted(id=doc_id, deleted=await _delete(state, doc_id))
+
+
+async def _delete(state: ServiceState, doc_id: str) -> bool:
+    """Cancel the document's ingestion, if one runs, then delete it from the indexes and the store."""
     job = state.ingest.cancel(doc_id)
     if job is not None:
         # The ingestion rolls itself back at its next step; answer once it has.
@@ -149,7 +208,7 @@ async def delete_document(state: ReadyState, doc_id: str) -> Deleted:
     await asyncio.to_thread(state.index_remove, doc_id)
     await asyncio.to_thread(state.store.delete_document, doc_id)
     state.refresh_document_gauge()
-    return Deleted(id=doc_id, deleted=existed)
+    return existed
 
 
 @router.get("/v1/jobs/{job_id}")

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvfuse.config import DEFAULT_COLLECTION
 from kvfuse.service.chunk_contexts import contexts_for
 from kvfuse.service.errors import APIError
 from kvfuse.service.job_book import WorkerCrashed, WorkerJobError, precompute
@@ -42,9 +43,11 @@ def content_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def default_doc_id(text: str) -> str:
-    """A missing id becomes the content hash (so re-sending the same text finds the same document)."""
-    return "sha256-" + content_hash(text)[:32]
+def default_doc_id(text: str, collection: str = DEFAULT_COLLECTION) -> str:
+    """A missing id becomes the content hash (so re-sending the same text finds the same document), under
+    its collection's name outside the default one (the same text may be a document of several)."""
+    doc_id = "sha256-" + content_hash(text)[:32]
+    return doc_id if collection == DEFAULT_COLLECTION else f"{collection}:{doc_id}"
 
 
 @dataclass(eq=False)
@@ -116,13 +119,13 @@ class IngestManager:
                 raise APIError(409, f"document {doc_id!r} already exists (on_conflict=fail)",
                                code="document_exists", param="id")
 
-    def submit_all(self, items: list[tuple[str, str, dict, str]]) -> list[tuple[IngestJob | None, Submitted]]:
-        """Queue a job per (doc id, text, metadata, on_conflict) (after check_conflict, with no await in
-        between); (None, item) when skipped. The jobs are stored in one transaction before this returns:
+    def submit_all(self, items: list[tuple[str, str, dict, str, str]]) -> list[tuple[IngestJob | None, Submitted]]:
+        """Queue a job per (doc id, text, metadata, on_conflict, collection) (after check_conflict, with no
+        await in between); (None, item) when skipped (a document kept by `skip` stays in its collection). The jobs are stored in one transaction before this returns:
         a 202 is a promise that survives a restart."""
         out: list[tuple[IngestJob | None, Submitted]] = []
         new: list[IngestJob] = []
-        for doc_id, text, metadata, on_conflict in items:
+        for doc_id, text, metadata, on_conflict, collection in items:
             if doc_id in self.active:
                 job = self.active[doc_id]
                 out.append((None, Submitted(document_id=doc_id, job_id=job.id, status=public_status(job.status),
@@ -133,7 +136,7 @@ class IngestManager:
                 out.append((None, Submitted(document_id=doc_id, job_id=None, status=existing.status, skipped=True)))
                 continue
             job = IngestJob(JobRecord(id="job-" + uuid.uuid4().hex[:16], document_id=doc_id, text=text,
-                                      metadata=metadata, created_at=time.time()))
+                                      metadata=metadata, collection=collection, created_at=time.time()))
             new.append(job)
             out.append((job, Submitted(document_id=doc_id, job_id=job.id, status=job.status)))
         if new:
@@ -154,7 +157,7 @@ class IngestManager:
         if rec is None or not text:
             return None
         log.info("rebuilding %s from its stored text: %s", doc_id, reason)
-        job, _ = self.submit_all([(doc_id, text, dict(rec.metadata), "overwrite")])[0]
+        job, _ = self.submit_all([(doc_id, text, dict(rec.metadata), "overwrite", rec.collection)])[0]
         return job
 
     def resubmit_soon(self, doc_id: str, reason: str) -> None:
@@ -234,7 +237,7 @@ class IngestManager:
         doc_id = job.document_id
         try:
             if rec.status == "indexing":  # swapped in before a restart: only the vectors are left
-                await self._index(job, None)
+                await self._index(job, None, None)
                 return
             self._check(job)
             rec.status = "processing"
@@ -245,7 +248,7 @@ class IngestManager:
             ids = [c.token_ids for c in chunks]
             vectors = await asyncio.to_thread(st.embedder.embed, [c.text for c in chunks])
             self._check(job)
-            contexts = await asyncio.to_thread(contexts_for, st, doc_id, ids, vectors)
+            contexts = await asyncio.to_thread(contexts_for, st, doc_id, ids, vectors, rec.collection)
             fp, hashes = st.supervisor.info["fingerprint"], [kvblob.context_hash(c) for c in contexts]
             keys = [kvblob.chunk_key_from_hash(fp, st.settings.store.kv_dtype, kvblob.token_hash(t), h)
                     for t, h in zip(ids, hashes, strict=True)]
@@ -264,14 +267,15 @@ class IngestManager:
                 st.metrics.precomputed_chunks.inc(done.computed)
                 rec.chunks_done = min(len(ids), i + batch)
                 self._check(job)
-            doc = DocumentRecord(id=doc_id, status="ready", metadata=rec.metadata, chunk_keys=keys,
+            doc = DocumentRecord(id=doc_id, status="ready", metadata=rec.metadata, collection=rec.collection,
+                                 chunk_keys=keys,
                                  chunk_tokens=[len(t) for t in ids], tokens=sum(len(t) for t in ids),
                                  chunk_contexts=hashes if any(hashes) else [],
                                  kv_bytes=kv_bytes, content_hash=content_hash(rec.text))
             self._check(job)
             # The swap: from here the new version answers (a DELETE now deletes it, after this job ends).
             await asyncio.to_thread(jobs.commit, rec, doc, rec.text)
-            await self._index(job, vectors)
+            await self._index(job, vectors, [c.text for c in chunks])
             log.info("ingested %s: %d chunks, %d tokens, %.2f s", doc_id, len(ids), doc.tokens,
                      time.perf_counter() - t0)
         except Cancelled:
@@ -284,14 +288,15 @@ class IngestManager:
         finally:
             st.refresh_document_gauge()
 
-    async def _index(self, job: IngestJob, vectors: Any) -> None:
-        """Replace the document's vectors (re-embedded from its stored text after a restart) and finish."""
+    async def _index(self, job: IngestJob, vectors: Any, texts: list[str] | None) -> None:
+        """Replace the document's vectors and chunk texts in the retrieval indexes (chunked and embedded
+        again from its stored text after a restart) and finish."""
         st, rec = self.state, job.rec
-        if vectors is None:
+        if vectors is None or texts is None:
             text = await asyncio.to_thread(st.store.get_text, rec.document_id) or ""
-            chunks = await asyncio.to_thread(st.chunker.chunk, text)
-            vectors = await asyncio.to_thread(st.embedder.embed, [c.text for c in chunks])
-        await asyncio.to_thread(st.index_replace, rec.document_id, vectors, rec.metadata)
+            texts = [c.text for c in await asyncio.to_thread(st.chunker.chunk, text)]
+            vectors = await asyncio.to_thread(st.embedder.embed, texts)
+        await asyncio.to_thread(st.index_replace, rec.document_id, vectors, texts, rec.metadata, rec.collection)
         await asyncio.to_thread(st.store.jobs.finish, rec)
 
     async def _fail(self, job: IngestJob, reason: str) -> None:
@@ -304,7 +309,8 @@ class IngestManager:
             existing = await asyncio.to_thread(st.store.get_document, rec.document_id)
             failed = None
             if existing is None or existing.status == "failed":
-                failed = DocumentRecord(id=rec.document_id, status="failed", metadata=rec.metadata, error=reason,
+                failed = DocumentRecord(id=rec.document_id, status="failed", metadata=rec.metadata,
+                                        collection=rec.collection, error=reason,
                                         content_hash=content_hash(rec.text))
             await asyncio.to_thread(st.store.jobs.abandon, rec, "failed", reason, failed)
         except Exception:  # noqa: BLE001 - the job already failed; log the secondary failure

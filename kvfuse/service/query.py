@@ -1,7 +1,7 @@
 """The query pipeline shared by /v1/query and /v1/chat/completions.
 
 prepare(): validate knobs, check the prompt can fit the context (prompt_size.py, before any embedding),
-retrieve (embed + vector search) or take the caller's documents in order, and
+retrieve (dense, keyword or hybrid: retrieval.py) or take the caller's documents in order, and
 gather each chunk's store key and token ids (split from the document's tokens by the stored chunk sizes,
 so chunking settings may change later without invalidating stored KV). start(): queue the job and wait
 for the worker's plan (which chunks fit the context), so errors still get a proper HTTP status. Then
@@ -35,7 +35,16 @@ from kvfuse.service.protocol import (
     QueryJob,
     Result,
 )
-from kvfuse.service.responses import FusionUsed, QueryAnswer, QuerySources, Source, Timings, Usage
+from kvfuse.service.responses import (
+    FusionUsed,
+    QueryAnswer,
+    QuerySources,
+    RetrievalUsed,
+    Source,
+    Timings,
+    Usage,
+)
+from kvfuse.service.retrieval import RetrievalOptions, retrieval_options, retrieve
 from kvfuse.service.schemas import FusionIn, GenerationIn
 
 if TYPE_CHECKING:
@@ -73,10 +82,12 @@ class SourceChunk:
     score: float
     key: str
     token_ids: list[int]
+    dense_rank: int | None = None
+    keyword_rank: int | None = None
 
     def public(self) -> Source:
         return Source(document_id=self.document_id, chunk_index=self.chunk_index, score=round(self.score, 6),
-                      tokens=len(self.token_ids))
+                      tokens=len(self.token_ids), dense_rank=self.dense_rank, keyword_rank=self.keyword_rank)
 
 
 @dataclass
@@ -85,6 +96,7 @@ class QueryPlan:
     system_prompt: str | None
     chunks: list[SourceChunk]
     explicit: bool
+    retrieval: RetrievalOptions
     fusion: dict[str, Any]
     generation: dict[str, Any]
     retrieval_s: float
@@ -111,8 +123,11 @@ class QueryRun:
     def retrieved(self) -> QuerySources:
         """What the answer is built on: the stream's first event, and part of every answer."""
         fusion = FusionUsed(method=self.plan.fusion["method"], recompute_ratio=self.plan.fusion["recompute_ratio"])
+        r = self.plan.retrieval
+        retrieval = RetrievalUsed(mode="explicit" if self.plan.explicit else r.mode, collections=r.searched)
         return QuerySources(sources=[c.public() for c in self.sources],
-                            dropped_sources=[c.public() for c in self.dropped], warning=self.warning, fusion=fusion)
+                            dropped_sources=[c.public() for c in self.dropped], warning=self.warning, fusion=fusion,
+                            retrieval=retrieval)
 
 
 class QueryService:
@@ -123,8 +138,8 @@ class QueryService:
 
     # -- preparation ---------------------------------------------------------------------------------------
     async def prepare(self, *, question: str, system_prompt: str | None, top_k: int | None,
-                      document_ids: list[str] | None, filters: dict | None, fusion: FusionIn | None,
-                      gen: GenerationIn, arrived: float) -> QueryPlan:
+                      document_ids: list[str] | None, filters: dict | None, retrieval: Any | None,
+                      fusion: FusionIn | None, gen: GenerationIn, arrived: float) -> QueryPlan:
         st = self.state
         s = st.settings
         st.require_components()
@@ -137,17 +152,20 @@ class QueryService:
         gen_opts = self.generation_options(gen)
         system_prompt = system_prompt if system_prompt is not None else s.model.system_prompt
         await check_prompt_fits(st, question, system_prompt, gen_opts["max_tokens"])  # before the embedding
+        retrieval_opts = retrieval_options(st, retrieval)
         t0 = time.perf_counter()
         if document_ids is not None:
             chunks = await asyncio.to_thread(self._explicit_chunks, document_ids)
         else:
-            chunks = await self._retrieve(question, top_k or s.retriever.top_k, filters)
+            hits = await asyncio.to_thread(retrieve, st, question, top_k or s.retriever.top_k, retrieval_opts, filters)
+            chunks = await asyncio.to_thread(self._hits_to_chunks, hits)
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
             st.metrics.retrieval.observe(retrieval_s)
         return QueryPlan(question=question, system_prompt=system_prompt, chunks=chunks,
-                         explicit=document_ids is not None, fusion=fusion_opts, generation=gen_opts,
-                         retrieval_s=retrieval_s, arrived=arrived, deadline=arrived + s.server.request_timeout_s)
+                         explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
+                         generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
+                         deadline=arrived + s.server.request_timeout_s)
 
     def fusion_options(self, fusion: FusionIn | None) -> dict[str, Any]:
         from kvfuse.fusion import FusionOptions, available_methods
@@ -242,12 +260,6 @@ class QueryService:
                 chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids))
         return chunks
 
-    async def _retrieve(self, question: str, top_k: int, filters: dict | None) -> list[SourceChunk]:
-        st = self.state
-        vec = await asyncio.to_thread(st.embedder.embed, [question])
-        hits = await asyncio.to_thread(st.index.search, vec[0], top_k, filters=filters)
-        return await asyncio.to_thread(self._hits_to_chunks, hits)
-
     def _hits_to_chunks(self, hits: list[Any]) -> list[SourceChunk]:
         chunks = []
         records: dict[str, Any] = {}
@@ -258,7 +270,8 @@ class QueryService:
             if rec is None or rec.status != "ready" or h.chunk_index >= len(rec.chunk_keys):
                 continue  # deleted or re-ingested since the search
             ids = self.chunk_token_ids(rec)[h.chunk_index]
-            chunks.append(SourceChunk(h.document_id, h.chunk_index, h.score, self._key(rec, h.chunk_index, ids), ids))
+            chunks.append(SourceChunk(h.document_id, h.chunk_index, h.score, self._key(rec, h.chunk_index, ids), ids,
+                                      h.dense_rank, h.keyword_rank))
         if not chunks:
             raise APIError(404, "no ready document matches the query (ingest documents first, or relax filters)",
                            code="no_documents")

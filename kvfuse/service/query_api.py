@@ -36,7 +36,8 @@ async def watch_disconnect(agen: AsyncIterator[Any], request: Request) -> AsyncI
 async def start_query(queries: QueryService, request: Request, body: Any, *, question: str,
                       system_prompt: str | None, arrived: float) -> QueryRun:
     plan = await queries.prepare(question=question, system_prompt=system_prompt, top_k=body.top_k,
-                                 document_ids=body.document_ids, filters=body.filters, fusion=body.fusion,
+                                 document_ids=body.document_ids, filters=body.filters, retrieval=body.retrieval,
+                                 fusion=body.fusion,
                                  gen=body, arrived=arrived)
     return await queries.start(plan, request)
 

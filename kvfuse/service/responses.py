@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
+from kvfuse.config import DEFAULT_COLLECTION
+
 if TYPE_CHECKING:
     from kvfuse.service.ingest import IngestJob
     from kvfuse.service.supervisor import WorkerSupervisor
@@ -81,6 +83,7 @@ class DocumentOut(BaseModel):
     id: str
     status: str = Field(description="pending | processing | ready | failed")
     metadata: dict[str, Any] = {}
+    collection: str = DEFAULT_COLLECTION
     chunks: int = 0
     tokens: int = 0
     kv_bytes: int = 0
@@ -93,7 +96,8 @@ class DocumentOut(BaseModel):
 
     @classmethod
     def of(cls, rec: DocumentRecord, job: IngestJob | None = None) -> DocumentOut:
-        return cls(id=rec.id, status=rec.status, metadata=rec.metadata, chunks=len(rec.chunk_keys),
+        return cls(id=rec.id, status=rec.status, metadata=rec.metadata, collection=rec.collection,
+                   chunks=len(rec.chunk_keys),
                    tokens=rec.tokens, kv_bytes=rec.kv_bytes, created_at=rec.created_at,
                    updated_at=rec.updated_at, error=rec.error, content_hash=rec.content_hash,
                    job=None if job is None else JobOut.of(job))
@@ -103,8 +107,9 @@ class DocumentOut(BaseModel):
         """A document whose job has not written its record yet: only its id, status and job are known."""
         from kvfuse.store.jobs import public_status
 
-        return cls(id=job.document_id, status=public_status(job.status), metadata=job.metadata, created_at=job.created_at,
-                   updated_at=job.updated_at, job=JobOut.of(job))
+        return cls(id=job.document_id, status=public_status(job.status), metadata=job.metadata,
+                   collection=job.collection, created_at=job.created_at, updated_at=job.updated_at,
+                   job=JobOut.of(job))
 
 
 class DocumentPage(BaseModel):
@@ -121,6 +126,21 @@ class Deleted(BaseModel):
     deleted: bool
 
 
+class CollectionDeleted(BaseModel):
+    collection: str
+    deleted: int
+    ids: list[str]
+
+
+class CollectionOut(BaseModel):
+    name: str
+    documents: int = Field(description="ready documents (those queries search)")
+
+
+class CollectionList(BaseModel):
+    collections: list[CollectionOut]
+
+
 # -- queries -----------------------------------------------------------------------------------------------
 
 class Source(BaseModel):
@@ -128,8 +148,11 @@ class Source(BaseModel):
 
     document_id: str
     chunk_index: int
-    score: float = Field(description="retrieval similarity; 1.0 for documents named in document_ids")
+    score: float = Field(description="the retrieval mode's score: cosine (dense), BM25 (keyword), reciprocal rank "
+                                     "fusion (hybrid); 1.0 for documents named in document_ids")
     tokens: int
+    dense_rank: int | None = Field(None, description="its rank (from 1) in the dense list; null: not in it")
+    keyword_rank: int | None = Field(None, description="its rank (from 1) in the keyword list; null: not in it")
 
 
 class Usage(BaseModel):
@@ -159,6 +182,11 @@ class FusionUsed(BaseModel):
     recompute_ratio: float
 
 
+class RetrievalUsed(BaseModel):
+    mode: str = Field(description="dense | keyword | hybrid; explicit for documents named in document_ids")
+    collections: list[str]
+
+
 class QuerySources(BaseModel):
     """The stream's first event (`event: sources`), sent before generation starts."""
 
@@ -166,6 +194,7 @@ class QuerySources(BaseModel):
     dropped_sources: list[Source]
     warning: str | None = Field(description="set when retrieved chunks did not fit the context")
     fusion: FusionUsed
+    retrieval: RetrievalUsed
 
 
 class QueryAnswer(BaseModel):
@@ -179,6 +208,7 @@ class QueryAnswer(BaseModel):
     usage: Usage
     timings: Timings
     fusion: FusionUsed
+    retrieval: RetrievalUsed
     worker: str | None = Field(None, description="the worker that served the answer (its fleet name, or host-pid)")
 
 

@@ -19,13 +19,14 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    StringConstraints,
     ValidationError,
     create_model,
 )
 from pydantic import Strict as StrictMode
 from pydantic.json_schema import models_json_schema
 
-from kvfuse.config import FusionRequestSettings
+from kvfuse.config import FusionRequestSettings, RetrievalRequestSettings
 from kvfuse.service.errors import APIError
 
 # Document ids travel in URL paths: no slashes, no spaces.
@@ -42,6 +43,9 @@ def _finite(value: Any) -> Any:
 # field's name (the float member admits them only so that this one check, not four union branches, speaks).
 MetaValue = Annotated[StrictStr | StrictInt | Annotated[float, StrictMode(), AllowInfNan(True)] | StrictBool | None,
                       AfterValidator(_finite)]
+# Collection names travel in query strings and default document ids: no ':' (it separates them there).
+COLLECTION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+CollectionName = Annotated[str, StringConstraints(pattern=COLLECTION_PATTERN)]
 OnConflict = Literal["skip", "overwrite", "fail"]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
@@ -55,11 +59,13 @@ class DocumentIn(Strict):
     id: str | None = Field(None, pattern=DOC_ID_PATTERN)
     text: str
     metadata: dict[str, MetaValue] = {}
+    collection: CollectionName | None = None
     on_conflict: OnConflict | None = None
 
 
 class DocumentBatchIn(Strict):
     documents: list[DocumentIn] = Field(min_length=1)
+    collection: CollectionName | None = None  # of every document that names none
     on_conflict: OnConflict | None = None
 
 
@@ -70,6 +76,11 @@ def _all_optional(model: type[BaseModel]) -> dict[str, Any]:
 
 # The per-request fusion knobs are declared once, in config (FusionRequestSettings): same names, bounds.
 FusionIn = create_model("FusionIn", __base__=Strict, **_all_optional(FusionRequestSettings))
+# Likewise the retrieval knobs (RetrievalRequestSettings), plus the collections searched (default: the
+# default collection).
+RetrievalOptionsIn = create_model("RetrievalOptionsIn", __base__=Strict,
+                                  collections=(list[CollectionName] | None, Field(None, min_length=1)),
+                                  **_all_optional(RetrievalRequestSettings))
 
 
 class GenerationIn(Strict):
@@ -87,6 +98,7 @@ class RetrievalIn(Strict):
     top_k: int | None = Field(None, ge=1)
     document_ids: list[str] | None = Field(None, min_length=1)
     filters: dict[str, MetaValue] | None = None
+    retrieval: RetrievalOptionsIn | None = None
     fusion: FusionIn | None = None
 
 

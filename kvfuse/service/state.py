@@ -1,7 +1,7 @@
 """`ServiceState`: everything the API process holds, created once per app by its lifespan.
 
-Routes receive it through the dependencies in dependencies.py. The store, vector index, embedder and
-tokenizer-only chunker load in the background, so `/health` answers at once and `/ready` says 503 until
+Routes receive it through the dependencies in dependencies.py. The store, vector and keyword indexes,
+embedder and tokenizer-only chunker load in the background, so `/health` answers at once and `/ready` says 503 until
 every piece is up; until then they are None, and `require_components()` (the `ReadyState` dependency)
 turns a request that needs them into a 503.
 """
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from kvfuse.retriever import Chunker, Embedder, VectorIndex
+    from kvfuse.retriever.keyword_index import KeywordIndex
     from kvfuse.store import DocumentRecord, KVStore
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class ServiceState:
         self.queries = QueryService(self)
         self.store: KVStore | None = None
         self.index: VectorIndex | None = None
+        self.keyword: KeywordIndex | None = None
         self.embedder: Embedder | None = None
         self.chunker: Chunker | None = None
         self.startup_error: str | None = None
@@ -102,6 +104,7 @@ class ServiceState:
         self.embedder = Embedder(resolve_embedder(s.model.embedder), device="cpu",
                                  batch_size=s.model.embed_batch_size)
         self.index = self._open_index()
+        self.keyword = self._open_keyword_index()
         self._reconcile()
 
     def _open_store(self, settings: Settings) -> KVStore:
@@ -137,6 +140,20 @@ class ServiceState:
             index.save()
             return index
 
+    def _open_keyword_index(self) -> KeywordIndex:
+        from kvfuse.retriever.errors import IndexLoadError
+        from kvfuse.retriever.keyword_index import KeywordIndex
+
+        s = self.settings
+        try:
+            return KeywordIndex.open(s.keyword_dir, s.retriever)
+        except IndexLoadError as err:
+            log.warning("keyword index unusable (%s): rebuilding it from the stored documents' text", err)
+            index = KeywordIndex(s.keyword_dir, s.retriever)
+            index.rebuild((doc_id, texts) for doc_id, texts, _ in self._chunked_documents())
+            index.save()
+            return index
+
     def all_documents(self) -> list[DocumentRecord]:
         docs, offset = [], 0
         while True:
@@ -146,16 +163,21 @@ class ServiceState:
             if not page or offset >= total:
                 return docs
 
-    def _embedded_documents(self) -> Iterator[tuple[str, np.ndarray, dict]]:
-        """(id, chunk vectors, metadata) of every ready document, re-embedded from its stored text."""
+    def _chunked_documents(self, only: set[str] | None = None) -> Iterator[tuple[str, list[str], DocumentRecord]]:
+        """(id, chunk texts, record) of every ready document (of `only`, if given), chunked again from its
+        stored text."""
         for rec in self.all_documents():
-            if rec.status != "ready":
+            if rec.status != "ready" or (only is not None and rec.id not in only):
                 continue
             text = self.store.get_text(rec.id)
             if text is None:
                 continue
-            chunks = self.chunker.chunk(text)
-            yield rec.id, self.embedder.embed([c.text for c in chunks]), rec.metadata
+            yield rec.id, [c.text for c in self.chunker.chunk(text)], rec
+
+    def _embedded_documents(self) -> Iterator[tuple[str, np.ndarray, dict, str]]:
+        """(id, chunk vectors, metadata, collection) of every ready document, re-embedded from its text."""
+        for doc_id, texts, rec in self._chunked_documents():
+            yield doc_id, self.embedder.embed(texts), rec.metadata, rec.collection
 
     def _reconcile(self) -> None:
         """After a crash: the index holds exactly the ready documents. (Unfinished jobs resume from the
@@ -177,6 +199,13 @@ class ServiceState:
             if report.missing or report.mismatched:
                 self.index.rebuild(self._embedded_documents())
             self.index.save()
+        report = self.keyword.check(ready)
+        if not report.ok:  # only the documents that differ: chunking again is cheap, embedding is not needed
+            for doc_id in report.extra:
+                self.keyword.remove(doc_id)
+            for doc_id, texts, _ in self._chunked_documents(set(report.missing) | set(report.mismatched)):
+                self.keyword.add(doc_id, texts)
+            self.keyword.save()
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -187,13 +216,17 @@ class ServiceState:
         await self.supervisor.stop()
         if self.index is not None:
             await asyncio.to_thread(self.index.save)
+        if self.keyword is not None:
+            await asyncio.to_thread(self.keyword.save)
         if self.store is not None:
             self.store.close()
 
     # -- readiness -----------------------------------------------------------------------------------------
     def readiness(self, document_index: bool = True) -> dict[str, bool]:
-        """Which parts are up; `document_index` is whether the store's index answers now (Redis)."""
-        return {"store": self.store is not None, "index": self.index is not None and self._components.is_set(),
+        """Which parts are up; `document_index` is whether the store's index answers now (Redis). `index`
+        covers both retrieval indexes (vector and keyword)."""
+        return {"store": self.store is not None,
+                "index": self.index is not None and self.keyword is not None and self._components.is_set(),
                 "embedder": self.embedder is not None, "model": self.supervisor.ready,
                 "document_index": self.store is not None and document_index}
 
@@ -219,19 +252,22 @@ class ServiceState:
             raise APIError(503, f"the model worker is not ready: {self.supervisor.last_error or 'starting'}",
                            code="worker_unavailable")
 
-    # -- index writes (always saved: the index on disk must match the store after any commit) --------------
-    def index_add(self, doc_id: str, vectors: np.ndarray, metadata: dict) -> None:
-        self.index.add(doc_id, vectors, metadata)
+    # -- index writes (always saved: the indexes on disk must match the store after any commit) -------------
+    def index_replace(self, doc_id: str, vectors: np.ndarray, texts: list[str], metadata: dict,
+                      collection: str) -> None:
+        """A document's new version in both retrieval indexes (vectors and chunk texts, row i = chunk i) in
+        place of the old one, each saved once. A crash between the two saves leaves the keyword index
+        behind the store: the startup check (`_reconcile`) adds what it lacks from the stored text."""
+        self.index.add(doc_id, vectors, metadata, collection)
         self.index.save()
-
-    def index_replace(self, doc_id: str, vectors: np.ndarray, metadata: dict) -> None:
-        """A document's new version's vectors in place of the old ones, saved once."""
-        self.index.remove(doc_id)
-        self.index_add(doc_id, vectors, metadata)
+        self.keyword.add(doc_id, texts)
+        self.keyword.save()
 
     def index_remove(self, doc_id: str) -> None:
         if self.index.remove(doc_id):
             self.index.save()
+        if self.keyword.remove(doc_id):
+            self.keyword.save()
 
     def refresh_document_gauge(self) -> None:
         if self.store is not None:

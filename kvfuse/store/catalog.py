@@ -238,10 +238,11 @@ class DocumentCatalog:
         with self._reading() as ix:
             return ix.get_document(doc_id)
 
-    def list_documents(self, *, offset: int = 0, limit: int = 50) -> tuple[list[DocumentRecord], int]:
-        """(one page in creation order, total count)."""
+    def list_documents(self, *, offset: int = 0, limit: int = 50,
+                       collection: str | None = None) -> tuple[list[DocumentRecord], int]:
+        """(one page in creation order, total count), of one collection if named."""
         with self._reading() as ix:
-            return ix.list_documents(max(offset, 0), max(limit, 0))
+            return ix.list_documents(max(offset, 0), max(limit, 0), collection)
 
     def get_text(self, doc_id: str) -> str | None:
         with self.env.read() as txn:

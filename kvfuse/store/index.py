@@ -34,8 +34,9 @@ class DocumentIndex(ABC):
     def get_document(self, doc_id: str) -> DocumentRecord | None: ...
 
     @abstractmethod
-    def list_documents(self, offset: int, limit: int) -> tuple[list[DocumentRecord], int]:
-        """(one page in creation order, total count)."""
+    def list_documents(self, offset: int, limit: int,
+                       collection: str | None = None) -> tuple[list[DocumentRecord], int]:
+        """(one page in creation order, total count), of one collection if named."""
 
     def close(self) -> None:
         return None
@@ -94,17 +95,26 @@ class EmbeddedIndex(DocumentIndex):
             raw = txn.get(doc_id.encode(), db=self._env.db("docs"))
             return None if raw is None else DocumentRecord.from_json(raw)
 
-    def list_documents(self, offset: int, limit: int) -> tuple[list[DocumentRecord], int]:
+    def list_documents(self, offset: int, limit: int,
+                       collection: str | None = None) -> tuple[list[DocumentRecord], int]:
+        """A collection's page reads every record to find its own and count them: a scan, like the
+        metadata filters of the vector index."""
         docs: list[DocumentRecord] = []
         with self._env.read() as txn:
-            total = txn.stat(self._env.db("docs"))["entries"]
+            if collection is None:
+                total = txn.stat(self._env.db("docs"))["entries"]
             cur = txn.cursor(db=self._env.db("doctime"))
-            for i, k in enumerate(cur.iternext(keys=True, values=False)):
-                if i < offset:
-                    continue
-                if len(docs) >= limit:
+            i = 0
+            for k in cur.iternext(keys=True, values=False):
+                if collection is None and len(docs) >= limit:
                     break
                 raw = txn.get(bytes(k)[8:], db=self._env.db("docs"))
-                if raw is not None:
-                    docs.append(DocumentRecord.from_json(raw))
-        return docs, total
+                if raw is None:
+                    continue
+                rec = DocumentRecord.from_json(raw)
+                if collection is not None and rec.collection != collection:
+                    continue
+                if offset <= i < offset + limit:
+                    docs.append(rec)
+                i += 1
+        return docs, total if collection is None else i

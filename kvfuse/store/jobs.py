@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import lmdb
 
+from kvfuse.config import DEFAULT_COLLECTION
 from kvfuse.store.catalog import DocumentCatalog
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.records import STAGING_PREFIX, DocumentRecord
@@ -44,6 +45,7 @@ class JobRecord:
     status: str = "pending"  # pending | processing | indexing | ready | failed | cancelled
     error: str | None = None
     metadata: dict = field(default_factory=dict)
+    collection: str = DEFAULT_COLLECTION
     text: str = ""  # kept until the job finishes: a restart runs the job again from it
     created_at: float = 0.0
     updated_at: float = 0.0

@@ -151,8 +151,9 @@ class KVStore:
     def get_text(self, doc_id: str) -> str | None:
         return self.catalog.get_text(doc_id)
 
-    def list_documents(self, *, offset: int = 0, limit: int = 50) -> tuple[list[DocumentRecord], int]:
-        return self.catalog.list_documents(offset=offset, limit=limit)
+    def list_documents(self, *, offset: int = 0, limit: int = 50,
+                       collection: str | None = None) -> tuple[list[DocumentRecord], int]:
+        return self.catalog.list_documents(offset=offset, limit=limit, collection=collection)
 
     def delete_document(self, doc_id: str) -> bool:
         return self.catalog.delete_document(doc_id)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+from kvfuse.config import DEFAULT_COLLECTION
+
 STATUSES = ("pending", "processing", "ready", "failed")
 # Error prefix of documents whose stored KV was found missing or corrupt (`kvfuse store check --repair`,
 # or a CorruptBlobError at load): the service re-ingests them from their stored text.
@@ -29,6 +31,7 @@ class DocumentRecord:
     updated_at: float = 0.0  # set by the store on every write
     error: str | None = None
     content_hash: str = ""
+    collection: str = DEFAULT_COLLECTION  # the retrieval scope it belongs to (records before it: the default)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

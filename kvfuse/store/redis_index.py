@@ -4,6 +4,7 @@ Redis layout, every key under `<namespace>:` (existing data must keep opening: b
 triggers a rebuild from LMDB, whenever it changes)
   meta                hash: store_id (the LMDB store it mirrors), built_at, layout
   docs                zset: doc id -> created_at (listing order)
+  coll:<name>         zset: the same, of one collection
   doc:<id>            hash: DocumentRecord fields, each JSON-encoded
   chunks              set: stored chunk keys
   chunk:<key>         hash: tokens, bytes, created_at
@@ -25,7 +26,7 @@ from kvfuse.store.errors import IndexUnavailableError, StoreError
 from kvfuse.store.index import IndexMirror, IndexSnapshot
 from kvfuse.store.records import ChunkInfo, DocumentRecord
 
-REDIS_LAYOUT = "1"  # bump when the key layout changes: a mismatch triggers a rebuild
+REDIS_LAYOUT = "2"  # bump when the key layout changes: a mismatch triggers a rebuild
 _BATCH = 500  # commands per pipeline round trip during a rebuild
 
 
@@ -78,11 +79,14 @@ class RedisIndex(IndexMirror):
     def _decode(h: dict[str, str]) -> DocumentRecord | None:
         return DocumentRecord.from_dict({k: json.loads(v) for k, v in h.items()}) if h else None
 
-    def _write_doc(self, pipe, doc: DocumentRecord) -> None:
+    def _write_doc(self, pipe, doc: DocumentRecord, old_collection: str | None = None) -> None:
         key = self._k("doc", doc.id)
         pipe.delete(key)  # no stale fields survive an overwrite
         pipe.hset(key, mapping=self._encode(doc))
         pipe.zadd(self._k("docs"), {doc.id: doc.created_at})
+        if old_collection is not None and old_collection != doc.collection:
+            pipe.zrem(self._k("coll", old_collection), doc.id)
+        pipe.zadd(self._k("coll", doc.collection), {doc.id: doc.created_at})
         for ck in doc.chunk_keys:
             pipe.sadd(self._k("owners", ck), doc.id)
 
@@ -144,8 +148,9 @@ class RedisIndex(IndexMirror):
         self, doc: DocumentRecord, chunks: list[ChunkInfo], dropped: list[str], removed: list[str]
     ) -> None:
         with self._guard(f"write document {doc.id!r}"):
+            old = self._client.hget(self._k("doc", doc.id), "collection")
             pipe = self._client.pipeline(transaction=True)
-            self._write_doc(pipe, doc)
+            self._write_doc(pipe, doc, json.loads(old) if old else None)
             for info in chunks:
                 self._write_chunk(pipe, info)
             for ck in dropped:
@@ -155,9 +160,12 @@ class RedisIndex(IndexMirror):
 
     def delete_document(self, doc_id: str, chunk_keys: list[str], removed: list[str]) -> None:
         with self._guard(f"delete document {doc_id!r}"):
+            old = self._client.hget(self._k("doc", doc_id), "collection")
             pipe = self._client.pipeline(transaction=True)
             pipe.delete(self._k("doc", doc_id))
             pipe.zrem(self._k("docs"), doc_id)
+            if old:
+                pipe.zrem(self._k("coll", json.loads(old)), doc_id)
             for ck in chunk_keys:
                 pipe.srem(self._k("owners", ck), doc_id)
             self._remove_chunks(pipe, removed)
@@ -181,11 +189,13 @@ class RedisIndex(IndexMirror):
         with self._guard(f"read document {doc_id!r}"):
             return self._decode(self._client.hgetall(self._k("doc", doc_id)))
 
-    def list_documents(self, offset: int, limit: int) -> tuple[list[DocumentRecord], int]:
+    def list_documents(self, offset: int, limit: int,
+                       collection: str | None = None) -> tuple[list[DocumentRecord], int]:
+        listing = self._k("docs") if collection is None else self._k("coll", collection)
         with self._guard("list documents"):
             pipe = self._client.pipeline(transaction=True)
-            pipe.zcard(self._k("docs"))
-            pipe.zrange(self._k("docs"), offset, offset + limit - 1)
+            pipe.zcard(listing)
+            pipe.zrange(listing, offset, offset + limit - 1)
             total, ids = pipe.execute()
             if not ids or limit <= 0:
                 return [], total

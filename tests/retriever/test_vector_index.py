@@ -331,3 +331,42 @@ def test_vectors_of_another_embedder_are_refused(tmp_path, unit_vectors):
     assert len(VectorIndex.open(folder, DIM, _settings("flat"))) == 2  # caller without a fingerprint: unchecked
     with pytest.raises(IndexLoadError, match="another embedding model"):
         VectorIndex.open(folder, DIM, _settings("flat"), embedder_fingerprint="model-b")
+
+
+def test_collections_scope_searches_and_survive_a_reopen(tmp_path, unit_vectors):
+    corpus = _corpus(unit_vectors, n_docs=6)
+    idx = VectorIndex.open(tmp_path / "faiss", DIM, _settings("flat"))
+    for i, (doc, vecs) in enumerate(corpus.items()):
+        idx.add(doc, vecs, {"n": i}, collection="even" if i % 2 == 0 else "odd")
+    query = corpus["doc00"][0]
+    assert {h.document_id for h in idx.search(query, 30, collections=["odd"])} == {"doc01", "doc03", "doc05"}
+    assert len(idx.search(query, 60, collections=["odd", "even"])) == 60
+    assert idx.search(query, 4, collections=["none"]) == [] and idx.search(query, 4, collections=[]) == []
+    assert idx.collections() == {"even": 3, "odd": 3}
+    assert idx.select(collections=["even"], filters={"n": 2}) == ["doc02"]
+    assert idx.select(document_ids=["doc03", "doc01", "doc02"], collections=["odd"]) == ["doc03", "doc01"]
+    idx.add("doc01", corpus["doc01"], {"n": 1}, collection="even")  # re-adding moves it
+    assert idx.collections() == {"even": 4, "odd": 2}
+    idx.save()
+    again = VectorIndex.open(tmp_path / "faiss", DIM, _settings("flat"))
+    assert again.collections() == {"even": 4, "odd": 2}
+    assert again.select(collections=["odd"]) == ["doc03", "doc05"]
+
+
+def test_a_filter_of_another_json_type_than_its_field_is_refused(tmp_path, unit_vectors):
+    from kvfuse.retriever import FilterTypeError
+
+    idx = VectorIndex.open(tmp_path / "faiss", DIM, _settings("flat"))
+    idx.add("a", unit_vectors(2, DIM, seed=1), {"year": 2020, "flag": True, "tag": "x"})
+    idx.add("b", unit_vectors(2, DIM, seed=2), {"year": 2021.5, "flag": False}, collection="other")
+    q = unit_vectors(1, DIM, seed=3)[0]
+    with pytest.raises(FilterTypeError, match="'year' is a string, but the documents searched store 'year' as number"):
+        idx.search(q, 4, filters={"year": "2020"})
+    with pytest.raises(FilterTypeError) as err:
+        idx.select(filters={"flag": 1})  # true is not 1, even where Python says True == 1
+    assert err.value.field == "flag"
+    assert [h.document_id for h in idx.search(q, 4, filters={"year": 2020})] == ["a", "a"]
+    assert idx.select(filters={"year": 2020.0, "flag": True}) == ["a"]  # numbers compare as numbers
+    # Only the collections searched count: "tag" exists nowhere in "other", so nothing to check there.
+    assert idx.select(filters={"tag": 7}, collections=["other"]) == []
+    assert idx.select(filters={"unknown": "x"}) == []

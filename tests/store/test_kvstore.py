@@ -161,3 +161,22 @@ def test_a_chunk_repeated_within_a_document(store: KVStore) -> None:
     store.put_document(_doc("rep", [key, key]), text="same paragraph twice")
     assert store.get_document("rep").chunk_keys == [key, key]
     assert store.delete_document("rep") and not store.has_chunk(key)
+
+
+def test_documents_list_by_collection_and_move_between_them(store: KVStore) -> None:
+    from dataclasses import replace
+
+    for i in range(5):
+        store.put_document(replace(_doc(f"c{i}", [], status="pending"), collection="odd" if i % 2 else "even"),
+                           text=f"t{i}")
+    store.put_document(_doc("plain", [], status="pending"), text="t")
+    assert store.get_document("plain").collection == "default"
+    page, total = store.list_documents(collection="even", offset=1, limit=1)
+    assert total == 3 and [d.id for d in page] == ["c2"]
+    assert [d.id for d in store.list_documents(collection="odd")[0]] == ["c1", "c3"]
+    assert store.list_documents(collection="none") == ([], 0)
+    store.put_document(replace(store.get_document("c1"), collection="even"))  # an overwrite moves it
+    assert store.list_documents(collection="odd")[1] == 1 and store.list_documents(collection="even")[1] == 4
+    store.delete_document("c3")
+    assert store.list_documents(collection="odd") == ([], 0)
+    assert store.list_documents()[1] == 5
