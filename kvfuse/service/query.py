@@ -24,6 +24,7 @@ from kvfuse.service.errors import APIError
 from kvfuse.service.job_book import QueueFull, WorkerCrashed, WorkerJobError, WorkerUnavailable
 from kvfuse.service.protocol import (
     ERR_CONTEXT_OVERFLOW,
+    ERR_INDEX_UNAVAILABLE,
     ERR_INVALID,
     ERR_KV_BUDGET,
     ERR_MAX_TOKENS,
@@ -299,6 +300,9 @@ class QueryService:
                                 param="document_ids" if err.kind == ERR_CONTEXT_OVERFLOW else "max_tokens")
             if err.kind == ERR_INVALID:
                 return APIError(422, err.message, code="invalid_value")
+            if err.kind == ERR_INDEX_UNAVAILABLE:
+                return APIError(503, f"the document index is unavailable: {err.message}", code="index_unavailable",
+                                headers={"Retry-After": str(max(1, st.settings.server.retry_after_s))})
             return APIError(500, f"generation failed: {err.message}", code="generation_failed")
         if isinstance(err, WorkerCrashed):
             st.metrics.requests.labels("worker_crashed").inc()

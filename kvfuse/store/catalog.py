@@ -238,6 +238,11 @@ class DocumentCatalog:
         with self._reading() as ix:
             return ix.get_document(doc_id)
 
+    def stored_document(self, doc_id: str) -> DocumentRecord | None:
+        """The record in LMDB itself (the truth): answers also while a Redis index does not."""
+        with self.env.read() as txn:
+            return self._record(txn, doc_id)
+
     def list_documents(self, *, offset: int = 0, limit: int = 50) -> tuple[list[DocumentRecord], int]:
         """(one page in creation order, total count)."""
         with self._reading() as ix:

@@ -24,6 +24,8 @@ SERVER_ENV = {
     "KVFUSE_GENERATION__MAX_TOKENS": "4",
     "KVFUSE_SERVER__INGEST_WAIT_TIMEOUT_S": "3",
     "KVFUSE_SERVER__PRECOMPUTE_BATCH_CHUNKS": "2",
+    # One try: a worker crash fails the ingestion at once (its retries: test_ingest_retry.py).
+    "KVFUSE_SERVER__INGEST_RETRY_ATTEMPTS": "1",
 }
 
 
