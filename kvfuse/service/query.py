@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from starlette.requests import Request
 
@@ -230,15 +230,25 @@ class QueryService:
         chunks: list[SourceChunk] = []
         for doc_id in document_ids:
             rec = self.state.store.get_document(doc_id)
-            if rec is None:
-                raise APIError(404, f"document {doc_id!r} not found", code="document_not_found",
-                               param="document_ids")
-            if rec.status != "ready":
-                raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
-                               param="document_ids")
+            if rec is None or rec.status != "ready":
+                self._not_ready(doc_id, rec)
             for i, ids in enumerate(self.chunk_token_ids(rec)):
                 chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids))
         return chunks
+
+    def _not_ready(self, doc_id: str, rec: Any) -> NoReturn:
+        """Why a named document cannot be used: a document still being ingested (first version, so no
+        record yet, or one that has none good) is 409 with Retry-After, as GET /v1/documents/{id} says
+        `processing`; a failed one is 409 without; an unknown one 404."""
+        job = self.state.ingest.active.get(doc_id)
+        if job is not None:
+            raise APIError(409, f"document {doc_id!r} is being ingested (job {job.id}) and is not ready yet; "
+                           "retry later", code="document_not_ready", param="document_ids",
+                           headers={"Retry-After": str(max(1, self.state.settings.server.retry_after_s))})
+        if rec is None:
+            raise APIError(404, f"document {doc_id!r} not found", code="document_not_found", param="document_ids")
+        raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
+                       param="document_ids")
 
     async def _retrieve(self, question: str, top_k: int, filters: dict | None) -> list[SourceChunk]:
         st = self.state

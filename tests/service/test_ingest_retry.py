@@ -6,7 +6,8 @@ over real HTTP with a real worker process, a real LMDB store and a real redis-se
 - a document whose ingestion the worker dies under every time ends `failed` after the last allowed
   try, with the reason, and the new worker serves the rest;
 - the document index (a private redis-server) SIGKILLed in the middle of an ingestion: the job says it
-  waits for the index, never `failed`, and ends `ready` once Redis is back (empty: rebuilt from LMDB).
+  waits for the index, never `failed`, and ends `ready` once Redis is back (empty: rebuilt from LMDB);
+- a query naming a document that is still being ingested is told 409, not ready yet, with Retry-After.
 """
 
 from __future__ import annotations
@@ -64,6 +65,21 @@ def _answers(c: httpx.Client, doc_id: str) -> None:
                                      "max_tokens": 2})
     assert resp.status_code == 200, resp.text
     assert {s["document_id"] for s in resp.json()["sources"]} == {doc_id}
+
+
+def test_a_query_naming_a_document_being_ingested_is_told_to_retry(server: ServerProcess, big: str) -> None:
+    with make_client(server) as c:
+        job_id = _submit(c, "early", big[:1500])
+        assert c.get("/v1/documents/early").json()["status"] in ("pending", "processing")
+        resp = c.post("/v1/query", json={"query": "What is it about?", "document_ids": ["early"]})
+        assert resp.status_code == 409, resp.text
+        err = resp.json()["error"]
+        assert err["code"] == "document_not_ready" and err["param"] == "document_ids" and job_id in err["message"]
+        assert int(resp.headers["retry-after"]) >= 1
+        missing = c.post("/v1/query", json={"query": "What is it about?", "document_ids": ["never-sent"]})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "document_not_found"
+        assert wait_job(c, job_id)["status"] == "ready"
+        assert c.delete("/v1/documents/early").status_code == 200
 
 
 def test_a_worker_crash_mid_ingest_is_retried_and_the_document_ends_ready(server: ServerProcess, big: str) -> None:
