@@ -87,7 +87,7 @@ class Worker:
         from kvfuse.fusion import available_methods
 
         e = self.engine
-        return {"pid": os.getpid(), "fingerprint": e.fingerprint, "max_context_tokens": self.max_context,
+        return {"name": self.name, "pid": os.getpid(), "fingerprint": e.fingerprint, "max_context_tokens": self.max_context,
                 "num_layers": e.num_layers, "num_kv_heads": e.num_kv_heads, "head_dim": e.head_dim,
                 "methods": list(available_methods()), "kv_dtype": self.kv_dtype,
                 "kv_budget_tokens": self.scheduler.limits.kv_budget_tokens,

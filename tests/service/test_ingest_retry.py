@@ -7,7 +7,8 @@ over real HTTP with a real worker process, a real LMDB store and a real redis-se
   try, with the reason, and the new worker serves the rest;
 - the document index (a private redis-server) SIGKILLed in the middle of an ingestion: the job says it
   waits for the index, never `failed`, and ends `ready` once Redis is back (empty: rebuilt from LMDB);
-- a query naming a document that is still being ingested is told 409, not ready yet, with Retry-After.
+- a query naming a document that is still being ingested is told 409, not ready yet, with Retry-After;
+- an answer names its worker as /ready does.
 """
 
 from __future__ import annotations
@@ -121,6 +122,16 @@ def test_a_document_that_crashes_the_worker_every_time_fails_after_the_last_try(
         server.wait_ready()  # the worker survives: restarted, it serves the rest
         assert wait_job(c, _submit(c, "after", essays3["todo"][:1200]))["status"] == "ready"
         _answers(c, "after")
+
+
+def test_an_answer_names_its_worker_as_ready_does(server: ServerProcess, essays3) -> None:
+    with make_client(server) as c:
+        assert wait_job(c, _submit(c, "nft", essays3["nft"][:1200]))["status"] == "ready"
+        answer = c.post("/v1/query", json={"query": "What are NFTs?", "document_ids": ["nft"], "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+        workers = c.get("/ready").json()["workers"]
+        assert [w["id"] for w in workers] == [answer.json()["worker"]]
+        assert workers[0]["pid"] == worker_pid(c)
 
 
 def test_an_index_outage_mid_ingest_waits_for_redis_and_ends_ready(tmp_path, big: str) -> None:
