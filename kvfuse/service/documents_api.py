@@ -117,14 +117,14 @@ def _waited(request: Request, state: ServiceState, job: IngestJob) -> JobOut:
 async def list_documents(state: ReadyState, offset: int = Query(0, ge=0),
                          limit: int = Query(50, ge=1, le=1000)) -> DocumentPage:
     page, total = await asyncio.to_thread(state.store.list_documents, offset=offset, limit=limit)
-    return DocumentPage(documents=[DocumentOut.of(r, state.ingest.active.get(r.id)) for r in page], total=total,
+    return DocumentPage(documents=[DocumentOut.of(r, state.ingest.unfinished(r.id)) for r in page], total=total,
                         offset=offset, limit=limit)
 
 
 @router.get("/v1/documents/{doc_id}")
 async def get_document(state: ReadyState, doc_id: str, include_text: bool = False) -> DocumentOut:
     rec = await asyncio.to_thread(state.store.get_document, doc_id)
-    job = state.ingest.active.get(doc_id)
+    job = state.ingest.unfinished(doc_id)
     if rec is None:
         if job is not None:  # queued, not written yet
             return DocumentOut.queued(job)

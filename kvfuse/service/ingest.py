@@ -107,12 +107,18 @@ class IngestManager:
         job = self.jobs.get(job_id)
         return job if job is not None else self.state.store.jobs.get(job_id)
 
+    def unfinished(self, doc_id: str) -> IngestJob | None:
+        """The document's job while it runs. A job whose end is being recorded (its status already final,
+        written from a thread) has ended: it neither blocks a new version nor shows as running."""
+        job = self.active.get(doc_id)
+        return job if job is not None and not job.finished else None
+
     # -- submission (synchronous: check and register with no await in between) -----------------------------
     def check_conflict(self, doc_id: str, on_conflict: str) -> None:
         """Raise 409 if `on_conflict` forbids ingesting `doc_id` now (a failed document counts as absent)."""
-        if doc_id in self.active:
+        if (running := self.unfinished(doc_id)) is not None:
             if on_conflict != "skip":
-                raise APIError(409, f"document {doc_id!r} is being ingested (job {self.active[doc_id].id})",
+                raise APIError(409, f"document {doc_id!r} is being ingested (job {running.id})",
                                code="document_busy", param="id")
             return
         if on_conflict == "fail":
@@ -128,8 +134,7 @@ class IngestManager:
         out: list[tuple[IngestJob | None, Submitted]] = []
         new: list[IngestJob] = []
         for doc_id, text, metadata, on_conflict in items:
-            if doc_id in self.active:
-                job = self.active[doc_id]
+            if (job := self.unfinished(doc_id)) is not None:
                 out.append((None, Submitted(document_id=doc_id, job_id=job.id, status=public_status(job.status),
                                             skipped=True)))
                 continue
@@ -153,7 +158,7 @@ class IngestManager:
     def resubmit(self, doc_id: str, reason: str) -> IngestJob | None:
         """Build a stored document again from its stored text (its KV is from another model, or lost);
         the stored version answers until the new one is in. None if a job is already on it."""
-        if doc_id in self.active:
+        if self.unfinished(doc_id) is not None:
             return None
         rec, text = self.state.store.get_document(doc_id), self.state.store.get_text(doc_id)
         if rec is None or not text:

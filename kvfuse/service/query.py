@@ -240,7 +240,7 @@ class QueryService:
         """Why a named document cannot be used: a document still being ingested (first version, so no
         record yet, or one that has none good) is 409 with Retry-After, as GET /v1/documents/{id} says
         `processing`; a failed one is 409 without; an unknown one 404."""
-        job = self.state.ingest.active.get(doc_id)
+        job = self.state.ingest.unfinished(doc_id)
         if job is not None:
             raise APIError(409, f"document {doc_id!r} is being ingested (job {job.id}) and is not ready yet; "
                            "retry later", code="document_not_ready", param="document_ids",
