@@ -119,11 +119,14 @@ def sse_events(resp: httpx.Response) -> Iterator[tuple[str | None, str]]:
             event = None
 
 
-def read_stream(resp: httpx.Response) -> list[tuple[str | None, object]]:
-    """Every event of a /v1/query stream, data parsed (the final `[DONE]` kept as a string)."""
+def read_stream(resp: httpx.Response, on_event=None) -> list[tuple[str | None, object]]:
+    """Every event of a /v1/query stream, data parsed (the final `[DONE]` kept as a string); each is
+    also passed to `on_event` as it arrives, if given."""
     out: list[tuple[str | None, object]] = []
     for event, data in sse_events(resp):
         out.append((event, data if data == "[DONE]" else json.loads(data)))
+        if on_event is not None:
+            on_event(*out[-1])
         if data == "[DONE]":
             break
     return out
