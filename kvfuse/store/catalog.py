@@ -350,8 +350,9 @@ class DocumentCatalog:
     def _resync_if_lost(self) -> bool:
         """Re-sync the mirror if it no longer holds this store's marker: a Redis that restarted empty (or
         was flushed) while no call of this process failed, so nothing else would notice. True if so.
-        Checked on a miss, a listing and a readiness probe, where a lost mirror would answer wrong."""
-        with self._mirrored() as m:
+        Checked on a miss, a listing and a readiness probe, where a lost mirror would answer wrong (a
+        read: Redis down here marks nothing stale; the rebuild takes the mirror lock itself)."""
+        with self._mirrored(write=False) as m:
             if not m.needs_rebuild(self.store_id):
                 return False
             log.warning("the %s index no longer mirrors this store (restarted empty?)", self.index.kind)
