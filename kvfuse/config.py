@@ -76,6 +76,13 @@ class ServerSettings(_Section):
     kv_budget_tokens: int = Field(65536, ge=1)
     prefill_tokens_per_step: int = Field(2048, ge=1)
     ingest_step_share: float = Field(0.25, gt=0.0, le=1.0)
+    # An ingestion interrupted by something that passes (kvfuse/service/ingest_retry.py) runs again: a
+    # worker crash at most ingest_retry_attempts tries in all, an unreachable document index (Redis) at
+    # most ingest_index_attempts; the pause before each retry doubles from backoff_s up to backoff_max_s.
+    ingest_retry_attempts: int = Field(3, ge=1)
+    ingest_index_attempts: int = Field(20, ge=1)
+    ingest_retry_backoff_s: float = Field(1.0, ge=0)
+    ingest_retry_backoff_max_s: float = Field(30.0, ge=0)
     url: str = ""
 
     @property

@@ -1,5 +1,6 @@
 """Shared fixtures. Everything is real: the default LLM and embedder (prepared offline copies), LMDB in
-temp dirs, the Redis server on 127.0.0.1:6379 (a unique key namespace per test)."""
+temp dirs, the Redis server on 127.0.0.1:6379, or a private one when none runs there (a unique key
+namespace per test)."""
 
 from __future__ import annotations
 
@@ -44,15 +45,28 @@ def default_embedder_path() -> str:
     return resolve_embedder("default")
 
 
-@pytest.fixture
-def redis_url() -> str:
-    import redis
+@pytest.fixture(scope="session")
+def _session_redis(tmp_path_factory: pytest.TempPathFactory):
+    """The Redis the tests share: the one at KVFUSE_TEST_REDIS_URL (default 127.0.0.1:6379, database 15)
+    when it answers, else a private redis-server started for this session (a fresh machine runs none),
+    else the tests that need Redis are skipped, saying why."""
+    from redis_server import shared_or_private
 
     try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
-    except redis.exceptions.ConnectionError as err:
-        pytest.fail(f"no Redis at {REDIS_URL}: {err} (.ci/run starts one)")
-    return REDIS_URL
+        url, proc = shared_or_private(REDIS_URL, tmp_path_factory.mktemp("redis"))
+    except RuntimeError as err:
+        pytest.skip(f"no Redis answers at {REDIS_URL}, and no private one could be started: {err}")
+    if proc is not None:
+        print(f"\nno Redis answers at {REDIS_URL}: using a private redis-server at {url}")
+    yield url
+    if proc is not None:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def redis_url(_session_redis: str) -> str:
+    return _session_redis
 
 
 @pytest.fixture

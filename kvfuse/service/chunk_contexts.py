@@ -41,7 +41,7 @@ def contexts_for(state: ServiceState, doc_id: str, chunk_ids: list[list[int]], v
     if mode == "prefix":
         from kvfuse.fusion.prompt import template_halves
 
-        before, _ = template_halves(state.chunker.tokenizer, state.settings.generation.system_prompt)
+        before, _ = template_halves(state.chunker.tokenizer, state.settings.model.system_prompt)
         prefix = chunk_context.joined([state.chunker.encode(before)], budget)
         return [list(prefix) for _ in chunk_ids]
     return _neighbour_contexts(state, doc_id, collection, chunk_ids, np.asarray(vectors, dtype=np.float32),

@@ -36,11 +36,12 @@ def make_dispatcher(settings: Settings, metrics: Metrics) -> Any:
 
 
 def live_workers(dispatcher: Any) -> list[dict]:
-    """The live workers as /ready reports them (the local worker when embedded)."""
+    """The live workers as /ready reports them (the local worker when embedded), each by the name its
+    answers carry (`worker` of a query's result): the worker's own."""
     beats = getattr(dispatcher, "workers", None)
     if beats is None:
         members = getattr(dispatcher, "members", [dispatcher])
-        return [{"id": f"local-{m.pid}", "pid": m.pid, "device": m.settings.model.device,
+        return [{"id": m.info.get("name"), "pid": m.pid, "device": m.settings.model.device,
                  "fingerprint": m.info.get("fingerprint"), "running": m.running, "waiting": m.waiting}
                 for m in members if m.ready]
     keep = ("host", "pid", "device", "fingerprint", "kv_budget_tokens", "kv_free_tokens", "running", "waiting",

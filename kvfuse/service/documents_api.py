@@ -140,7 +140,7 @@ async def list_documents(state: ReadyState, offset: int = Query(0, ge=0), limit:
                                           collection=collection)
     if collection is not None and total == 0:
         raise _no_collection(collection)
-    return DocumentPage(documents=[DocumentOut.of(r, state.ingest.active.get(r.id)) for r in page], total=total,
+    return DocumentPage(documents=[DocumentOut.of(r, state.ingest.unfinished(r.id)) for r in page], total=total,
                         offset=offset, limit=limit)
 
 
@@ -178,7 +178,7 @@ def _no_collection(collection: str) -> APIError:
 @router.get("/v1/documents/{doc_id}")
 async def get_document(state: ReadyState, doc_id: str, include_text: bool = False) -> DocumentOut:
     rec = await asyncio.to_thread(state.store.get_document, doc_id)
-    job = state.ingest.active.get(doc_id)
+    job = state.ingest.unfinished(doc_id)
     if rec is None:
         if job is not None:  # queued, not written yet
             return DocumentOut.queued(job)

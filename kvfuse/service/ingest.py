@@ -8,7 +8,9 @@ job, the worker writes the blobs, and one LMDB transaction swaps the new record,
 vectors follow (job status `indexing` inside, `processing` outside, until they are in). Until the swap,
 queries answer from the old version; a failure, or a DELETE meanwhile, releases the staged blobs and
 leaves the old version as it was (a document with no good version gets a `failed` record with the
-reason). See docs/DESIGN.md, Durability.
+reason). A failure that passes (a worker crash, the document index down) is not the document's: the job
+pauses and runs again from what LMDB holds of it, within the retry policy (ingest_retry.py), reporting
+meanwhile that it waits and why. See docs/DESIGN.md, Durability.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from kvfuse.config import DEFAULT_COLLECTION
 from kvfuse.service.chunk_contexts import contexts_for
 from kvfuse.service.errors import APIError
+from kvfuse.service.ingest_retry import INDEX_UNAVAILABLE, WORKER_CRASHED, RetryPolicy, cause_of
 from kvfuse.service.job_book import WorkerCrashed, WorkerJobError, precompute
 from kvfuse.service.protocol import PrecomputeJob
 from kvfuse.service.responses import Submitted
@@ -57,6 +60,7 @@ class IngestJob:
     rec: JobRecord
     cancelled: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    woken: asyncio.Event = field(default_factory=asyncio.Event)  # cuts a retry's pause short (a cancel)
 
     def __getattr__(self, name: str) -> Any:  # id, document_id, status, error, progress ... from the record
         return getattr(self.__dict__["rec"], name)
@@ -71,6 +75,7 @@ class IngestManager:
 
     def __init__(self, state: ServiceState) -> None:
         self.state = state
+        self.policy = RetryPolicy.from_settings(state.settings.server)
         self.jobs: OrderedDict[str, IngestJob] = OrderedDict()
         self.active: dict[str, IngestJob] = {}  # document id -> its unfinished job
         self._queue: asyncio.Queue[IngestJob] = asyncio.Queue()
@@ -105,12 +110,18 @@ class IngestManager:
         job = self.jobs.get(job_id)
         return job if job is not None else self.state.store.jobs.get(job_id)
 
+    def unfinished(self, doc_id: str) -> IngestJob | None:
+        """The document's job while it runs. A job whose end is being recorded (its status already final,
+        written from a thread) has ended: it neither blocks a new version nor shows as running."""
+        job = self.active.get(doc_id)
+        return job if job is not None and not job.finished else None
+
     # -- submission (synchronous: check and register with no await in between) -----------------------------
     def check_conflict(self, doc_id: str, on_conflict: str) -> None:
         """Raise 409 if `on_conflict` forbids ingesting `doc_id` now (a failed document counts as absent)."""
-        if doc_id in self.active:
+        if (running := self.unfinished(doc_id)) is not None:
             if on_conflict != "skip":
-                raise APIError(409, f"document {doc_id!r} is being ingested (job {self.active[doc_id].id})",
+                raise APIError(409, f"document {doc_id!r} is being ingested (job {running.id})",
                                code="document_busy", param="id")
             return
         if on_conflict == "fail":
@@ -126,8 +137,7 @@ class IngestManager:
         out: list[tuple[IngestJob | None, Submitted]] = []
         new: list[IngestJob] = []
         for doc_id, text, metadata, on_conflict, collection in items:
-            if doc_id in self.active:
-                job = self.active[doc_id]
+            if (job := self.unfinished(doc_id)) is not None:
                 out.append((None, Submitted(document_id=doc_id, job_id=job.id, status=public_status(job.status),
                                             skipped=True)))
                 continue
@@ -151,7 +161,7 @@ class IngestManager:
     def resubmit(self, doc_id: str, reason: str) -> IngestJob | None:
         """Build a stored document again from its stored text (its KV is from another model, or lost);
         the stored version answers until the new one is in. None if a job is already on it."""
-        if doc_id in self.active:
+        if self.unfinished(doc_id) is not None:
             return None
         rec, text = self.state.store.get_document(doc_id), self.state.store.get_text(doc_id)
         if rec is None or not text:
@@ -199,6 +209,7 @@ class IngestManager:
         if job is None:
             return None
         job.cancelled = True
+        job.woken.set()
         if job.rec.status == "pending" and not job.rec.staged_keys:  # not started: nothing to undo
             self.state.store.jobs.abandon(job.rec, "cancelled", "the document was deleted before ingestion")
             del self.active[doc_id]
@@ -229,64 +240,74 @@ class IngestManager:
             raise Cancelled()
 
     async def _ingest(self, job: IngestJob) -> None:
+        """Run the job to its end. A failure that passes (a worker crash, the document index down:
+        ingest_retry.py) runs it again from what LMDB holds of it, within the retry policy; any other, or
+        the last allowed, ends it `failed` with the reason."""
+        try:
+            while True:
+                try:
+                    await self._attempt(job)
+                    return
+                except Cancelled:
+                    await self._end(job, "cancelled", "the document was deleted during ingestion")
+                    return
+                except Exception as err:  # noqa: BLE001 - every failure is retried or becomes the job's reason
+                    if not await self._retry(job, err):
+                        return
+        finally:
+            self.state.refresh_document_gauge()
+
+    async def _attempt(self, job: IngestJob) -> None:
+        """One try of the job, from where its record says it is."""
         from kvfuse import kvblob
         from kvfuse.store.records import DocumentRecord
 
         st, rec, jobs = self.state, job.rec, self.state.store.jobs
         t0 = time.perf_counter()
         doc_id = job.document_id
-        try:
-            if rec.status == "indexing":  # swapped in before a restart: only the vectors are left
-                await self._index(job, None, None)
-                return
+        rec.waiting_for = None
+        if rec.status == "indexing":  # swapped in before a restart or a retry: only the vectors are left
+            await self._index(job, None, None)
+            return
+        self._check(job)
+        rec.status = "processing"
+        await asyncio.to_thread(jobs.put, rec)
+        await st.supervisor_ready()
+        chunks = await asyncio.to_thread(st.chunker.chunk, rec.text)
+        rec.chunks_total, rec.chunks_done = len(chunks), 0
+        ids = [c.token_ids for c in chunks]
+        vectors = await asyncio.to_thread(st.embedder.embed, [c.text for c in chunks])
+        self._check(job)
+        contexts = await asyncio.to_thread(contexts_for, st, doc_id, ids, vectors, rec.collection)
+        fp, hashes = st.supervisor.info["fingerprint"], [kvblob.context_hash(c) for c in contexts]
+        keys = [kvblob.chunk_key_from_hash(fp, st.settings.store.kv_dtype, kvblob.token_hash(t), h)
+                for t, h in zip(ids, hashes, strict=True)]
+        # Staged before any blob is written: the refs make every blob below the job's, so none is
+        # ever an orphan.
+        await asyncio.to_thread(jobs.stage, rec, keys)
+        self._check(job)
+        kv_bytes = 0
+        batch = st.settings.server.precompute_batch_chunks
+        for i in range(0, len(ids), batch):
+            done = await precompute(st.supervisor, PrecomputeJob(ids[i : i + batch],
+                                                                 contexts=contexts[i : i + batch]))
+            if done.keys != keys[i : i + batch]:
+                raise RuntimeError("the worker computed other chunk keys than the API (model changed?)")
+            kv_bytes += sum(done.nbytes)
+            st.metrics.precomputed_chunks.inc(done.computed)
+            rec.chunks_done = min(len(ids), i + batch)
             self._check(job)
-            rec.status = "processing"
-            await asyncio.to_thread(jobs.put, rec)
-            await st.supervisor_ready()
-            chunks = await asyncio.to_thread(st.chunker.chunk, rec.text)
-            rec.chunks_total, rec.chunks_done = len(chunks), 0
-            ids = [c.token_ids for c in chunks]
-            vectors = await asyncio.to_thread(st.embedder.embed, [c.text for c in chunks])
-            self._check(job)
-            contexts = await asyncio.to_thread(contexts_for, st, doc_id, ids, vectors, rec.collection)
-            fp, hashes = st.supervisor.info["fingerprint"], [kvblob.context_hash(c) for c in contexts]
-            keys = [kvblob.chunk_key_from_hash(fp, st.settings.store.kv_dtype, kvblob.token_hash(t), h)
-                    for t, h in zip(ids, hashes, strict=True)]
-            # Staged before any blob is written: the refs make every blob below the job's, so none is
-            # ever an orphan.
-            await asyncio.to_thread(jobs.stage, rec, keys)
-            self._check(job)
-            kv_bytes = 0
-            batch = st.settings.server.precompute_batch_chunks
-            for i in range(0, len(ids), batch):
-                done = await precompute(st.supervisor, PrecomputeJob(ids[i : i + batch],
-                                                                     contexts=contexts[i : i + batch]))
-                if done.keys != keys[i : i + batch]:
-                    raise RuntimeError("the worker computed other chunk keys than the API (model changed?)")
-                kv_bytes += sum(done.nbytes)
-                st.metrics.precomputed_chunks.inc(done.computed)
-                rec.chunks_done = min(len(ids), i + batch)
-                self._check(job)
-            doc = DocumentRecord(id=doc_id, status="ready", metadata=rec.metadata, collection=rec.collection,
-                                 chunk_keys=keys,
-                                 chunk_tokens=[len(t) for t in ids], tokens=sum(len(t) for t in ids),
-                                 chunk_contexts=hashes if any(hashes) else [],
-                                 kv_bytes=kv_bytes, content_hash=content_hash(rec.text))
-            self._check(job)
-            # The swap: from here the new version answers (a DELETE now deletes it, after this job ends).
-            await asyncio.to_thread(jobs.commit, rec, doc, rec.text)
-            await self._index(job, vectors, [c.text for c in chunks])
-            log.info("ingested %s: %d chunks, %d tokens, %.2f s", doc_id, len(ids), doc.tokens,
-                     time.perf_counter() - t0)
-        except Cancelled:
-            await asyncio.to_thread(jobs.abandon, rec, "cancelled", "the document was deleted during ingestion")
-        except Exception as err:  # noqa: BLE001 - every failure becomes the job's reason
-            reason = _reason(err)
-            rec.worker_crashed = isinstance(err, WorkerCrashed)
-            log.warning("ingest of %s failed: %s", doc_id, reason)
-            await self._fail(job, reason)
-        finally:
-            st.refresh_document_gauge()
+        doc = DocumentRecord(id=doc_id, status="ready", metadata=rec.metadata, collection=rec.collection,
+                             chunk_keys=keys,
+                             chunk_tokens=[len(t) for t in ids], tokens=sum(len(t) for t in ids),
+                             chunk_contexts=hashes if any(hashes) else [],
+                             kv_bytes=kv_bytes, content_hash=content_hash(rec.text))
+        self._check(job)
+        # The swap: from here the new version answers (a DELETE now deletes it, after this job ends).
+        await asyncio.to_thread(jobs.commit, rec, doc, rec.text)
+        await self._index(job, vectors, [c.text for c in chunks])
+        log.info("ingested %s: %d chunks, %d tokens, %.2f s", doc_id, len(ids), doc.tokens,
+                 time.perf_counter() - t0)
 
     async def _index(self, job: IngestJob, vectors: Any, texts: list[str] | None) -> None:
         """Replace the document's vectors and chunk texts in the retrieval indexes (chunked and embedded
@@ -299,28 +320,74 @@ class IngestManager:
         await asyncio.to_thread(st.index_replace, rec.document_id, vectors, texts, rec.metadata, rec.collection)
         await asyncio.to_thread(st.store.jobs.finish, rec)
 
-    async def _fail(self, job: IngestJob, reason: str) -> None:
-        """Release the staged version; the stored one stays. A document with no good version (new, or
-        failed before) gets a `failed` record that says why, with the text a retry can use."""
+    async def _retry(self, job: IngestJob, err: Exception) -> bool:
+        """After a failed try: True once the job may run again (its record reloaded from LMDB, the retry
+        counted and stored, the pause waited, the index back if that was the cause); False when it ended
+        (failed, or cancelled meanwhile)."""
+        cause, reason = cause_of(err), _reason(err)
+        tries = job.rec.retries.get(cause, 0) + 1 if cause else 0
+        while True:
+            if job.cancelled:
+                await self._end(job, "cancelled", "the document was deleted during ingestion")
+                return False
+            if cause is None or self.policy.exhausted(cause, tries):
+                final = f"{reason} (after {tries} attempt{'s' if tries > 1 else ''})" if cause else reason
+                job.rec.worker_crashed = cause == WORKER_CRASHED
+                log.warning("ingest of %s failed: %s", job.document_id, final)
+                await self._end(job, "failed", final)
+                return False
+            await self._reload(job)
+            rec, pause = job.rec, self.policy.pause(tries)
+            rec.retries[cause] = tries
+            rec.waiting_for = (f"retry {tries} of {self.policy.attempts[cause] - 1} in {pause:g} s, "
+                               f"after: {reason}")
+            log.warning("ingest of %s: %s", job.document_id, rec.waiting_for)
+            await asyncio.to_thread(self.state.store.jobs.put, rec)
+            try:
+                await asyncio.wait_for(job.woken.wait(), pause)
+            except TimeoutError:
+                pass
+            if cause != INDEX_UNAVAILABLE or await self.state.document_index_available():
+                return True
+            tries += 1  # the index still does not answer: that try failed too
+
+    async def _reload(self, job: IngestJob) -> None:
+        """Take the job's record as LMDB has it: a try may have stopped between its in-memory changes and
+        their write (a swap committed in LMDB whose index write failed is `indexing` there)."""
+        stored = await asyncio.to_thread(self.state.store.jobs.get, job.id)
+        if stored is not None and not stored.finished:
+            job.rec = stored
+
+    async def _end(self, job: IngestJob, status: str, reason: str) -> None:
+        """End the job without a new version (`failed` or `cancelled`): release the staged version; the
+        stored one stays. A failed document with no good version (new, or failed before) gets a `failed`
+        record that says why, with the text a retry can use. LMDB is read and written first, so the end is
+        recorded also while a Redis index does not answer (the index catches up when it does)."""
+        from kvfuse.store.errors import IndexUnavailableError
         from kvfuse.store.records import DocumentRecord
 
         st, rec = self.state, job.rec
         try:
-            existing = await asyncio.to_thread(st.store.get_document, rec.document_id)
             failed = None
-            if existing is None or existing.status == "failed":
-                failed = DocumentRecord(id=rec.document_id, status="failed", metadata=rec.metadata,
-                                        collection=rec.collection, error=reason,
-                                        content_hash=content_hash(rec.text))
-            await asyncio.to_thread(st.store.jobs.abandon, rec, "failed", reason, failed)
-        except Exception:  # noqa: BLE001 - the job already failed; log the secondary failure
-            log.exception("could not record the failure of %s", rec.id)
-            rec.status, rec.error = "failed", reason
+            if status == "failed":
+                existing = await asyncio.to_thread(st.store.catalog.stored_document, rec.document_id)
+                if existing is None or existing.status == "failed":
+                    failed = DocumentRecord(id=rec.document_id, status="failed", metadata=rec.metadata,
+                                            collection=rec.collection, error=reason, content_hash=content_hash(rec.text))
+            await asyncio.to_thread(st.store.jobs.abandon, rec, status, reason, failed)
+        except IndexUnavailableError as err:  # raised after the LMDB write, by the index's copy of it
+            log.warning("job %s ended %s; the document index is behind until it answers again: %s", rec.id,
+                        status, err)
+        except Exception:  # noqa: BLE001 - the job already ended; log the secondary failure
+            log.exception("could not record the end of %s", rec.id)
+            rec.status, rec.error = status, reason
 
 
 def _reason(err: Exception) -> str:
     if isinstance(err, WorkerCrashed):
         return f"worker crashed during KV precompute: {err}"
+    if cause_of(err) == INDEX_UNAVAILABLE:
+        return f"the document index is unavailable: {getattr(err, 'message', err)}"
     if isinstance(err, WorkerJobError):
         return f"KV precompute failed: {err.message}"
     if isinstance(err, APIError):

@@ -24,6 +24,7 @@ ERR_KV_BUDGET = "kv_budget_exceeded"        # prompt + max_tokens alone exceed t
 ERR_INVALID = "invalid_request"             # the engine refused the options -> 422
 ERR_INTERNAL = "internal"                   # anything else -> 500
 ERR_WORKER_LOST = "worker_lost"             # a fleet worker died after the answer had started -> 503
+ERR_INDEX_UNAVAILABLE = "index_unavailable"  # the worker's store could not reach its index (Redis) -> 503
 
 
 # -- API -> worker ---------------------------------------------------------------------------------------

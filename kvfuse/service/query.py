@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from starlette.requests import Request
 
@@ -26,6 +26,7 @@ from kvfuse.service.job_book import QueueFull, WorkerCrashed, WorkerJobError, Wo
 from kvfuse.service.prompt_size import check_prompt_fits
 from kvfuse.service.protocol import (
     ERR_CONTEXT_OVERFLOW,
+    ERR_INDEX_UNAVAILABLE,
     ERR_INVALID,
     ERR_KV_BUDGET,
     ERR_MAX_TOKENS,
@@ -250,15 +251,25 @@ class QueryService:
         chunks: list[SourceChunk] = []
         for doc_id in document_ids:
             rec = self.state.store.get_document(doc_id)
-            if rec is None:
-                raise APIError(404, f"document {doc_id!r} not found", code="document_not_found",
-                               param="document_ids")
-            if rec.status != "ready":
-                raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
-                               param="document_ids")
+            if rec is None or rec.status != "ready":
+                self._not_ready(doc_id, rec)
             for i, ids in enumerate(self.chunk_token_ids(rec)):
                 chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids))
         return chunks
+
+    def _not_ready(self, doc_id: str, rec: Any) -> NoReturn:
+        """Why a named document cannot be used: a document still being ingested (first version, so no
+        record yet, or one that has none good) is 409 with Retry-After, as GET /v1/documents/{id} says
+        `processing`; a failed one is 409 without; an unknown one 404."""
+        job = self.state.ingest.unfinished(doc_id)
+        if job is not None:
+            raise APIError(409, f"document {doc_id!r} is being ingested (job {job.id}) and is not ready yet; "
+                           "retry later", code="document_not_ready", param="document_ids",
+                           headers={"Retry-After": str(max(1, self.state.settings.server.retry_after_s))})
+        if rec is None:
+            raise APIError(404, f"document {doc_id!r} not found", code="document_not_found", param="document_ids")
+        raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
+                       param="document_ids")
 
     def _hits_to_chunks(self, hits: list[Any]) -> list[SourceChunk]:
         chunks = []
@@ -315,6 +326,9 @@ class QueryService:
                                 param="document_ids" if err.kind == ERR_CONTEXT_OVERFLOW else "max_tokens")
             if err.kind == ERR_INVALID:
                 return APIError(422, err.message, code="invalid_value")
+            if err.kind == ERR_INDEX_UNAVAILABLE:
+                return APIError(503, f"the document index is unavailable: {err.message}", code="index_unavailable",
+                                headers={"Retry-After": str(max(1, st.settings.server.retry_after_s))})
             return APIError(500, f"generation failed: {err.message}", code="generation_failed")
         if isinstance(err, WorkerCrashed):
             st.metrics.requests.labels("worker_crashed").inc()

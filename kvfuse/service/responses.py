@@ -49,6 +49,9 @@ class JobOut(BaseModel):
     updated_at: float
     progress: Progress
 
+    retries: dict[str, int] | None = _optional("retries so far by cause (worker_crashed, index_unavailable), "
+                                               "once the job was retried")
+    waiting_for: str | None = _optional("while the job pauses before its next try: which, and after what")
     status_url: str | None = _optional("where to follow the job: with ?wait=true answers that timed out")
     detail: str | None = _optional("what happened, when ?wait=true stopped waiting before the job ended")
 
@@ -58,7 +61,8 @@ class JobOut(BaseModel):
 
         return cls(job_id=job.id, document_id=job.document_id, status=public_status(job.status), error=job.error,
                    created_at=job.created_at, updated_at=job.updated_at,
-                   progress=Progress(chunks_done=job.chunks_done, chunks_total=job.chunks_total))
+                   progress=Progress(chunks_done=job.chunks_done, chunks_total=job.chunks_total),
+                   retries=dict(job.retries) or None, waiting_for=None if job.finished else job.waiting_for)
 
 
 class Submitted(BaseModel):

@@ -14,7 +14,8 @@ by a Cancel message within one engine step (and, as a last resort, its worker is
 
 When the worker dies every job it held that may have run ends with `WorkerCrashed` (a query past its
 Plan, any precompute sent to it); queries it had not admitted yet are sent again to the new worker,
-which starts at once (with a back-off only while starts keep failing).
+which starts at once (with a back-off only while starts keep failing). An ingestion whose precompute
+ended so is tried again by its job, within `server.ingest_retry_attempts` (ingest_retry.py).
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ class WorkerSupervisor(JobBook):
         if self._outbox is not None:
             self._outbox.put(None)
         for job in list(self._jobs.values()):
-            # A precompute the worker held may be what killed it: it fails rather than run again.
+            # A precompute the worker held may be what killed it: it is not resent here; its ingestion job
+            # decides whether to try again (a bounded number of times, ingest_retry.py).
             if job.started_at is not None or (job.kind == "precompute" and job.id in self._sent):
                 self._finish(job, Crashed(f"the worker process died (exit code {exitcode})"))
         if not self.info or self.last_error:

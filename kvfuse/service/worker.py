@@ -36,6 +36,7 @@ from kvfuse.config import Settings
 from kvfuse.service import protocol as P
 from kvfuse.service.protocol import (  # noqa: F401 - re-exported: the API maps these kinds to statuses
     ERR_CONTEXT_OVERFLOW,
+    ERR_INDEX_UNAVAILABLE,
     ERR_INTERNAL,
     ERR_INVALID,
     ERR_KV_BUDGET,
@@ -86,7 +87,7 @@ class Worker:
         from kvfuse.fusion import available_methods
 
         e = self.engine
-        return {"pid": os.getpid(), "fingerprint": e.fingerprint, "max_context_tokens": self.max_context,
+        return {"name": self.name, "pid": os.getpid(), "fingerprint": e.fingerprint, "max_context_tokens": self.max_context,
                 "num_layers": e.num_layers, "num_kv_heads": e.num_kv_heads, "head_dim": e.head_dim,
                 "methods": list(available_methods()), "kv_dtype": self.kv_dtype,
                 "kv_budget_tokens": self.scheduler.limits.kv_budget_tokens,
@@ -172,6 +173,12 @@ class Worker:
         return ckv
 
     def _error(self, job_id: int, err: BaseException) -> P.Error:
+        from kvfuse.store.errors import IndexUnavailableError
+
+        if isinstance(err, IndexUnavailableError):
+            # What LMDB holds is written; the index (Redis) catches up when it answers: the API retries.
+            log.warning("job %d: the document index is unavailable: %s", job_id, err)
+            return P.Error(job_id, ERR_INDEX_UNAVAILABLE, str(err), None, self.step_no)
         if isinstance(err, ValueError | TypeError):
             # UnknownMethodError / ContextOverflowError are ValueErrors: the request was not servable.
             log.warning("job %d refused: %s", job_id, err)

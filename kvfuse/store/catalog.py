@@ -9,7 +9,9 @@ mirror is marked stale and rebuilt from LMDB when Redis answers again. Blobs a t
 then forgotten by the tiers above LMDB (`forget`).
 
 Document reads go to the index: the LMDB records themselves when embedded, else the Redis copy (and
-fail with IndexUnavailableError while Redis is down, rather than answer from a stale view).
+fail with IndexUnavailableError while Redis is down, rather than answer from a stale view). A Redis that
+came back empty without any call failing meanwhile is found by its missing marker (on a miss, a listing
+or a readiness probe) and rebuilt the same way.
 """
 
 from __future__ import annotations
@@ -236,11 +238,22 @@ class DocumentCatalog:
     # --- reads
     def get_document(self, doc_id: str) -> DocumentRecord | None:
         with self._reading() as ix:
-            return ix.get_document(doc_id)
+            doc = ix.get_document(doc_id)
+        if doc is None and self.mirror is not None and self._resync_if_lost():  # a miss may be a lost mirror
+            with self._reading() as ix:
+                doc = ix.get_document(doc_id)
+        return doc
+
+    def stored_document(self, doc_id: str) -> DocumentRecord | None:
+        """The record in LMDB itself (the truth): answers also while a Redis index does not."""
+        with self.env.read() as txn:
+            return self._record(txn, doc_id)
 
     def list_documents(self, *, offset: int = 0, limit: int = 50,
                        collection: str | None = None) -> tuple[list[DocumentRecord], int]:
         """(one page in creation order, total count), of one collection if named."""
+        if self.mirror is not None:
+            self._resync_if_lost()
         with self._reading() as ix:
             return ix.list_documents(max(offset, 0), max(limit, 0), collection)
 
@@ -290,6 +303,7 @@ class DocumentCatalog:
         try:
             with self._mirrored(write=False) as m:
                 m.ping()
+            self._resync_if_lost()
             return True
         except IndexUnavailableError:
             return False
@@ -333,6 +347,18 @@ class DocumentCatalog:
                 self._mirror_lost = True
                 self._mirror_stale = self._mirror_stale or write  # the LMDB write is done; its mirror is not
                 raise
+
+    def _resync_if_lost(self) -> bool:
+        """Re-sync the mirror if it no longer holds this store's marker: a Redis that restarted empty (or
+        was flushed) while no call of this process failed, so nothing else would notice. True if so.
+        Checked on a miss, a listing and a readiness probe, where a lost mirror would answer wrong (a
+        read: Redis down here marks nothing stale; the rebuild takes the mirror lock itself)."""
+        with self._mirrored(write=False) as m:
+            if not m.needs_rebuild(self.store_id):
+                return False
+            log.warning("the %s index no longer mirrors this store (restarted empty?)", self.index.kind)
+            self._sync_mirror()
+            return True
 
     def _sync_mirror(self) -> None:
         assert self.mirror is not None

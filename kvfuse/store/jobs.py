@@ -53,6 +53,10 @@ class JobRecord:
     chunks_done: int = 0
     staged_keys: list[str] = field(default_factory=list)  # chunk keys referenced under staging_owner(id)
     worker_crashed: bool = False
+    # Retries so far per passing cause (kvfuse/service/ingest_retry.py), stored so their bound holds
+    # across restarts; and, while the job pauses before its next try, what it waits for.
+    retries: dict[str, int] = field(default_factory=dict)
+    waiting_for: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -4,11 +4,13 @@ LLM in the worker and the embedder in the API process)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,11 +119,14 @@ def sse_events(resp: httpx.Response) -> Iterator[tuple[str | None, str]]:
             event = None
 
 
-def read_stream(resp: httpx.Response) -> list[tuple[str | None, object]]:
-    """Every event of a /v1/query stream, data parsed (the final `[DONE]` kept as a string)."""
+def read_stream(resp: httpx.Response, on_event=None) -> list[tuple[str | None, object]]:
+    """Every event of a /v1/query stream, data parsed (the final `[DONE]` kept as a string); each is
+    also passed to `on_event` as it arrives, if given."""
     out: list[tuple[str | None, object]] = []
     for event, data in sse_events(resp):
         out.append((event, data if data == "[DONE]" else json.loads(data)))
+        if on_event is not None:
+            on_event(*out[-1])
         if data == "[DONE]":
             break
     return out
@@ -154,6 +159,31 @@ def wait_job(client: httpx.Client, job_id: str, timeout: float = 300.0) -> dict:
         time.sleep(0.2)
 
 
+def until(predicate, timeout: float, what: str, every: float = 0.25):
+    """Poll `predicate` until it returns something true, which is returned; fail with `what` after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, what
+        time.sleep(every)
+    return value
+
+
+def wait_progress(client: httpx.Client, job_id: str, chunks: int, timeout: float = 300.0) -> dict:
+    """Poll a running job until it has precomputed `chunks` chunks; its JSON then."""
+    deadline = time.monotonic() + timeout
+    while (j := client.get(f"/v1/jobs/{job_id}").json())["progress"]["chunks_done"] < chunks:
+        assert j["status"] in ("pending", "processing") and time.monotonic() < deadline, j
+        time.sleep(0.05)
+    return j
+
+
+def worker_pid(client: httpx.Client) -> int | None:
+    """The pid of the ready worker (GET /health with a valid key), None while there is none."""
+    worker = client.get("/health").json().get("worker") or {}
+    return worker.get("pid") if worker.get("ready") else None
+
+
 def store_check(data_dir: Path, *args: str) -> dict:
     """`kvfuse store check --json [args]` on a data dir (the server stopped), as a separate process."""
     env = {**os.environ, "KVFUSE_DATA_DIR": str(data_dir), "KVFUSE_REDIS_URL": "", "KVFUSE_STORE__ORPHAN_GRACE_S": "0"}
@@ -162,3 +192,29 @@ def store_check(data_dir: Path, *args: str) -> dict:
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout, out.stderr
     return json.loads(out.stdout)
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def version_text(essays: list[tuple[str, str]], doc: int, version: int) -> str:
+    """A distinct text per (document, version), a few chunks long."""
+    _, text = essays[(doc * 7 + version) % len(essays)]
+    return f"Version {version} of document {doc}.\n\n" + text[: 700 + 250 * doc]
+
+
+class Ledger:
+    """What the client was promised: per document, the versions sent in order, and which got a 202."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, list[tuple[str, bool]]] = {}  # doc id -> [(text, acknowledged)]
+        self.jobs: list[str] = []  # acknowledged job ids
+        self.batches = 0  # batches acknowledged
+        self.lock = threading.Lock()
+
+    def allowed(self, doc_id: str) -> set[str]:
+        """Content hashes the document may have: its last acknowledged version or any later one."""
+        versions = self.sent.get(doc_id, [])
+        last_ack = max((i for i, (_, ack) in enumerate(versions) if ack), default=-1)
+        return {sha(t) for t, _ in versions[max(last_ack, 0):]}

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from service_helpers import API_KEY, ServerProcess, make_client, metric, store_check, wait_job
+from service_helpers import API_KEY, ServerProcess, make_client, metric, store_check, wait_job, wait_progress
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,8 @@ SERVER_ENV = {
     "KVFUSE_GENERATION__MAX_TOKENS": "4",
     "KVFUSE_SERVER__INGEST_WAIT_TIMEOUT_S": "3",
     "KVFUSE_SERVER__PRECOMPUTE_BATCH_CHUNKS": "2",
+    # One try: a worker crash fails the ingestion at once (its retries: test_ingest_retry.py).
+    "KVFUSE_SERVER__INGEST_RETRY_ATTEMPTS": "1",
 }
 
 
@@ -65,14 +67,6 @@ def _ingest(client: httpx.Client, doc_id: str, text: str, **extra: object) -> di
     return job
 
 
-def _wait_progress(client: httpx.Client, job_id: str, chunks: int) -> dict:
-    deadline = time.monotonic() + 300
-    while (j := client.get(f"/v1/jobs/{job_id}").json())["progress"]["chunks_done"] < chunks:
-        assert j["status"] in ("pending", "processing") and time.monotonic() < deadline, j
-        time.sleep(0.05)
-    return j
-
-
 def _answers(client: httpx.Client, doc_id: str) -> dict:
     """The document answers a query (retrieved by its metadata: a long one does not fit the context whole)."""
     resp = client.post("/v1/query", json={"query": "What is this about?", "filters": {"name": doc_id}, "top_k": 2,
@@ -110,7 +104,7 @@ def test_a_failed_overwrite_keeps_the_good_version(client: httpx.Client, holder:
     before = client.get("/v1/documents/doc").json()
     job = client.post("/v1/documents", json={"id": "doc", "text": big, "metadata": {"name": "doc"},
                                              "on_conflict": "overwrite"}).json()
-    _wait_progress(client, job["job_id"], 4)
+    wait_progress(client, job["job_id"], 4)
     during = client.get("/v1/documents/doc").json()  # the old version answers while the new one is built
     assert during["status"] == "ready" and during["content_hash"] == sha(v1) and during["job"]["job_id"] == job["job_id"]
     _answers(client, "doc")
@@ -125,7 +119,7 @@ def test_a_failed_overwrite_keeps_the_good_version(client: httpx.Client, holder:
 
 def test_a_delete_during_an_overwrite_wins(client: httpx.Client, big: str) -> None:
     job = client.post("/v1/documents", json={"id": "doc", "text": big, "on_conflict": "overwrite"}).json()
-    _wait_progress(client, job["job_id"], 2)
+    wait_progress(client, job["job_id"], 2)
     assert client.delete("/v1/documents/doc").json() == {"id": "doc", "deleted": True}
     assert client.get(f"/v1/jobs/{job['job_id']}").json()["status"] == "cancelled"
     assert client.get("/v1/documents/doc").status_code == 404
@@ -139,7 +133,7 @@ def test_queued_ingests_survive_a_restart(holder: Holder, big: str, essays3: dic
             resp = c.post("/v1/documents", json={"id": doc_id, "text": text, "metadata": {"name": doc_id}})
             assert resp.status_code == 202, resp.text
             jobs[doc_id] = resp.json()["job_id"]
-        _wait_progress(c, jobs["q0"], 2)  # the first is processing, the others queued
+        wait_progress(c, jobs["q0"], 2)  # the first is processing, the others queued
     holder.server.stop()
     holder.server.start()
     with make_client(holder.server) as c:

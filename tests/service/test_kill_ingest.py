@@ -10,7 +10,6 @@ KVFUSE_TEST_KILL_REPORT a file to write the kill points to (JSON)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from service_helpers import ServerProcess, make_client, store_check, wait_job
+from service_helpers import Ledger, ServerProcess, make_client, store_check, version_text, wait_job
 
 pytestmark = pytest.mark.slow
 
@@ -32,32 +31,6 @@ ENV = {"KVFUSE_RETRIEVER__CHUNK_TOKENS": "128", "KVFUSE_SERVER__PRECOMPUTE_BATCH
        "KVFUSE_MODEL__MAX_CONTEXT_TOKENS": "1024"}
 
 
-def sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _version(essays: list[tuple[str, str]], doc: int, version: int) -> str:
-    """A distinct text per (document, version), a few chunks long."""
-    _, text = essays[(doc * 7 + version) % len(essays)]
-    return f"Version {version} of document {doc}.\n\n" + text[: 700 + 250 * doc]
-
-
-class Ledger:
-    """What the client was promised: per document, the versions sent in order, and which got a 202."""
-
-    def __init__(self) -> None:
-        self.sent: dict[str, list[tuple[str, bool]]] = {}  # doc id -> [(text, acknowledged)]
-        self.jobs: list[str] = []  # acknowledged job ids
-        self.batches = 0  # batches acknowledged
-        self.lock = threading.Lock()
-
-    def allowed(self, doc_id: str) -> set[str]:
-        """Content hashes the document may have: its last acknowledged version or any later one."""
-        versions = self.sent.get(doc_id, [])
-        last_ack = max((i for i, (_, ack) in enumerate(versions) if ack), default=-1)
-        return {sha(t) for t, _ in versions[max(last_ack, 0):]}
-
-
 def _drive(server: ServerProcess, ledger: Ledger, essays, round_no: int) -> None:
     """Send the next version of every document that has no unfinished job (as one batch, overwrite)."""
     try:
@@ -67,7 +40,7 @@ def _drive(server: ServerProcess, ledger: Ledger, essays, round_no: int) -> None
                 resp = c.get(f"/v1/documents/d{i}")
                 if resp.status_code == 200 and resp.json().get("job"):
                     busy.add(f"d{i}")
-            batch = [{"id": f"d{i}", "text": _version(essays, i, round_no)} for i in range(DOCS)
+            batch = [{"id": f"d{i}", "text": version_text(essays, i, round_no)} for i in range(DOCS)
                      if f"d{i}" not in busy]
             if not batch:
                 return

@@ -8,6 +8,8 @@ chunk_contexts.py): a real server ingests over HTTP, and the test reads back wha
   taken for another model's, none is rebuilt).
 - `neighbours`: a one-chunk document is computed after the most similar chunk of the other documents in
   the index, found with the real embedder.
+- Every mode (`none`, `document`, `neighbours`, `prefix`) ingests a document and answers a query over it;
+  under `prefix` every chunk is computed after the system prefix of `model.system_prompt`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from service_helpers import API_KEY, ServerProcess, ingest, make_client, metric
 
 from kvfuse import kvblob
+from kvfuse.config import ModelSettings
 from kvfuse.store.records import DocumentRecord
 
 pytestmark = pytest.mark.slow
@@ -104,3 +107,41 @@ def test_document_and_neighbour_contexts_over_http(tmp_path: Path, essays3: dict
     sims = embedder.embed(texts) @ embedder.embed([SHORT])[0]
     nearest = chunks[int(sims.argmax())]
     assert short.chunk_contexts == [kvblob.context_hash(nearest[-BUDGET:])]
+
+
+@pytest.mark.parametrize("mode", ["none", "document", "neighbours", "prefix"])
+def test_every_mode_ingests_and_answers(tmp_path: Path, essays3: dict[str, str], mode: str,
+                                        default_llm_path: str) -> None:
+    from kvfuse.fusion import FusionEngine
+
+    data = tmp_path / "data"
+    server = ServerProcess(data, tmp_path / "server.log", KVFUSE_STORE__PRECOMPUTE_CONTEXT=mode, **ENV).start()
+    try:
+        with make_client(server) as c:
+            docs = ingest(c, [{"id": "pow", "text": essays3["pow"][:1200]}, {"id": "nft", "text": essays3["nft"][:800]}])
+            assert [d["status"] for d in docs["documents"]] == ["ready", "ready"], docs
+            _ask(c, "pow")
+            resp = c.post("/v1/query", json={"query": "What is this essay about?"})
+            assert resp.status_code == 200 and resp.json()["sources"], resp.text
+    finally:
+        server.stop()
+    rec, blobs = _stored(data, "pow")
+    assert len(rec.chunk_keys) >= 2
+    if mode == "none":
+        assert rec.chunk_contexts == [] and all(h.context_hash == "" for _, _, h in blobs)
+    elif mode == "prefix":
+        from kvfuse.retriever import Chunker
+
+        engine = FusionEngine.load(default_llm_path, dtype="float32")
+        prefix = engine.prompt_parts("", ModelSettings().system_prompt)[0][-BUDGET:]
+        assert rec.chunk_contexts == [kvblob.context_hash(prefix)] * len(rec.chunk_keys)
+        ids = [c.token_ids for c in Chunker.from_pretrained(default_llm_path, CHUNK_TOKENS).chunk(essays3["pow"][:1200])]
+        assert rec.chunk_tokens == [len(t) for t in ids]
+        k, v, header = blobs[1]
+        want = engine.precompute_after(prefix, ids[1])
+        assert header.context_hash == rec.chunk_contexts[1]
+        torch.testing.assert_close(k, want.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, want.v, atol=1e-4, rtol=1e-4)
+    else:
+        assert any(rec.chunk_contexts), rec.chunk_contexts
+

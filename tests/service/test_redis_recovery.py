@@ -10,20 +10,13 @@ import time
 import httpx
 import pytest
 from redis_server import free_port, start_redis
-from service_helpers import ServerProcess, make_client, wait_job
+from service_helpers import ServerProcess, make_client, until, wait_job
 
 pytestmark = pytest.mark.slow
 
 
 def _ready(server: ServerProcess) -> httpx.Response:
     return httpx.get(f"{server.url}/ready", timeout=10)
-
-
-def _until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.25)
 
 
 def test_redis_late_at_startup_then_down_and_back_at_runtime(tmp_path, essays3: dict[str, str]) -> None:
@@ -33,7 +26,7 @@ def test_redis_late_at_startup_then_down_and_back_at_runtime(tmp_path, essays3: 
     redis_proc = None
     try:
         server.start(wait=False)
-        _until(lambda: _alive(server), 120, "the API never answered")
+        until(lambda: _alive(server), 120, "the API never answered")
         time.sleep(5)  # Redis is not there: the service waits for it, it does not give up
         resp = _ready(server)
         assert resp.status_code == 503 and "document index" in resp.json()["error"]["message"], resp.text
@@ -45,12 +38,12 @@ def test_redis_late_at_startup_then_down_and_back_at_runtime(tmp_path, essays3: 
             assert wait_job(c, resp.json()["job_id"])["status"] == "ready"
             redis_proc.terminate()
             redis_proc.wait(10)
-            _until(lambda: _ready(server).status_code == 503, 30, "/ready stayed 200 with Redis down")
+            until(lambda: _ready(server).status_code == 503, 30, "/ready stayed 200 with Redis down")
             body = _ready(server).json()
             assert body["components"]["document_index"] is False
             assert c.get("/v1/documents/pow").status_code == 503
             redis_proc = start_redis(port, tmp_path)  # back, and empty
-            _until(lambda: _ready(server).status_code == 200, 60, "/ready stayed 503 with Redis back")
+            until(lambda: _ready(server).status_code == 200, 60, "/ready stayed 503 with Redis back")
             doc = c.get("/v1/documents/pow")
             assert doc.status_code == 200 and doc.json()["status"] == "ready"  # rebuilt from LMDB
     finally:

@@ -204,3 +204,22 @@ def test_openapi_documents_the_bodies_read_by_hand() -> None:
     # Every reference in the document resolves to a component.
     missing = {r for r in _refs(spec) if r.removeprefix("#/components/schemas/") not in schemas}
     assert not missing
+
+
+def test_ingest_retry_policy_bounds_each_passing_cause_and_backs_off() -> None:
+    from kvfuse.service import protocol as P
+    from kvfuse.service.ingest_retry import INDEX_UNAVAILABLE, WORKER_CRASHED, RetryPolicy, cause_of
+    from kvfuse.service.job_book import WorkerCrashed, WorkerJobError
+    from kvfuse.store.errors import IndexUnavailableError
+
+    policy = RetryPolicy.from_settings(ServerSettings(ingest_retry_attempts=2, ingest_index_attempts=5,
+                                                      ingest_retry_backoff_s=0.5, ingest_retry_backoff_max_s=3))
+    assert [policy.pause(n) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert not policy.exhausted(WORKER_CRASHED, 1) and policy.exhausted(WORKER_CRASHED, 2)
+    assert not policy.exhausted(INDEX_UNAVAILABLE, 4) and policy.exhausted(INDEX_UNAVAILABLE, 5)
+    assert cause_of(WorkerCrashed("the worker process died")) == WORKER_CRASHED
+    assert cause_of(IndexUnavailableError("connection refused")) == INDEX_UNAVAILABLE
+    assert cause_of(WorkerJobError(P.ERR_INDEX_UNAVAILABLE, "connection refused")) == INDEX_UNAVAILABLE
+    # The document's own failures are final.
+    assert cause_of(WorkerJobError(P.ERR_INTERNAL, "RuntimeError: boom")) is None
+    assert cause_of(ValueError("bad text")) is None

@@ -81,3 +81,31 @@ def test_outage_then_restart_with_old_data_is_caught_up(settings_factory, tmp_pa
     finally:
         if proc.poll() is None:
             _stop(proc)
+
+
+@pytest.mark.slow
+def test_an_empty_restart_no_call_saw_is_noticed_and_rebuilt(settings_factory, tmp_path) -> None:
+    """Redis restarts empty between two calls, so no call failed: a miss, a listing and the readiness
+    probe notice the marker is gone and rebuild from LMDB, instead of answering that nothing exists."""
+    port = free_port()
+    settings = settings_factory(redis_url=f"redis://127.0.0.1:{port}/0",
+                                store={"redis_namespace": "unseen", "redis_timeout_s": 1})
+    proc = start_redis(port, tmp_path)
+    try:
+        with KVStore.open(settings) as store:
+            for doc_id in ("a", "b"):
+                store.put_document(DocumentRecord(id=doc_id, status="pending"), text=doc_id)
+            for check in (lambda: store.get_document("a") is not None,
+                          lambda: store.list_documents()[1] == 2,
+                          lambda: store.catalog.index_available() and store.get_document("b") is not None):
+                _stop(proc)
+                proc = start_redis(port, tmp_path)  # back, and empty, unseen by the store
+                assert redis.Redis(port=port).zrange("unseen:docs", 0, -1) == []
+                assert check()
+            _stop(proc)
+            proc = start_redis(port, tmp_path)
+            store.put_document(DocumentRecord(id="c", status="pending"), text="c")  # a write lands first
+            assert store.get_document("a") is not None and store.list_documents()[1] == 3
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
