@@ -180,7 +180,6 @@ class FleetSettings(_Section):
     heartbeat_s: float = Field(1.0, gt=0)
     heartbeat_ttl_s: float = Field(5.0, gt=0)  # a worker silent this long is dead: its jobs are claimed back
     reply_ttl_s: float = Field(30.0, gt=0)  # a job's reply stream outlives its reader by this much
-    orphan_timeout_s: float = Field(60.0, gt=0)  # a job with no live worker to run it fails after this
     shared_tier_mb: int = Field(1024, ge=0)  # cap of the shared chunk KV tier in Redis (0: no shared tier)
 
 

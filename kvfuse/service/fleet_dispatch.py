@@ -8,10 +8,13 @@ queries and ingestion do not know which transport runs them. Per job (keys in fl
    (locality, from the sets workers report) when it has room, else to the shared stream, where the
    first worker with room takes it (the least loaded);
 3. its Taken / Plan / Delta / Result / Done / Error entries are read back with a blocking XREAD;
-4. nothing waits forever: a job whose worker's heartbeat lapsed after a token went out ends at once
-   with WorkerCrashed (an SSE error event, then [DONE]); one with no token waits for a survivor to claim
-   and re-run it (fleet_worker.py), and any job with no live worker able to run it for
-   `fleet.orphan_timeout_s` fails. A cancelled job is marked in Redis for its worker to drop.
+4. nothing waits for a worker that is not there. Liveness is the heartbeats' (the signal /ready
+   reports): with no live worker in the fleet a job is refused at once (NoLiveWorker: 503 with
+   Retry-After), and every job in flight ends as soon as the last heartbeat lapses, since nothing
+   restarts fleet workers; a job whose worker's heartbeat lapsed after a token went out ends at once
+   with WorkerCrashed (an SSE error event, then [DONE]); one with no token, while another worker lives,
+   is claimed and re-run by a survivor (fleet_worker.py). A cancelled job is marked in Redis for its
+   worker to drop.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from kvfuse.config import Settings
 from kvfuse.service import protocol as P
 from kvfuse.service.codec import CodecError, decode, encode
 from kvfuse.service.fleet import FleetKeys, alive_workers, load_of
-from kvfuse.service.job_book import Cancelled, Crashed, Job, JobBook
+from kvfuse.service.job_book import Cancelled, Crashed, Job, JobBook, NoLiveWorker
 from kvfuse.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ _READ_BLOCK_MS = 500  # one blocking read of a reply stream; liveness is checked
 
 class FleetDispatcher(JobBook):
     pid = None  # no local worker process
+    crash_advice = "retry the request"  # nothing restarts a fleet worker; the others take new requests
 
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         if not settings.redis_url:
@@ -101,6 +105,8 @@ class FleetDispatcher(JobBook):
 
     # -- jobs ----------------------------------------------------------------------------------------------
     def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
+        if not self.workers:
+            raise NoLiveWorker(self.last_error or "no live worker in the fleet")
         job = self._register(message)
         self._uids[job.id] = uuid.uuid4().hex
         task = asyncio.create_task(self._drive(job), name=f"kvfuse-job-{job.id}")
@@ -156,7 +162,7 @@ class FleetDispatcher(JobBook):
                 await self._r.delete(reply)
 
     async def _read(self, job: Job, reply: str, ttl_ms: int, directed: str | None) -> None:
-        last, worker, tokens, orphan_since = "0-0", None, False, None
+        last, worker, tokens = "0-0", None, False
         while not job.finished.is_set():
             got = await self._r.xread({reply: last}, count=256, block=_READ_BLOCK_MS)
             await self._r.pexpire(reply, ttl_ms)
@@ -183,17 +189,15 @@ class FleetDispatcher(JobBook):
                     self._on_message(job, msg)
             if job.finished.is_set():
                 return
-            # Liveness: nothing waits forever (see the module docstring).
+            # Liveness: nothing waits for a worker that is not there (see the module docstring).
+            if not self.workers:
+                why = self.last_error or "no live worker in the fleet"
+                if worker is not None:
+                    why = f"the worker {worker} serving this request died: {why}"
+                self._finish(job, Crashed(why, NoLiveWorker))
+                return
             if worker is not None and worker not in self.workers and tokens:
                 self._finish(job, Crashed(f"the worker {worker} serving this request died"))
-                return
-            runnable = bool(self.workers) and (worker is None or worker in self.workers or not tokens)
-            if runnable:
-                orphan_since = None
-            elif orphan_since is None:
-                orphan_since = time.monotonic()
-            elif time.monotonic() - orphan_since > self.fleet.orphan_timeout_s:
-                self._finish(job, Crashed(f"no live worker ran the job for {self.fleet.orphan_timeout_s:.0f} s"))
                 return
             if job.cancelled and job.cancel_deadline is not None and time.monotonic() > job.cancel_deadline:
                 self._finish(job, Crashed("the cancelled job did not stop in time"))
