@@ -246,8 +246,10 @@ def test_with_no_live_worker_a_query_is_refused_at_once_and_one_in_flight_ends(t
                                                                              essays) -> None:
     """Nothing restarts a fleet worker: once the heartbeats (what /ready reads) show none, a query in flight
     ends with an error event and a new one is answered 503 with Retry-After, neither after a long wait."""
-    # A prefill in many short engine steps: the plan goes out at the first, the first token after the last.
-    env = {**fleet_env(redis_url, redis_namespace), **SMALL, "KVFUSE_SERVER__PREFILL_TOKENS_PER_STEP": "32"}
+    # A prefill in many short engine steps: the plan goes out at the first, the first token after the last
+    # (chunks cached alone: a quick ingestion).
+    env = {**fleet_env(redis_url, redis_namespace), **SMALL, "KVFUSE_SERVER__PREFILL_TOKENS_PER_STEP": "32",
+           "KVFUSE_STORE__PRECOMPUTE_CONTEXT": "none"}
     ttl = float(env["KVFUSE_FLEET__HEARTBEAT_TTL_S"])
     a = WorkerProcess("a", tmp_path, **env).start()
     api = None
@@ -290,3 +292,4 @@ def test_with_no_live_worker_a_query_is_refused_at_once_and_one_in_flight_ends(t
         if api is not None:
             api.stop()
         a.stop()
+
