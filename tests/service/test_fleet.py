@@ -293,3 +293,30 @@ def test_with_no_live_worker_a_query_is_refused_at_once_and_one_in_flight_ends(t
             api.stop()
         a.stop()
 
+
+def test_concurrent_queries_on_chunks_one_worker_holds_spill_to_an_idle_worker(tmp_path, redis_url, redis_namespace,
+                                                                             essays3) -> None:
+    """Every chunk computed on a, then b joins: six queries at once over them run on both (locality is
+    weighed against load; b reads the chunks from the shared tier), not all six on a while b idles."""
+    env = {**fleet_env(redis_url, redis_namespace), **SMALL, "KVFUSE_SERVER__MAX_RUNNING_REQUESTS": "16"}
+    a = WorkerProcess("a", tmp_path, **env).start()
+    b = WorkerProcess("b", tmp_path, **env)
+    api = None
+    try:
+        api = start_api(tmp_path, env)
+        wait_workers(api.url, {"a"}, workers=[a])
+        with make_client(api) as c:
+            ingest(c, [{"id": name, "text": text} for name, text in essays3.items()])
+            b.start()
+            wait_workers(api.url, {"a", "b"}, workers=[a, b])
+            docs = list(essays3)
+            results = run_concurrently(c, [{"query": q, "max_tokens": 24, "document_ids": docs} for q in QUESTIONS])
+            served = [next(d for e, d in events if e == "done")["worker"] for _, events in results]
+            assert sorted(set(served)) == ["a", "b"], served
+            _wait_for(lambda: live_workers(api.url)["b"]["kv"]["hits_shared"] >= 1, 10, "b's shared reads counted")
+            assert live_workers(api.url)["b"]["kv"]["rebuilt"] == 0
+    finally:
+        if api is not None:
+            api.stop()
+        a.stop()
+        b.stop()
