@@ -223,8 +223,10 @@ class FleetSettings(_Section):
     heartbeat_s: float = Field(1.0, gt=0)
     heartbeat_ttl_s: float = Field(5.0, gt=0)  # a worker silent this long is dead: its jobs are claimed back
     reply_ttl_s: float = Field(30.0, gt=0)  # a job's reply stream outlives its reader by this much
-    orphan_timeout_s: float = Field(60.0, gt=0)  # a job with no live worker to run it fails after this
     shared_tier_mb: int = Field(1024, ge=0)  # cap of the shared chunk KV tier in Redis (0: no shared tier)
+    # Query routing (kvfuse/service/fleet_routing.py): a worker's score is the share of the query's chunks
+    # it holds minus this times its jobs over its running slots; 0 = locality alone.
+    route_load_weight: float = Field(8.0, ge=0)
 
 
 class Settings(BaseSettings):

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ class Sample:
     e2e_s: float = 0.0
     gaps_s: list[float] = field(default_factory=list)  # between token events (an event may hold several tokens)
     completion_tokens: int = 0
+    worker: str | None = None  # the fleet worker that answered (the answer names it)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -71,7 +73,9 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
             "tpot_p50_s": r(percentile([(s.e2e_s - s.ttft_s) / (s.completion_tokens - 1)
                                         for s in ok if s.completion_tokens > 1], 50)),
             "tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else None,
-            "requests_per_s": round(len(ok) / wall_s, 4) if wall_s > 0 else None}
+            "requests_per_s": round(len(ok) / wall_s, 4) if wall_s > 0 else None,
+            # how a fleet spread the answers over its workers (none named: one embedded worker)
+            "served_by": dict(sorted(Counter(s.worker for s in ok if s.worker).items())) or None}
 
 
 async def stream_query(client: Any, body: dict[str, Any]) -> Sample:
@@ -99,6 +103,7 @@ async def stream_query(client: Any, body: dict[str, Any]) -> Sample:
                 elif event == "done":
                     done = json.loads(line[6:])
                     sample.completion_tokens = int(done.get("usage", {}).get("completion_tokens", 0))
+                    sample.worker = done.get("worker")
                     sample.ok = True
                 elif event == "error":
                     sample.ok = False
@@ -225,27 +230,35 @@ class LocalServer:
 
 
 def ingest_documents(url: str, api_key: str | None, texts: list[tuple[str, str]], context_tokens: int,
-                     docs: int = 4) -> tuple[list[str], int, float]:
+                     docs: int = 4) -> tuple[list[str], int, float | None]:
     """Ingest `docs` essay openings of about context_tokens / docs tokens each (cut on a word boundary),
     one after another, each waited for; returns their ids, their tokens in all and the seconds the
-    ingestion requests took (chunk, embed, precompute and store: what `store.precompute_context` costs)."""
+    ingestion requests took (chunk, embed, precompute and store: what `store.precompute_context` costs).
+    A document the server already holds ready with the same text is not sent again (a second run against
+    a live server leaves its chunk caches where they are); the seconds are then None, not measured."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     chars = max(200, int(context_tokens / docs * 3.5))  # English prose: ~3.5-4 characters per token
-    ids, total, seconds = [], 0, 0.0
+    ids, total, seconds, reused = [], 0, 0.0, False
     with httpx.Client(base_url=url, headers=headers, timeout=600) as c:
         for name, text in texts[:docs]:
             cut = text[:chars]
             cut = cut[: cut.rfind(" ")] if " " in cut and len(text) > chars else cut
             doc_id = f"load-{name}"
+            have = c.get(f"/v1/documents/{doc_id}", params={"include_text": "true"})
+            if have.status_code == 200 and have.json()["status"] == "ready" and have.json().get("text") == cut:
+                ids.append(doc_id)
+                total += have.json()["tokens"]
+                reused = True
+                continue
             t0 = time.perf_counter()
             resp = c.post("/v1/documents?wait=true", json={"id": doc_id, "text": cut, "on_conflict": "overwrite"})
             resp.raise_for_status()
             seconds += time.perf_counter() - t0
             ids.append(doc_id)
             total += c.get(f"/v1/documents/{doc_id}").json()["tokens"]
-    return ids, total, seconds
+    return ids, total, None if reused else seconds
 
 
 def config_dict(cfg: LoadConfig) -> dict[str, Any]:
@@ -278,7 +291,7 @@ def command(args: Any) -> int:
             json_path.parent.mkdir(parents=True, exist_ok=True)
             payload = {"kind": "load", "command": command_text, "created": created,
                        "machine": {**machine, **load_info()},
-                       "params": {**config_dict(cfg), "context_tokens": context, "ingest_s": round(ingest_s, 3)},
+                       "params": {**config_dict(cfg), "context_tokens": context, "ingest_s": ingest_s and round(ingest_s, 3)},
                        "partial": partial, "rows": rows}
             json_path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
 

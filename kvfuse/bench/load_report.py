@@ -34,7 +34,7 @@ def plot(rows: list[dict[str, Any]], png: Path) -> Path:
 LOAD_TABLE = (("method", "method"), ("mode", "mode"), ("concurrency", "streams"), ("requests", "requests"),
               ("errors", "errors"), ("ttft_p50_s", "TTFT p50 (s)"), ("ttft_p95_s", "TTFT p95 (s)"),
               ("itl_p50_s", "ITL p50 (s)"), ("itl_p95_s", "ITL p95 (s)"), ("tpot_p50_s", "TPOT p50 (s)"),
-              ("tokens_per_s", "tokens/s"), ("requests_per_s", "requests/s"))
+              ("tokens_per_s", "tokens/s"), ("requests_per_s", "requests/s"), ("served_by", "served by"))
 
 
 def scaling(rows: list[dict[str, Any]], at: int | None = None) -> list[dict[str, Any]]:

@@ -52,6 +52,8 @@ def _fmt(value: Any) -> str:
         return "–"
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if isinstance(value, dict):  # counts by name
+        return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())
     if isinstance(value, (list, tuple)) and len(value) == 2:  # an interval
         return f"{_fmt(value[0])}–{_fmt(value[1])}"
     if isinstance(value, int):

@@ -3,7 +3,7 @@ fleet's model fingerprint. Both ends import this module, so they agree on every 
 
 Layout, under `fleet.namespace` (docs/DESIGN.md, "Scale-out")
   jobs              stream: jobs any worker may take (consumer group `workers`)
-  jobs:<worker>     stream: jobs sent to that worker for locality (its own consumer group `workers`)
+  jobs:<worker>     stream: queries routed to that worker (fleet_routing.py; its own consumer group `workers`)
   reply:<uid>       stream: one job's Taken / Plan / Delta / Result / Done / Error entries; it expires
                     `reply_ttl_s` after its reader last renewed it (a job whose reply stream is gone is
                     dropped by its worker)
@@ -81,8 +81,3 @@ async def alive_workers(r: Any, keys: FleetKeys) -> dict[str, dict]:
         return {}
     beats = await r.mget([keys.heartbeat(i) for i in ids])
     return {i: json.loads(b) for i, b in zip(ids, beats, strict=True) if b is not None}
-
-
-def load_of(beat: dict) -> float:
-    """A worker's load: the queries it runs or has waiting, over what it can run at once."""
-    return (beat.get("running", 0) + beat.get("waiting", 0)) / max(1, beat.get("max_running_requests", 1))

@@ -4,14 +4,18 @@
 queries and ingestion do not know which transport runs them. Per job (keys in fleet.py):
 
 1. the job's reply stream is opened (and kept from expiring while the API reads it);
-2. the job goes out with XADD: to the stream of the live worker that holds most of the query's chunks
-   (locality, from the sets workers report) when it has room, else to the shared stream, where the
-   first worker with room takes it (the least loaded);
+2. the job goes out with XADD: a query to the stream of the live worker that fleet_routing.py picks,
+   weighing the share of its chunks the worker holds (the sets workers report) against the jobs this
+   dispatcher has at it; a query when no worker has room, and ingestion, to the shared stream, where the
+   first worker with room takes it;
 3. its Taken / Plan / Delta / Result / Done / Error entries are read back with a blocking XREAD;
-4. nothing waits forever: a job whose worker's heartbeat lapsed after a token went out ends at once
-   with WorkerCrashed (an SSE error event, then [DONE]); one with no token waits for a survivor to claim
-   and re-run it (fleet_worker.py), and any job with no live worker able to run it for
-   `fleet.orphan_timeout_s` fails. A cancelled job is marked in Redis for its worker to drop.
+4. nothing waits for a worker that is not there. Liveness is the heartbeats' (the signal /ready
+   reports): with no live worker in the fleet a job is refused at once (NoLiveWorker: 503 with
+   Retry-After), and every job in flight ends as soon as the last heartbeat lapses, since nothing
+   restarts fleet workers; a job whose worker's heartbeat lapsed after a token went out ends at once
+   with WorkerCrashed (an SSE error event, then [DONE]); one with no token, while another worker lives,
+   is claimed and re-run by a survivor (fleet_worker.py). A cancelled job is marked in Redis for its
+   worker to drop.
 """
 
 from __future__ import annotations
@@ -21,14 +25,15 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from kvfuse.config import Settings
 from kvfuse.service import protocol as P
 from kvfuse.service.codec import CodecError, decode, encode
-from kvfuse.service.fleet import FleetKeys, alive_workers, load_of
-from kvfuse.service.job_book import Cancelled, Crashed, Job, JobBook
+from kvfuse.service.fleet import FleetKeys, alive_workers
+from kvfuse.service.fleet_routing import Candidate, pick_worker
+from kvfuse.service.job_book import Cancelled, Crashed, Job, JobBook, NoLiveWorker
 from kvfuse.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -38,6 +43,7 @@ _READ_BLOCK_MS = 500  # one blocking read of a reply stream; liveness is checked
 
 class FleetDispatcher(JobBook):
     pid = None  # no local worker process
+    crash_advice = "retry the request"  # nothing restarts a fleet worker; the others take new requests
 
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         if not settings.redis_url:
@@ -52,7 +58,7 @@ class FleetDispatcher(JobBook):
         self.restarts = 0
         self._r: Any = None
         self._uids: dict[int, str] = {}
-        self._directed: dict[str, int] = {}  # jobs sent to a worker's own stream, not yet taken
+        self._at: dict[int, str] = {}  # job id -> the worker it was sent to or taken by, until it ends
         self._tasks: set[asyncio.Task] = set()
         self._monitor: asyncio.Task | None = None
 
@@ -101,6 +107,8 @@ class FleetDispatcher(JobBook):
 
     # -- jobs ----------------------------------------------------------------------------------------------
     def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
+        if not self.workers:
+            raise NoLiveWorker(self.last_error or "no live worker in the fleet")
         job = self._register(message)
         self._uids[job.id] = uuid.uuid4().hex
         task = asyncio.create_task(self._drive(job), name=f"kvfuse-job-{job.id}")
@@ -108,55 +116,48 @@ class FleetDispatcher(JobBook):
         task.add_done_callback(self._tasks.discard)
         return job
 
-    async def _target_for(self, job: Job) -> str:
-        """The stream the job goes to: the live worker with room holding most of its chunks, else shared."""
+    async def _target_for(self, job: Job) -> str | None:
+        """The worker whose own stream the job goes to (fleet_routing.py), or None for the shared stream."""
         if not isinstance(job.message, P.QueryJob) or not self.workers:
-            return self.keys.jobs
+            return None
         keys = [c.key for c in job.message.chunks]
-        if not keys:
-            return self.keys.jobs
         ids = list(self.workers)
-        pipe = self._r.pipeline(transaction=False)
-        for wid in ids:
-            pipe.smismember(self.keys.holds(wid), keys)
-        held = await pipe.execute()
-        best, best_score = None, (0, 0.0)
-        for wid, flags in zip(ids, held, strict=True):
-            beat = self.workers[wid]
-            room = beat.get("max_running_requests", 1) - beat.get("running", 0) - beat.get("waiting", 0) \
-                - self._directed.get(wid, 0)
-            score = (sum(bool(f) for f in flags), -load_of(beat))
-            if room > 0 and score[0] > 0 and score > best_score:
-                best, best_score = wid, score
-        return self.keys.jobs if best is None else self.keys.direct(best)
+        held = [0] * len(ids)
+        if keys:
+            pipe = self._r.pipeline(transaction=False)
+            for wid in ids:
+                pipe.smismember(self.keys.holds(wid), keys)
+            held = [sum(bool(f) for f in flags) for flags in await pipe.execute()]
+        jobs = Counter(self._at.values())
+        candidates = [Candidate(wid, h, jobs[wid], self.workers[wid].get("max_running_requests", 1))
+                      for wid, h in zip(ids, held, strict=True) if wid in self.workers]
+        return pick_worker(candidates, len(keys), self.fleet.route_load_weight)
 
     async def _drive(self, job: Job) -> None:
         uid = self._uids[job.id]
         reply, ttl_ms = self.keys.reply(uid), int(self.fleet.reply_ttl_s * 1000)
-        directed: str | None = None
         try:
             await self._r.xadd(reply, {"t": "Open"})
             await self._r.pexpire(reply, ttl_ms)
             target = await self._target_for(job)
-            if target != self.keys.jobs:
-                directed = target.rsplit(":", 1)[-1]
-                self._directed[directed] = self._directed.get(directed, 0) + 1
-            await self._r.xadd(target, encode(job.message, uid=uid))
-            await self._read(job, reply, ttl_ms, directed)
+            if target is not None:
+                self._at[job.id] = target
+            await self._r.xadd(self.keys.jobs if target is None else self.keys.direct(target),
+                               encode(job.message, uid=uid))
+            await self._read(job, reply, ttl_ms)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - Redis failed: the job ends, it never hangs
             log.warning("job %d failed in the fleet transport: %s", job.id, err)
             self._finish(job, Crashed(f"the fleet's Redis failed: {err}"))
         finally:
-            if directed is not None and job.worker is None:
-                self._directed[directed] -= 1
+            self._at.pop(job.id, None)
             self._uids.pop(job.id, None)
             with contextlib.suppress(Exception):
                 await self._r.delete(reply)
 
-    async def _read(self, job: Job, reply: str, ttl_ms: int, directed: str | None) -> None:
-        last, worker, tokens, orphan_since = "0-0", None, False, None
+    async def _read(self, job: Job, reply: str, ttl_ms: int) -> None:
+        last, worker, tokens = "0-0", None, False
         while not job.finished.is_set():
             got = await self._r.xread({reply: last}, count=256, block=_READ_BLOCK_MS)
             await self._r.pexpire(reply, ttl_ms)
@@ -167,9 +168,9 @@ class FleetDispatcher(JobBook):
                     if kind == "Open":
                         continue
                     if kind == "Taken":
-                        if directed is not None and job.worker is None:
-                            self._directed[directed] -= 1
                         worker = job.worker = fields.get("w")
+                        if worker is not None:
+                            self._at[job.id] = worker  # its load now, wherever it was sent
                         continue
                     if fields.get("w", worker) != worker:
                         continue  # from a worker the job was taken from (presumed dead): not this answer's
@@ -183,17 +184,15 @@ class FleetDispatcher(JobBook):
                     self._on_message(job, msg)
             if job.finished.is_set():
                 return
-            # Liveness: nothing waits forever (see the module docstring).
+            # Liveness: nothing waits for a worker that is not there (see the module docstring).
+            if not self.workers:
+                why = self.last_error or "no live worker in the fleet"
+                if worker is not None:
+                    why = f"the worker {worker} serving this request died: {why}"
+                self._finish(job, Crashed(why, NoLiveWorker))
+                return
             if worker is not None and worker not in self.workers and tokens:
                 self._finish(job, Crashed(f"the worker {worker} serving this request died"))
-                return
-            runnable = bool(self.workers) and (worker is None or worker in self.workers or not tokens)
-            if runnable:
-                orphan_since = None
-            elif orphan_since is None:
-                orphan_since = time.monotonic()
-            elif time.monotonic() - orphan_since > self.fleet.orphan_timeout_s:
-                self._finish(job, Crashed(f"no live worker ran the job for {self.fleet.orphan_timeout_s:.0f} s"))
                 return
             if job.cancelled and job.cancel_deadline is not None and time.monotonic() > job.cancel_deadline:
                 self._finish(job, Crashed("the cancelled job did not stop in time"))

@@ -6,7 +6,7 @@ instead of a pipe (docs/DESIGN.md, "Scale-out"; the keys are in fleet.py):
 - it registers with a heartbeat (a key with a TTL naming its model fingerprint, device, free KV budget,
   load and tier counters), renewed by a thread so a long engine step never makes it look dead; a worker
   whose model fingerprint differs from the fleet's is refused (FingerprintMismatch, exit code 3);
-- it takes jobs from its own stream (sent to it for locality) and from the shared stream, as a consumer
+- it takes jobs from its own stream (the API routed them to it) and from the shared stream, as a consumer
   of the group `workers`, only as many as it can run, so an idle worker takes the next shared job (the
   least loaded serves); each job's messages go to its reply stream (codec.py), and the job is
   acknowledged (XACK) when its final message is out;

@@ -28,6 +28,12 @@ class WorkerCrashed(Exception):
     """The worker process died while running the job (503)."""
 
 
+class NoLiveWorker(WorkerCrashed):
+    """A fleet has no live worker (by the heartbeats /ready reads) to run the job: 503 at once, with
+    Retry-After, rather than a wait for a worker nothing is going to start. A kind of WorkerCrashed, so
+    whoever retries a job its worker lost retries this one too."""
+
+
 class WorkerUnavailable(Exception):
     """The service is shutting down (503)."""
 
@@ -44,9 +50,11 @@ class WorkerJobError(Exception):
 
 @dataclass
 class Crashed:
-    """A job's end on the API side: its worker died (or the service stopped)."""
+    """A job's end on the API side: its worker died (or the service stopped); `error` is what the
+    job's reader raises."""
 
     message: str
+    error: type[WorkerCrashed] = WorkerCrashed
 
 
 @dataclass
@@ -73,6 +81,9 @@ class Job:
 
 class JobBook:
     """Jobs submitted and not finished, and the query counts; a transport subclasses it."""
+
+    # What a client whose job's worker died is told to do (after the error): a local worker is restarted.
+    crash_advice = "it is being restarted, retry the request"
 
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
@@ -159,13 +170,13 @@ class JobBook:
 
     async def events(self, job: Job, deadline: float | None = None) -> AsyncIterator[Any]:
         """The job's messages (protocol dataclasses) through its final one (Result, Done or Cancelled);
-        raises WorkerCrashed / WorkerJobError, TimeoutError past `deadline` (monotonic). The caller
+        raises WorkerCrashed (NoLiveWorker) / WorkerJobError, TimeoutError past `deadline` (monotonic). The caller
         cancels the job when it stops iterating early."""
         while True:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             msg = await asyncio.wait_for(job.events.get(), timeout)
             if isinstance(msg, Crashed):
-                raise WorkerCrashed(msg.message)
+                raise msg.error(msg.message)
             if isinstance(msg, P.Error):
                 raise WorkerJobError(msg.kind, msg.message, msg.excess_tokens)
             yield msg

@@ -30,6 +30,8 @@ class _Member(WorkerSupervisor):
 
 
 class LocalPool:
+    crash_advice = WorkerSupervisor.crash_advice
+
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from starlette.requests import Request
 
 from kvfuse.service.errors import APIError
-from kvfuse.service.job_book import QueueFull, WorkerCrashed, WorkerJobError, WorkerUnavailable
+from kvfuse.service.job_book import NoLiveWorker, QueueFull, WorkerCrashed, WorkerJobError, WorkerUnavailable
 from kvfuse.service.prompt_size import check_prompt_fits
 from kvfuse.service.protocol import (
     ERR_CONTEXT_OVERFLOW,
@@ -302,6 +302,8 @@ class QueryService:
                            headers={"Retry-After": str(st.settings.server.retry_after_s)}) from None
         except WorkerUnavailable as err:
             raise APIError(503, str(err), code="shutting_down") from None
+        except NoLiveWorker as err:
+            raise self.api_error(err) from None
         events = st.supervisor.events(job, plan.deadline)
         try:
             first = await next_unless_gone(events, request)
@@ -330,10 +332,14 @@ class QueryService:
                 return APIError(503, f"the document index is unavailable: {err.message}", code="index_unavailable",
                                 headers={"Retry-After": str(max(1, st.settings.server.retry_after_s))})
             return APIError(500, f"generation failed: {err.message}", code="generation_failed")
+        retry_after = {"Retry-After": str(max(1, st.settings.server.retry_after_s))}
+        if isinstance(err, NoLiveWorker):
+            st.metrics.requests.labels("no_live_worker").inc()
+            return APIError(503, f"{err}; retry once a worker has joined (GET /ready lists the live workers)",
+                            code="no_live_worker", headers=retry_after)
         if isinstance(err, WorkerCrashed):
             st.metrics.requests.labels("worker_crashed").inc()
-            return APIError(503, f"{err}; it is being restarted, retry the request", code="worker_crashed",
-                            headers={"Retry-After": str(max(1, st.settings.server.retry_after_s))})
+            return APIError(503, f"{err}; {st.supervisor.crash_advice}", code="worker_crashed", headers=retry_after)
         if isinstance(err, TimeoutError):
             st.metrics.requests.labels("timeout").inc()
             return APIError(504, f"the query did not finish within {st.settings.server.request_timeout_s} s",

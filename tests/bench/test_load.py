@@ -26,6 +26,17 @@ def test_summary_counts_only_successful_requests_toward_latency_and_throughput()
     assert row["requests"] == 3 and row["errors"] == 1
     assert row["ttft_p50_s"] == 1.0 and row["itl_p50_s"] == 0.2
     assert row["tokens_per_s"] == 2.5 and row["requests_per_s"] == 1.0
+    assert row["served_by"] is None  # no answer named a fleet worker
+
+
+def test_summary_counts_the_answers_of_each_fleet_worker() -> None:
+    from kvfuse.bench.load import LOAD_TABLE
+    from kvfuse.bench.report import markdown_table
+
+    samples = [Sample(ok=True, worker=w) for w in ("b", "a", "b")] + [Sample(ok=False, status=503, worker="a")]
+    row = summarize(samples, wall_s=1.0)
+    assert row["served_by"] == {"a": 1, "b": 2}
+    assert markdown_table([row], LOAD_TABLE).splitlines()[-1].endswith("| a 1, b 2 |")
 
 
 def test_plot_has_one_line_per_method(tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ FLEET_TIMING = {  # fast failure detection for tests
     "KVFUSE_FLEET__HEARTBEAT_S": "0.5",
     "KVFUSE_FLEET__HEARTBEAT_TTL_S": "3",
     "KVFUSE_FLEET__REPLY_TTL_S": "10",
-    "KVFUSE_FLEET__ORPHAN_TIMEOUT_S": "60",
 }
 
 

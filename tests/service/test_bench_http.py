@@ -1,5 +1,6 @@
 """`kvfuse bench fidelity --url` against a real server: documents go in over REST, every method's answer
-comes back over REST, and the benchmark's documents are deleted afterwards."""
+comes back over REST, and the benchmark's documents are deleted afterwards; `kvfuse bench load --url`
+does not send again a document the server already holds."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-from service_helpers import API_KEY, ServerProcess, make_client
+from service_helpers import API_KEY, ServerProcess, make_client, metric
 
+from kvfuse.bench.load import ingest_documents
 from kvfuse.cli import main
 
 pytestmark = pytest.mark.slow
@@ -56,3 +58,18 @@ def test_fidelity_over_http(server: ServerProcess, default_llm_path: str, tmp_pa
     with make_client(server) as c:  # the benchmark cleaned up after itself
         listing = c.get("/v1/documents").json()
     assert listing["total"] == 0, listing
+
+
+def test_load_ingestion_reuses_documents_the_server_holds_with_the_same_text(server: ServerProcess,
+                                                                              essays: list) -> None:
+    ids, tokens, seconds = ingest_documents(server.url, API_KEY, essays, 200, docs=2)
+    assert len(ids) == 2 and tokens > 0 and seconds > 0
+    with make_client(server) as c:
+        computed = metric(c, "kvfuse_precomputed_chunks_total")
+        again = ingest_documents(server.url, API_KEY, essays, 200, docs=2)
+        assert again == (ids, tokens, None)  # nothing sent again, so no ingestion time to report
+        assert metric(c, "kvfuse_precomputed_chunks_total") == computed
+        other = ingest_documents(server.url, API_KEY, essays, 300, docs=2)  # other text under the same ids
+        assert other[0] == ids and other[1] > tokens and other[2] > 0
+        for doc_id in ids:
+            assert c.delete(f"/v1/documents/{doc_id}").status_code == 200

@@ -123,6 +123,7 @@ def test_a_worker_killed_mid_stream_ends_its_request_cleanly_and_rejoins(fleet) 
         if last[0] == "error":
             err = json.loads(last[1])["error"]
             assert err["code"] == "worker_crashed" and victim in err["message"]
+            assert "restarted" not in err["message"]  # nothing restarts a fleet worker
         else:
             assert last[0] == "done" and json.loads(last[1])["worker"] != victim
         survivor = ({"a", "b"} - {victim}).pop()
@@ -239,3 +240,83 @@ def test_a_job_a_dead_worker_took_before_any_token_runs_again_on_a_survivor(tmp_
         _wait_for(lambda: _all_pending(env) == 0, 30, "no pending job")
     finally:
         w.stop()
+
+
+def test_with_no_live_worker_a_query_is_refused_at_once_and_one_in_flight_ends(tmp_path, redis_url, redis_namespace,
+                                                                             essays) -> None:
+    """Nothing restarts a fleet worker: once the heartbeats (what /ready reads) show none, a query in flight
+    ends with an error event and a new one is answered 503 with Retry-After, neither after a long wait."""
+    # A prefill in many short engine steps: the plan goes out at the first, the first token after the last
+    # (chunks cached alone: a quick ingestion).
+    env = {**fleet_env(redis_url, redis_namespace), **SMALL, "KVFUSE_SERVER__PREFILL_TOKENS_PER_STEP": "32",
+           "KVFUSE_STORE__PRECOMPUTE_CONTEXT": "none"}
+    ttl = float(env["KVFUSE_FLEET__HEARTBEAT_TTL_S"])
+    a = WorkerProcess("a", tmp_path, **env).start()
+    api = None
+    try:
+        api = start_api(tmp_path, env)
+        wait_workers(api.url, {"a"}, workers=[a])
+        name, text = max(essays, key=lambda e: len(e[1]))
+        with make_client(api) as c:
+            ingest(c, [{"id": "long", "text": text[:5000]}])  # a prefill long enough to kill the worker in it
+            body = {"query": "Summarise the document.", "document_ids": ["long"], "max_tokens": 300,
+                    "fusion": {"method": "vanilla"}, "stream": True}
+            with c.stream("POST", "/v1/query", json=body) as resp:
+                assert resp.status_code == 200
+                events, killed = [], None
+                for event, data in sse_events(resp):
+                    events.append((event, data))
+                    if event == "sources":  # the worker has admitted the query and is in its prefill
+                        a.kill()
+                        killed = time.monotonic()
+            ended = time.monotonic() - killed
+            assert [e for e, _ in events] == ["sources", "error", None], events  # no token went out
+            err = json.loads(events[1][1])
+            assert err["status"] == 503 and err["error"]["code"] == "no_live_worker", err
+            assert "the worker a serving this request died: no live worker in the fleet" in err["error"]["message"]
+            assert ended < ttl + 5, ended  # the heartbeat's TTL and a poll, not a timeout of its own
+            assert live_workers(api.url) == {}
+
+            t0 = time.monotonic()
+            resp = c.post("/v1/query", json={**body, "stream": False})
+            assert time.monotonic() - t0 < 5
+            assert resp.status_code == 503 and int(resp.headers["Retry-After"]) >= 1, resp.text
+            err = resp.json()["error"]
+            assert err["code"] == "no_live_worker" and "no live worker in the fleet" in err["message"], err
+            assert "restarted" not in err["message"]
+            with c.stream("POST", "/v1/query", json=body) as streamed:  # refused before any event
+                assert streamed.status_code == 503 and "Retry-After" in streamed.headers
+            # the query in flight and the two refused
+            assert 'kvfuse_requests_total{outcome="no_live_worker"} 3.0' in c.get("/metrics").text
+    finally:
+        if api is not None:
+            api.stop()
+        a.stop()
+
+
+def test_concurrent_queries_on_chunks_one_worker_holds_spill_to_an_idle_worker(tmp_path, redis_url, redis_namespace,
+                                                                             essays3) -> None:
+    """Every chunk computed on a, then b joins: six queries at once over them run on both (locality is
+    weighed against load; b reads the chunks from the shared tier), not all six on a while b idles."""
+    env = {**fleet_env(redis_url, redis_namespace), **SMALL, "KVFUSE_SERVER__MAX_RUNNING_REQUESTS": "16"}
+    a = WorkerProcess("a", tmp_path, **env).start()
+    b = WorkerProcess("b", tmp_path, **env)
+    api = None
+    try:
+        api = start_api(tmp_path, env)
+        wait_workers(api.url, {"a"}, workers=[a])
+        with make_client(api) as c:
+            ingest(c, [{"id": name, "text": text} for name, text in essays3.items()])
+            b.start()
+            wait_workers(api.url, {"a", "b"}, workers=[a, b])
+            docs = list(essays3)
+            results = run_concurrently(c, [{"query": q, "max_tokens": 24, "document_ids": docs} for q in QUESTIONS])
+            served = [next(d for e, d in events if e == "done")["worker"] for _, events in results]
+            assert sorted(set(served)) == ["a", "b"], served
+            _wait_for(lambda: live_workers(api.url)["b"]["kv"]["hits_shared"] >= 1, 10, "b's shared reads counted")
+            assert live_workers(api.url)["b"]["kv"]["rebuilt"] == 0
+    finally:
+        if api is not None:
+            api.stop()
+        a.stop()
+        b.stop()

@@ -515,6 +515,7 @@ def test_worker_killed_mid_stream_errors_cleanly_and_the_next_request_succeeds(h
     assert rest[-2][0] == "error", rest[-3:]
     err = json.loads(rest[-2][1])
     assert err["status"] == 503 and err["error"]["code"] == "worker_crashed"
+    assert "it is being restarted" in err["error"]["message"]  # a local worker is (a fleet's is not)
     holder.server.wait_ready(timeout=240)
     after = client.get("/health").json()["worker"]
     assert after["pid"] != before["pid"] and after["restarts"] == before["restarts"] + 1
