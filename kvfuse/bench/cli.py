@@ -43,11 +43,12 @@ def _fidelity(args: argparse.Namespace) -> int:
     if args.url:
         from transformers import AutoTokenizer
 
+        from kvfuse.bench.http_backend import HttpBackend
         from kvfuse.model_files import resolve_llm
 
         tok = AutoTokenizer.from_pretrained(resolve_llm(settings.model.llm, settings.models_dir))
-        backend = fidelity.HttpBackend(args.url, max_tokens=args.max_tokens, api_key=args.api_key,
-                                       tokenizer=tok, timeout_s=settings.server.request_timeout_s)
+        backend = HttpBackend(args.url, max_tokens=args.max_tokens, api_key=args.api_key, tokenizer=tok,
+                              timeout_s=settings.server.request_timeout_s)
     else:
         ref_dir = None if args.no_reference_cache else (args.reference_dir or settings.bench.reference_dir)
         backend = fidelity.EngineBackend(settings, max_tokens=args.max_tokens, reference_dir=ref_dir)
