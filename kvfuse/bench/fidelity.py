@@ -140,7 +140,8 @@ class EngineBackend:
 
     def contexts(self, ex: Example, prefix_ids: list[int], chunk_ids: list[list[int]]) -> list[list[int]]:
         """Each chunk's precompute context in this run's mode. The example's chunks stand for a document
-        (in their order) and for the index (neighbours are found among them)."""
+        (in their order); neighbours are found among them, or in the example's corpus when it has one
+        (the multi-document layout, kvfuse.bench.multidoc)."""
         from kvfuse.fusion import chunk_context
 
         mode, budget = self.context_mode, self.context_tokens
@@ -153,15 +154,15 @@ class EngineBackend:
             t = time.perf_counter()
             vectors = embedder.embed(list(ex.chunks))
             self.ingest["embed_s"] += time.perf_counter() - t
+            if ex.corpus is not None:
+                return ex.corpus.neighbour_contexts(ex.sources, chunk_ids, vectors, embedder.embed,
+                                                    self.engine.tokenize, self.neighbours, budget)
             return chunk_context.neighbour_contexts(chunk_ids, vectors, self.neighbours, budget)
         return [[] for _ in chunk_ids]
 
     def embedder(self) -> Any:
         if self._embedder is None:
-            from kvfuse.model_files import resolve_embedder
-            from kvfuse.retriever import Embedder
-
-            self._embedder = Embedder(resolve_embedder(self.settings.model.embedder), device="cpu")
+            self._embedder = load_embedder(self.settings)
         return self._embedder
 
     def _outcome(self, ex: Example, method: str, ratio: float | None, text: str, ttft_s: float,
@@ -246,6 +247,14 @@ class EngineBackend:
 
     def finish(self, ex: Example, prepared: Any) -> None:
         return None
+
+
+def load_embedder(settings: Any) -> Any:
+    """The embedder the service retrieves with (`model.embedder`), on the CPU as the API runs it."""
+    from kvfuse.model_files import resolve_embedder
+    from kvfuse.retriever import Embedder
+
+    return Embedder(resolve_embedder(settings.model.embedder), device="cpu")
 
 
 def loaded_share_and_cache(method: str, stats: dict) -> tuple[float, int]:

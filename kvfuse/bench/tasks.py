@@ -16,7 +16,7 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvfuse.bench.data import load_essays, load_musique
 
@@ -80,6 +80,10 @@ class Example:
     # chunk index of each inserted fact, in insertion order (synthetic tasks; empty for MuSiQue)
     fact_chunks: list[int] = field(default_factory=list)
     facts: list[str] = field(default_factory=list)
+    # multi-document layout (kvfuse.bench.multidoc): the corpus passage each chunk was made from, and that
+    # corpus (where `neighbours` contexts are found); empty / None for the single haystack and MuSiQue
+    sources: list[int] = field(default_factory=list)
+    corpus: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
