@@ -1,6 +1,6 @@
 """Why fused answers fail when the answer's document comes first: missed selection, or stale surroundings?
 
-    python studies/multidoc_selection.py SEED N POSITIONS [TASK] [MODE]
+    python studies/multidoc_selection.py SEED N POSITIONS [TASK] [MODE] [VARIANTS]
 
 Multi-document examples (kvfuse.bench.multidoc, 8 x 512 tokens, the shuffled draw) with the asked fact's
 document moved to each of POSITIONS; chunks cached in MODE (default none), r = 0.15. Besides vanilla,
@@ -11,7 +11,9 @@ anchor and prophetkv it runs two oracles that know where the answer is:
 For each run: score, answer KL to vanilla, and the share of the fact's tokens the selection recomputed.
 If anchor misses the fact's tokens and anchor_fact answers as vanilla, the selection is what fails; if
 anchor_fact fails too and answer_doc does not, the fact needs its document around it fresh; if both fail,
-the other (stale) documents are what pulls the answer away. Writes bench-results/multidoc-selection-*.json.
+the other (stale) documents are what pulls the answer away. VARIANTS (comma list, default the four
+above) may set fusion options on a method: `anchor:anchor_tokens=32`. Writes
+bench-results/multidoc-selection-*.json.
 Why: docs/results/fidelity-multidoc/README.md.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -68,6 +71,7 @@ def main(argv: list[str]) -> int:
     seed, n, positions = int(argv[0]), int(argv[1]), [int(p) for p in argv[2].split(",")]
     task = argv[3] if len(argv) > 3 else "needle"
     mode = argv[4] if len(argv) > 4 else "none"
+    variants = (argv[5] if len(argv) > 5 else "anchor,prophetkv,anchor_fact,answer_doc").split(",")
     settings = get_settings()
     be = EngineBackend(settings, max_tokens=None, reference_dir=settings.bench.reference_dir)
     be.context_mode = mode
@@ -75,7 +79,8 @@ def main(argv: list[str]) -> int:
     cfg = tasks.TaskConfig(n=n, docs=8, doc_tokens=512, seed=seed)
     outs: list[Outcome] = []
     recall: dict[tuple[str, str], list[float]] = {}
-    out_json = Path(f"bench-results/multidoc-selection-{task}-seed{seed}-{mode}.json")
+    tag = "" if len(argv) <= 5 else f"-{zlib.crc32(argv[5].encode()):08x}"
+    out_json = Path(f"bench-results/multidoc-selection-{task}-seed{seed}-{mode}{tag}.json")
     for ex in multidoc.build_examples(task, corpus, cfg, "shuffled"):
         prefix, chunks, question_ids = be.prepare(ex)
         for pos in positions:
@@ -90,8 +95,11 @@ def main(argv: list[str]) -> int:
             van = be.run(placed, prepared, "vanilla", 1.0)
             ref, van.reference = van.reference, None
             outs.append(van)
-            for m in ("anchor", "prophetkv", "anchor_fact", "answer_doc"):
-                opts = be.options(m, RATIO)
+            for m in variants:
+                method, _, sets = m.partition(":")
+                opts = be.options(method, RATIO)
+                if sets:
+                    opts = dataclasses.replace(opts, **{k: int(v) for k, v in (x.split("=") for x in sets.split(";"))})
                 budget = be.max_tokens or placed.max_tokens
                 text, _, _, ttft, fused = be.greedy(prefix, prepared[1], question_ids, opts, budget)
                 logits = agreement.teacher_forced_logits(be.engine, fused, ref.tokens)
