@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvfuse.bench.args import csv_list
@@ -29,26 +30,30 @@ def _fidelity(args: argparse.Namespace) -> int:
         store = settings.store.model_copy(update={"precompute_context": args.precompute_context})
         settings = settings.model_copy(update={"store": store})
     data_dir = resolve_data_dir(args.data_dir)
-    task_names = _flat(args.task) or list(tasks.TASKS)
-    unknown = [t for t in task_names if t not in tasks.TASKS]
-    if unknown:
-        print(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(tasks.TASKS)}", file=sys.stderr)
+    try:
+        layout_tasks = _fidelity_tasks(args)
+    except ValueError as err:
+        print(err, file=sys.stderr)
         return 2
+    task_names = sorted({t for names in layout_tasks.values() for t in names}, key=tasks.TASKS.index)
     if args.url:
         from transformers import AutoTokenizer
 
+        from kvfuse.bench.http_backend import HttpBackend
         from kvfuse.model_files import resolve_llm
 
         tok = AutoTokenizer.from_pretrained(resolve_llm(settings.model.llm, settings.models_dir))
-        backend = fidelity.HttpBackend(args.url, max_tokens=args.max_tokens, api_key=args.api_key,
-                                       tokenizer=tok, timeout_s=settings.server.request_timeout_s)
+        backend = HttpBackend(args.url, max_tokens=args.max_tokens, api_key=args.api_key, tokenizer=tok,
+                              timeout_s=settings.server.request_timeout_s)
     else:
         ref_dir = None if args.no_reference_cache else (args.reference_dir or settings.bench.reference_dir)
         backend = fidelity.EngineBackend(settings, max_tokens=args.max_tokens, reference_dir=ref_dir)
     methods = args.methods or backend.methods()
     plan = fidelity.method_plan(methods, args.ratios)
     cfg = tasks.TaskConfig(n=args.n, docs=args.docs, doc_tokens=args.doc_tokens, seed=args.seed)
-    params = {"tasks": task_names, "n": args.n, "docs": args.docs, "doc_tokens": args.doc_tokens,
+    params = {"tasks": task_names, "layouts": layout_tasks,
+              "doc_orders": args.doc_order if "multidoc" in layout_tasks else None,
+              "n": args.n, "docs": args.docs, "doc_tokens": args.doc_tokens,
               "methods": methods, "ratios": args.ratios, "seed": args.seed, "max_tokens": args.max_tokens,
               "url": args.url, "model": settings.model.llm, "fusion": settings.fusion.model_dump(),
               "precompute_context": {k: v for k, v in settings.store.model_dump().items()
@@ -67,11 +72,8 @@ def _fidelity(args: argparse.Namespace) -> int:
         report.write_result(payload, json_path)
         return rows
 
-    hay = None
-    for task in task_names:
-        if task != "musique" and hay is None:
-            hay = tasks.Haystack(backend.tokenizer, data_dir)
-        examples = tasks.build_examples(task, backend.tokenizer, data_dir, cfg, hay)
+    for task, examples in _fidelity_examples(layout_tasks, args.doc_order, backend, settings, data_dir,
+                                             cfg):
         print(f"{task}: {len(examples)} examples × {len(plan)} method/ratio runs", file=sys.stderr)
         # checkpoint after every example: a long run interrupted still leaves its results
         done += fidelity.run_examples(backend, examples, plan,
@@ -83,6 +85,49 @@ def _fidelity(args: argparse.Namespace) -> int:
     print(report.markdown_table(rows, report.FIDELITY_TABLE))
     print(f"\nwrote {args.json}, {md}, {png}", file=sys.stderr)
     return 0
+
+
+def _fidelity_tasks(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The tasks of each requested layout; ValueError naming what is unknown or unsupported."""
+    from kvfuse.bench import multidoc, tasks
+
+    layouts = args.layout or ["haystack"]
+    unknown = [x for x in layouts if x not in multidoc.LAYOUTS]
+    unknown += [x for x in args.doc_order if x not in multidoc.ORDERS]
+    asked = _flat(args.task)
+    unknown += [t for t in asked if t not in tasks.TASKS]
+    if unknown:
+        raise ValueError(f"unknown {', '.join(unknown)}: tasks are {', '.join(tasks.TASKS)}, layouts "
+                         f"{', '.join(multidoc.LAYOUTS)}, document orders {', '.join(multidoc.ORDERS)}")
+    out = {"haystack": asked or list(tasks.TASKS)} if "haystack" in layouts else {}
+    if "multidoc" in layouts:
+        bad = [t for t in asked if t not in multidoc.TASKS]
+        if bad:
+            raise ValueError(f"the multidoc layout has the tasks {', '.join(multidoc.TASKS)}, not {', '.join(bad)}")
+        out["multidoc"] = asked or list(multidoc.TASKS)
+    return out
+
+
+def _fidelity_examples(layouts: dict[str, list[str]], orders: list[str], backend: object, settings: object,
+                       data_dir: Path, cfg: object) -> Iterator[tuple[str, list]]:
+    """(task label, examples) of every layout, order and task, built as they are reached."""
+    from kvfuse.bench import fidelity, multidoc, tasks
+
+    hay = None
+    for task in layouts.get("haystack", []):
+        if task != "musique" and hay is None:
+            hay = tasks.Haystack(backend.tokenizer, data_dir)
+        yield task, tasks.build_examples(task, backend.tokenizer, data_dir, cfg, hay)
+    if "multidoc" not in layouts:
+        return
+    corpus = multidoc.Corpus(backend.tokenizer, data_dir, cfg.doc_tokens)
+    embedder = None
+    for order in orders:
+        if order == "retrieval" and embedder is None:
+            embedder = backend.embedder() if hasattr(backend, "embedder") else fidelity.load_embedder(settings)
+        for task in layouts["multidoc"]:
+            examples = multidoc.build_examples(task, corpus, cfg, order, embedder.embed if embedder else None)
+            yield multidoc.label(task, order), examples
 
 
 def _reference_counts(backend: object) -> dict | None:
@@ -192,6 +237,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="where vanilla's outputs are kept and reused between runs (default: bench.reference_dir)")
     fid.add_argument("--precompute-context", choices=("none", "document", "neighbours", "prefix"), default=None,
                      help="what each chunk's KV is computed after (default: store.precompute_context)")
+    fid.add_argument("--layout", type=csv_list(str), default=None,
+                     help="haystack (one text's consecutive chunks, in order), multidoc (short documents of "
+                          "one chunk each, distinct essays; tasks needle, multikey, multivalue; rows named "
+                          "TASK-docs), or both (default haystack)")
+    fid.add_argument("--doc-order", type=csv_list(str), default=["retrieval"],
+                     help="multidoc: retrieval (by the embedder's similarity to the question, highest first, "
+                          "as the service fuses its hits) and/or shuffled (default retrieval)")
     fid.add_argument("--no-reference-cache", action="store_true", help="compute vanilla every run, keep nothing")
     _add_common(fid, max_tokens=None)
     fid.set_defaults(func=_fidelity, parser=fid)

@@ -4,8 +4,8 @@ In-process (the default), the engine is loaded once, each example's prefix and c
 once and that KV is reused by every method. Each method is compared with vanilla on the same example: by
 the first-token KL, the answer KL over vanilla's whole answer (teacher-forced, kvfuse.bench.agreement) and
 answer agreement (the same normalised answer). Vanilla's outputs are kept on disk
-(kvfuse.bench.reference) and reused by later runs over the same examples. With `--url` the same examples go through a live server's REST API instead
-(documents ingested, then queried with explicit `document_ids` and `fusion`); no KL there.
+(kvfuse.bench.reference) and reused by later runs over the same examples. With `--url` the same examples go
+through a live server's REST API instead (kvfuse.bench.http_backend); no KL there.
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ class EngineBackend:
 
     def contexts(self, ex: Example, prefix_ids: list[int], chunk_ids: list[list[int]]) -> list[list[int]]:
         """Each chunk's precompute context in this run's mode. The example's chunks stand for a document
-        (in their order) and for the index (neighbours are found among them)."""
+        (in their order); neighbours are found among them, or in the example's corpus when it has one
+        (the multi-document layout, kvfuse.bench.multidoc)."""
         from kvfuse.fusion import chunk_context
 
         mode, budget = self.context_mode, self.context_tokens
@@ -153,15 +154,15 @@ class EngineBackend:
             t = time.perf_counter()
             vectors = embedder.embed(list(ex.chunks))
             self.ingest["embed_s"] += time.perf_counter() - t
+            if ex.corpus is not None:
+                return ex.corpus.neighbour_contexts(ex.sources, chunk_ids, vectors, embedder.embed,
+                                                    self.engine.tokenize, self.neighbours, budget)
             return chunk_context.neighbour_contexts(chunk_ids, vectors, self.neighbours, budget)
         return [[] for _ in chunk_ids]
 
     def embedder(self) -> Any:
         if self._embedder is None:
-            from kvfuse.model_files import resolve_embedder
-            from kvfuse.retriever import Embedder
-
-            self._embedder = Embedder(resolve_embedder(self.settings.model.embedder), device="cpu")
+            self._embedder = load_embedder(self.settings)
         return self._embedder
 
     def _outcome(self, ex: Example, method: str, ratio: float | None, text: str, ttft_s: float,
@@ -248,6 +249,14 @@ class EngineBackend:
         return None
 
 
+def load_embedder(settings: Any) -> Any:
+    """The embedder the service retrieves with (`model.embedder`), on the CPU as the API runs it."""
+    from kvfuse.model_files import resolve_embedder
+    from kvfuse.retriever import Embedder
+
+    return Embedder(resolve_embedder(settings.model.embedder), device="cpu")
+
+
 def loaded_share_and_cache(method: str, stats: dict) -> tuple[float, int]:
     """(share of the chunks' stored KV bytes the prefill read, fused cache positions) from a prefill's
     stats: a method that reports them (samkv) is taken at its word; vanilla reads no KV; every other
@@ -257,62 +266,6 @@ def loaded_share_and_cache(method: str, stats: dict) -> tuple[float, int]:
         total = stats["kv_total_bytes"]
         return (stats["kv_loaded_bytes"] / total if total else 0.0), int(cache)
     return (0.0 if method == "vanilla" else 1.0), int(cache)
-
-
-class HttpBackend:
-    """A live kvfuse server: each example's chunks are ingested as documents, queried with explicit
-    `document_ids` and `fusion`, then deleted. The API has no way to start the assistant's answer, so
-    the answer prefix is not given here: answers run longer and scores are not comparable with an
-    in-process run (they are comparable across methods of the same run)."""
-
-    def __init__(self, url: str, *, max_tokens: int | None, api_key: str | None, tokenizer: Any, timeout_s: float):
-        import httpx
-
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
-        self.max_tokens = max_tokens
-        self.tokenizer = tokenizer
-
-    def methods(self) -> list[str]:
-        # The server validates names against the same registry; a method it lacks answers 422.
-        from kvfuse.fusion import available_methods
-
-        return list(available_methods())
-
-    def _check(self, resp: Any) -> Any:
-        if resp.status_code >= 400:
-            raise RuntimeError(f"{resp.request.method} {resp.request.url} -> {resp.status_code}: {resp.text}")
-        return resp.json()
-
-    def prepare(self, ex: Example) -> list[str]:
-        ids = [f"bench-{ex.id}-{j}" for j in range(len(ex.chunks))]
-        docs = [{"id": i, "text": t, "on_conflict": "overwrite"} for i, t in zip(ids, ex.chunks, strict=True)]
-        self._check(self.client.post("/v1/documents", params={"wait": "true"}, json={"documents": docs}))
-        return ids
-
-    def run(self, ex: Example, prepared: list[str], method: str, ratio: float | None,
-            reference: Reference | None = None) -> Outcome:
-        fusion: dict[str, Any] = {"method": method}
-        if ratio is not None:
-            fusion["recompute_ratio"] = ratio
-        body = {
-            "query": ex.question, "document_ids": prepared, "stream": False,
-            "max_tokens": self.max_tokens or ex.max_tokens,
-            "temperature": 0.0, "fusion": fusion,
-        }
-        out = self._check(self.client.post("/v1/query", json=body))
-        usage = out.get("usage", {})
-        return Outcome(
-            task=ex.task, example_id=ex.id, method=method, ratio=ratio, prediction=out["answer"].strip(),
-            score=score_answer(ex.metric, out["answer"], ex.answers),
-            ttft_s=float(out["timings"]["ttft_ms"]) / 1000.0,
-            context_tokens=int(usage["context_tokens"]),
-            recomputed_tokens=usage.get("recomputed_tokens"),
-        )
-
-    def finish(self, ex: Example, prepared: list[str]) -> None:
-        for doc_id in prepared:
-            self.client.delete(f"/v1/documents/{doc_id}")
 
 
 def run_examples(

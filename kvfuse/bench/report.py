@@ -305,6 +305,9 @@ How these numbers are made (`kvfuse/bench/`):
   tokens (one cached chunk each), the facts hidden at random sentence boundaries; the model gets RULER's
   answer prefix after the assistant header. `musique` is real multi-hop QA (the CacheBlend sample of
   MuSiQue): its 10 passages are the chunks (cut to `doc_tokens`), with LongBench's instruction.
+  `--layout multidoc` puts the needle, multikey and multivalue facts in `docs` short documents instead
+  (rows `TASK-docs`, `TASK-docs-shuffled`): passages of distinct essays, one chunk each, each fact in its
+  own document, fused in the embedder's order of similarity to the question (kvfuse/bench/multidoc.py).
 - **Scores.** Exact match of the value (whole word, case-insensitive) for needle/multikey; share of the
   values (variables) found for multivalue/vartrack; LongBench token F1 against the best reference for
   musique. Greedy decoding.

@@ -16,7 +16,7 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvfuse.bench.data import load_essays, load_musique
 
@@ -80,6 +80,10 @@ class Example:
     # chunk index of each inserted fact, in insertion order (synthetic tasks; empty for MuSiQue)
     fact_chunks: list[int] = field(default_factory=list)
     facts: list[str] = field(default_factory=list)
+    # multi-document layout (kvfuse.bench.multidoc): the corpus passage each chunk was made from, and that
+    # corpus (where `neighbours` contexts are found); empty / None for the single haystack and MuSiQue
+    sources: list[int] = field(default_factory=list)
+    corpus: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -90,15 +94,18 @@ class TaskConfig:
     seed: int = 0
 
 
+def split_sentences(text: str) -> list[str]:
+    """The text's sentences (whitespace collapsed), cut after . ! or ?."""
+    return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
+
+
 class Haystack:
     """The essays as sentences with token counts, tokenized once and shared by every generator."""
 
     def __init__(self, tokenizer: Tokenizer, data_dir: Path):
         self.tokenizer = tokenizer
-        text = " ".join(body for _, body in load_essays(Path(data_dir)))
-        sentences = [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
-        self.sentences = sentences
-        self.counts = [len(tokenizer.encode(" " + s, add_special_tokens=False)) for s in sentences]
+        self.sentences = split_sentences(" ".join(body for _, body in load_essays(Path(data_dir))))
+        self.counts = [self.count(s) for s in self.sentences]
 
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(" " + text, add_special_tokens=False))
@@ -170,42 +177,55 @@ def _hide(
     return [" ".join(s) for s in chunks], where
 
 
-def needle(hay: Haystack, cfg: TaskConfig, i: int) -> Example:
-    rng = random.Random(f"needle/{cfg.seed}/{i}")
+@dataclass(frozen=True)
+class Facts:
+    """What a synthetic task hides and asks, before it is placed in any text (shared by the single-haystack
+    layout here and the multi-document one, kvfuse.bench.multidoc)."""
+
+    facts: list[str]
+    question: str
+    answers: list[str]
+    answer_prefix: str
+    ordered: bool = False  # facts keep their order through the chunks (a variable is assigned before it is read)
+
+
+def needle_facts(rng: random.Random) -> Facts:
     key, value = _keys(rng, 1)[0], _values(rng, 1, VALUE_DIGITS)[0]
-    fact = NEEDLE.format(key=key, value=value)
-    chunks, where = _hide(hay, rng, cfg, [fact])
-    return Example("needle", f"needle-{cfg.seed}-{i}", chunks, NEEDLE_QUESTION.format(key=key), [value],
-                   "match", ANSWER_TOKENS["needle"], NEEDLE_PREFIX.format(key=key), where, [fact])
+    return Facts([NEEDLE.format(key=key, value=value)], NEEDLE_QUESTION.format(key=key), [value],
+                 NEEDLE_PREFIX.format(key=key))
 
 
-def multikey(hay: Haystack, cfg: TaskConfig, i: int) -> Example:
-    rng = random.Random(f"multikey/{cfg.seed}/{i}")
+def multikey_facts(rng: random.Random) -> Facts:
     keys, values = _keys(rng, MULTIKEY_NEEDLES), _values(rng, MULTIKEY_NEEDLES, VALUE_DIGITS)
     facts = [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values, strict=True)]
-    chunks, where = _hide(hay, rng, cfg, facts)
-    return Example("multikey", f"multikey-{cfg.seed}-{i}", chunks, NEEDLE_QUESTION.format(key=keys[0]),
-                   [values[0]], "match", ANSWER_TOKENS["multikey"], NEEDLE_PREFIX.format(key=keys[0]), where, facts)
+    return Facts(facts, NEEDLE_QUESTION.format(key=keys[0]), [values[0]], NEEDLE_PREFIX.format(key=keys[0]))
 
 
-def multivalue(hay: Haystack, cfg: TaskConfig, i: int) -> Example:
-    rng = random.Random(f"multivalue/{cfg.seed}/{i}")
+def multivalue_facts(rng: random.Random) -> Facts:
     key, values = _keys(rng, 1)[0], _values(rng, MULTIVALUE_VALUES, VALUE_DIGITS)
-    facts = [MULTIVALUE_NEEDLE.format(key=key, value=v) for v in values]
-    chunks, where = _hide(hay, rng, cfg, facts)
-    return Example("multivalue", f"multivalue-{cfg.seed}-{i}", chunks, MULTIVALUE_QUESTION.format(key=key),
-                   values, "match", ANSWER_TOKENS["multivalue"], MULTIVALUE_PREFIX.format(key=key), where, facts)
+    return Facts([MULTIVALUE_NEEDLE.format(key=key, value=v) for v in values],
+                 MULTIVALUE_QUESTION.format(key=key), values, MULTIVALUE_PREFIX.format(key=key))
 
 
-def vartrack(hay: Haystack, cfg: TaskConfig, i: int) -> Example:
-    rng = random.Random(f"vartrack/{cfg.seed}/{i}")
+def vartrack_facts(rng: random.Random) -> Facts:
     names, value = _var_names(rng, VARTRACK_HOPS + 1), _values(rng, 1, VARTRACK_DIGITS)[0]
     facts = [VAR_FIRST.format(name=names[0], value=value)]
     facts += [VAR_LINK.format(name=b, prev=a) for a, b in zip(names, names[1:], strict=False)]
-    chunks, where = _hide(hay, rng, cfg, facts, ordered=True)
-    return Example("vartrack", f"vartrack-{cfg.seed}-{i}", chunks, VARTRACK_QUESTION.format(value=value),
-                   names, "match", ANSWER_TOKENS["vartrack"],
-                   VARTRACK_PREFIX.format(k=len(names), value=value), where, facts)
+    return Facts(facts, VARTRACK_QUESTION.format(value=value), names,
+                 VARTRACK_PREFIX.format(k=len(names), value=value), ordered=True)
+
+
+FACTS = {"needle": needle_facts, "multikey": multikey_facts, "multivalue": multivalue_facts,
+         "vartrack": vartrack_facts}
+
+
+def synthetic(task: str, hay: Haystack, cfg: TaskConfig, i: int) -> Example:
+    """Example i of a synthetic task: its facts spread over `cfg.docs` consecutive haystack chunks."""
+    rng = random.Random(f"{task}/{cfg.seed}/{i}")
+    f = FACTS[task](rng)
+    chunks, where = _hide(hay, rng, cfg, f.facts, ordered=f.ordered)
+    return Example(task, f"{task}-{cfg.seed}-{i}", chunks, f.question, f.answers, "match", ANSWER_TOKENS[task],
+                   f.answer_prefix, where, f.facts)
 
 
 def musique(tokenizer: Tokenizer, data_dir: Path, cfg: TaskConfig, i: int) -> Example:
@@ -228,8 +248,7 @@ def build_examples(task: str, tokenizer: Tokenizer, data_dir: Path, cfg: TaskCon
                    haystack: Haystack | None = None) -> list[Example]:
     if task == "musique":
         return [musique(tokenizer, data_dir, cfg, i) for i in range(cfg.n)]
-    gen = {"needle": needle, "multikey": multikey, "multivalue": multivalue, "vartrack": vartrack}.get(task)
-    if gen is None:
+    if task not in FACTS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     hay = haystack or Haystack(tokenizer, data_dir)
-    return [gen(hay, cfg, i) for i in range(cfg.n)]
+    return [synthetic(task, hay, cfg, i) for i in range(cfg.n)]

@@ -52,3 +52,29 @@ def test_command_line_spells_out_every_effective_option(monkeypatch: pytest.Monk
 def test_machine_info_names_cpu_cores_and_torch():
     info = machine_info()
     assert info["cpu_model"] and info["cpu_cores"] >= 1 and info["torch"]
+
+
+def test_fidelity_layouts_and_their_tasks():
+    parse = _parser().parse_args
+    args = parse(["bench", "fidelity", "--layout", "haystack,multidoc", "--doc-order", "retrieval,shuffled"])
+    assert args.layout == ["haystack", "multidoc"] and args.doc_order == ["retrieval", "shuffled"]
+    # no --task: every task the layout has
+    assert bench_cli._fidelity_tasks(args) == {"haystack": ["needle", "multikey", "multivalue", "vartrack",
+                                                            "musique"],
+                                               "multidoc": ["needle", "multikey", "multivalue"]}
+    args = parse(["bench", "fidelity", "--task", "needle"])
+    assert args.doc_order == ["retrieval"] and bench_cli._fidelity_tasks(args) == {"haystack": ["needle"]}
+    args = parse(["bench", "fidelity", "--layout", "multidoc", "--task", "multikey"])
+    assert bench_cli._fidelity_tasks(args) == {"multidoc": ["multikey"]}
+    for bad, says in ((["--layout", "multidoc", "--task", "vartrack"], "multidoc layout has the tasks"),
+                      (["--layout", "pile"], "unknown pile"), (["--doc-order", "best"], "unknown best")):
+        with pytest.raises(ValueError, match=says):
+            bench_cli._fidelity_tasks(parse(["bench", "fidelity", *bad]))
+
+
+def test_an_unsupported_layout_task_exits_2_before_any_model_loads(capsys, shared_data):
+    from kvfuse.cli import main
+
+    assert main(["bench", "fidelity", "--layout", "multidoc", "--task", "musique", "--data-dir",
+                 str(shared_data)]) == 2
+    assert "musique" in capsys.readouterr().err

@@ -1,0 +1,141 @@
+"""The multi-document layout: short documents of distinct essays, each fact in its own document, the
+retrieval order by the embedder, and `neighbours` contexts found in the corpus, never the document's own
+passage."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvfuse.bench import multidoc, tasks
+
+CFG = tasks.TaskConfig(n=3, docs=6, doc_tokens=200, seed=7)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_llm_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_llm_path)
+
+
+@pytest.fixture(scope="module")
+def corpus(tokenizer, shared_data: Path) -> multidoc.Corpus:
+    return multidoc.Corpus(tokenizer, shared_data, CFG.doc_tokens)
+
+
+@pytest.fixture(scope="module")
+def embedder(default_embedder_path: str):
+    from kvfuse.retriever import Embedder
+
+    return Embedder(default_embedder_path)
+
+
+def _tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_corpus_cuts_each_essay_into_passages_within_the_budget(corpus, essays):
+    assert len(corpus) > 300 and len(corpus.drawable) >= 40
+    for (name, body) in essays:
+        mine = [p for p, e in enumerate(corpus.essays) if e == name]
+        joined = [s for p in mine for s in corpus.sentences[p]]
+        kept = [s for s in tasks.split_sentences(body) if corpus.count(s) <= CFG.doc_tokens]
+        assert joined == kept  # consecutive, nothing lost but sentences longer than a passage
+        assert all(sum(corpus.counts[p]) <= CFG.doc_tokens for p in mine)
+    for essay, passages in corpus.drawable.items():
+        assert all(corpus.essays[p] == essay and sum(corpus.counts[p]) >= multidoc.MIN_FILL * CFG.doc_tokens
+                   for p in passages)
+
+
+@pytest.mark.parametrize("task", multidoc.TASKS)
+def test_each_document_is_one_essays_passage_and_each_fact_sits_in_its_own_document(task, corpus, tokenizer):
+    for ex in multidoc.build_examples(task, corpus, CFG, "shuffled"):
+        assert ex.task == f"{task}-docs-shuffled" and len(ex.chunks) == len(ex.sources) == CFG.docs
+        assert len({corpus.essays[p] for p in ex.sources}) == CFG.docs  # distinct essays
+        assert len(set(ex.fact_chunks)) == len(ex.facts)  # one fact per document
+        for fact, where in zip(ex.facts, ex.fact_chunks, strict=True):
+            assert [d for d, c in enumerate(ex.chunks) if fact in c] == [where]
+        for doc, p in zip(ex.chunks, ex.sources, strict=True):
+            plain = doc
+            for fact in ex.facts:
+                plain = plain.replace(" " + fact, "").replace(fact + " ", "").replace(fact, "")
+            assert corpus.texts[p].startswith(plain)  # the passage, its tail dropped for the facts' room
+            assert len(_tokens(tokenizer, doc)) <= CFG.doc_tokens + 8
+            assert len(_tokens(tokenizer, doc)) >= 0.5 * CFG.doc_tokens
+        text = " ".join(ex.chunks)
+        if task == "multivalue":
+            key = re.search(r"numbers for ([\w-]+) mentioned", ex.question).group(1)
+            found = re.findall(rf"magic numbers for {re.escape(key)} is: (\d+)\.", text)
+            assert sorted(found) == sorted(ex.answers)
+        else:
+            key = re.search(r"for ([\w-]+) mentioned", ex.question).group(1)
+            pairs = dict(re.findall(r"The special magic number for ([\w-]+) is: (\d+)\.", text))
+            assert ex.answers == [pairs[key]] and key in ex.answer_prefix
+            assert len(pairs) == (tasks.MULTIKEY_NEEDLES if task == "multikey" else 1)
+
+
+def test_retrieval_order_puts_the_documents_by_cosine_with_the_question(corpus, embedder):
+    cfg = tasks.TaskConfig(n=2, docs=5, doc_tokens=200, seed=3)
+    shuffled = multidoc.build_examples("multikey", corpus, cfg, "shuffled")
+    ranked = multidoc.build_examples("multikey", corpus, cfg, "retrieval", embedder.embed)
+    for a, b in zip(shuffled, ranked, strict=True):
+        assert b.task == "multikey-docs" and b.id.startswith("multikey-docs-3-")
+        assert sorted(b.sources) == sorted(a.sources) and b.facts == a.facts  # the same draw, reordered
+        for doc, p in zip(b.chunks, b.sources, strict=True):
+            assert doc == a.chunks[a.sources.index(p)]
+        for fact, where in zip(b.facts, b.fact_chunks, strict=True):
+            assert fact in b.chunks[where]
+        vecs = embedder.embed([b.question, *b.chunks])
+        sims = vecs[1:] @ vecs[0]
+        assert all(x >= y - 1e-6 for x, y in zip(sims, sims[1:], strict=False))
+
+
+def test_retrieval_order_ties_go_to_the_earlier_document():
+    q = np.array([1.0, 0.0], dtype=np.float32)
+    docs = np.array([[0.0, 1.0], [1.0, 0.0], [0.6, 0.8], [1.0, 0.0]], dtype=np.float32)
+    assert multidoc.retrieval_order(q, docs) == [1, 3, 2, 0]
+
+
+def test_examples_are_seeded_and_the_order_does_not_change_the_draw(corpus):
+    a = multidoc.build_examples("needle", corpus, CFG, "shuffled")
+    b = multidoc.build_examples("needle", corpus, CFG, "shuffled")
+    c = multidoc.build_examples("needle", corpus, tasks.TaskConfig(n=3, docs=6, doc_tokens=200, seed=8), "shuffled")
+    assert [e.chunks for e in a] == [e.chunks for e in b]
+    assert [e.answers for e in a] != [e.answers for e in c]
+    with pytest.raises(ValueError, match="vartrack"):
+        multidoc.draw("vartrack", corpus, CFG, 0, "shuffled")
+    with pytest.raises(ValueError, match="embedder"):
+        multidoc.build_examples("needle", corpus, CFG, "retrieval")
+
+
+def test_neighbour_contexts_come_from_the_corpus_and_never_from_the_documents_own_passage(
+        tmp_path: Path, essays, tokenizer, embedder):
+    # a small corpus (ten essay openings) keeps the embedding of every passage quick
+    folder = tmp_path / "paul_graham_essays"
+    folder.mkdir()
+    for name, body in essays[:10]:
+        (folder / f"{name}.txt").write_text(body[:2500], encoding="utf-8")
+    small = multidoc.Corpus(tokenizer, tmp_path, 120)
+    cfg = tasks.TaskConfig(n=1, docs=4, doc_tokens=120, seed=1)
+    ex = multidoc.build_examples("multikey", small, cfg, "shuffled")[0]
+    ids = [_tokens(tokenizer, c) for c in ex.chunks]
+    vecs = embedder.embed(ex.chunks)
+    contexts = small.neighbour_contexts(ex.sources, ids, vecs, embedder.embed, lambda t: _tokens(tokenizer, t),
+                                        2, 1024)
+    pool = small.vectors(embedder.embed)
+    for i, ctx in enumerate(contexts):
+        # the two most similar candidates: the example's other documents and the passages it did not use
+        cands = [(float(vecs[i] @ vecs[j]), ids[j]) for j in range(len(ids)) if j != i]
+        cands += [(float(vecs[i] @ pool[p]), small.token_ids(p, lambda t: _tokens(tokenizer, t)))
+                  for p in range(len(small)) if p not in ex.sources]
+        best = sorted(cands, key=lambda c: -c[0])[:2]
+        assert ctx == best[1][1] + best[0][1]  # least similar first: the closest sits next to the chunk
+        own = small.token_ids(ex.sources[i], lambda t: _tokens(tokenizer, t))
+        assert not any(ctx[k:k + len(own)] == own for k in range(len(ctx) - len(own) + 1))
+    # a budget cuts the joined context to its last tokens
+    short = small.neighbour_contexts(ex.sources, ids, vecs, embedder.embed, lambda t: _tokens(tokenizer, t), 2, 50)
+    assert short == [c[-50:] for c in contexts]
