@@ -35,6 +35,8 @@ SERVER_ENV = {
     "KVFUSE_SERVER__MAX_DOCUMENT_CHARS": "100000",
     "KVFUSE_SERVER__MAX_BATCH_DOCUMENTS": "8",
     "KVFUSE_SERVER__REQUEST_TIMEOUT_S": "240",
+    # One try: a worker crash fails the ingestion at once (its retries: test_ingest_retry.py).
+    "KVFUSE_SERVER__INGEST_RETRY_ATTEMPTS": "1",
 }
 QUESTION = "What did the palliative care nurse Bronnie Ware make a list of?"  # answered by "todo"
 # Prompts that make the model talk for a long time, so a test can act while it generates.

@@ -60,6 +60,12 @@ def _submit(c: httpx.Client, doc_id: str, text: str) -> str:
     return resp.json()["job_id"]
 
 
+def _job_when(c: httpx.Client, job_id: str, predicate) -> dict | None:
+    """The job's JSON if `predicate` holds for it now, else None (for `until`)."""
+    job = c.get(f"/v1/jobs/{job_id}").json()
+    return job if predicate(job) else None
+
+
 def _answers(c: httpx.Client, doc_id: str) -> None:
     """The document answers (retrieved by its metadata: a long one does not fit the context whole)."""
     resp = c.post("/v1/query", json={"query": "What is this about?", "filters": {"name": doc_id}, "top_k": 2,
@@ -89,8 +95,8 @@ def test_a_worker_crash_mid_ingest_is_retried_and_the_document_ends_ready(server
         wait_progress(c, job_id, 2)
         victim = worker_pid(c)
         os.kill(victim, signal.SIGKILL)
-        seen = until(lambda: (j := c.get(f"/v1/jobs/{job_id}").json())["status"] != "processing" or
-                     j.get("retries") and j, 60, "the job never said it retries")
+        seen = until(lambda: _job_when(c, job_id, lambda j: j["status"] != "processing" or j.get("retries")), 60,
+                     "the job never said it retries")
         assert seen["status"] == "processing" and seen["retries"] == {"worker_crashed": 1}, seen
         job = wait_job(c, job_id)
         assert job["status"] == "ready" and job["error"] is None and job["retries"] == {"worker_crashed": 1}, job
@@ -146,8 +152,8 @@ def test_an_index_outage_mid_ingest_waits_for_redis_and_ends_ready(tmp_path, big
             wait_progress(c, job_id, 2)
             redis_proc.kill()
             redis_proc.wait(10)
-            waiting = until(lambda: (j := c.get(f"/v1/jobs/{job_id}").json()).get("waiting_for") and j, 120,
-                            "the job never said it waits for the index")
+            waiting = until(lambda: _job_when(c, job_id, lambda j: j["status"] != "processing" or j.get("waiting_for")),
+                            120, "the job never said it waits for the index")
             assert waiting["status"] == "processing" and "document index" in waiting["waiting_for"], waiting
             for _ in range(8):  # Redis stays down a while: the job keeps waiting, it does not fail
                 job = c.get(f"/v1/jobs/{job_id}").json()
