@@ -12,7 +12,7 @@ hay = tasks.Haystack(b.tokenizer, resolve_data_dir())
 variants = {"fusion": {}, "overwrite": {"samkv_update": "overwrite"},
             "all_blocks": {"samkv_min_p": 1.0, "samkv_cross_cut": False}}
 for i in range(4):
-    ex = tasks.needle(hay, tasks.TaskConfig(n=4, docs=4, doc_tokens=512, seed=0), i)
+    ex = tasks.synthetic("needle", hay, tasks.TaskConfig(n=4, docs=4, doc_tokens=512, seed=0), i)
     prep = b.prepare(ex)
     b.ingest_artifacts("samkv", prep[1])
     for name, kw in variants.items():

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kvfuse.bench.fidelity import EngineBackend
-from kvfuse.bench.tasks import Haystack, TaskConfig, needle
+from kvfuse.bench.tasks import Haystack, TaskConfig, synthetic
 from kvfuse.config import Settings
 from kvfuse.fusion.methods import registry
 
@@ -38,7 +38,7 @@ def main() -> None:
           "| keys attended per layer and head (M) | rows per chunk (chunks cached alone marked *) |")
     print("|---|---|---|---|---|---|")
     for ctx_tokens in contexts:
-        ex = needle(hay, TaskConfig(n=1, docs=max(1, round(ctx_tokens / 512)), doc_tokens=512, seed=0), 0)
+        ex = synthetic("needle", hay, TaskConfig(n=1, docs=max(1, round(ctx_tokens / 512)), doc_tokens=512, seed=0), 0)
         prefix, chunks, question = backend.prepare(ex)
         for method in methods:
             seen.clear()

@@ -258,7 +258,7 @@ def command(args: Any) -> int:
                                doc_tokens=args.doc_tokens, seed=args.seed)
         if args.steps > 0:
             print(f"~{ctx}: decode speed", file=sys.stderr)
-            prepared = backend.prepare(tasks.needle(hay, cfg, 0))
+            prepared = backend.prepare(tasks.synthetic("needle", hay, cfg, 0))
             rows = run_speed(backend, prepared, method=args.method, ratio=args.ratio, capacities=args.capacities,
                              streams=args.streams, steps=args.steps, repeats=args.repeats)
             payload["speed_rows"] += [{"target_context_tokens": ctx, **r} for r in rows]

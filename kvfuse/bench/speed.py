@@ -25,7 +25,7 @@ from typing import Any
 
 from kvfuse.bench.fidelity import EngineBackend, loaded_share_and_cache, median, method_plan
 from kvfuse.bench.memory import PeakRSS
-from kvfuse.bench.tasks import Haystack, TaskConfig, needle
+from kvfuse.bench.tasks import Haystack, TaskConfig, synthetic
 
 SPEED_COLUMNS = (
     "method", "ratio", "context_tokens", "ttft_s_median", "ttft_vs_vanilla", "ttft_cold_s_median",
@@ -169,8 +169,8 @@ def run_speed(
     bar = tqdm(total=len(contexts) * len(plan), file=sys.stderr, unit="method", dynamic_ncols=True)
     try:
         for ctx in contexts:
-            ex = needle(hay, TaskConfig(n=1, docs=max(1, round(ctx / doc_tokens)), doc_tokens=doc_tokens,
-                                        seed=seed), 0)
+            cfg = TaskConfig(n=1, docs=max(1, round(ctx / doc_tokens)), doc_tokens=doc_tokens, seed=seed)
+            ex = synthetic("needle", hay, cfg, 0)
             prefix, chunks, question_ids = backend.prepare(ex)
             n_ctx = sum(len(c.token_ids) for c in chunks)
             with tempfile.TemporaryDirectory(prefix="kvfuse-bench-") as tmp:
