@@ -3,15 +3,16 @@
 # fleet routed before load counted) against the default score, measured with `kvfuse bench load --url`
 # in one run, on the same workers and documents. Worker a computes every chunk; before each pair of
 # measurements b joins afresh (empty data dir, no chunk held: the case where locality alone sends every
-# query to a); the two API runs of a pair differ only in the routing weight. $REPEATS pairs, alternating,
-# so that a drift of the machine's other load shows as a spread rather than as a difference.
+# query to a); the two API runs of a pair differ only in the routing weight. Pairs (labels in $PAIRS)
+# repeat the comparison, so that a drift of the machine's other load shows as a spread rather than as a
+# difference.
 # Results: docs/results/scaleout/ (load-routing-{locality,score}-<pair>.json/md/png).
 # Needs Redis at $REDIS_URL. Run from the repository root:  bash studies/scaleout/routing.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python}
 REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
-REPEATS=${REPEATS:-2}
+PAIRS=${PAIRS:-"1 2"}  # labels of the pairs to run (a later run continues the numbering)
 NS="kvfuse-routing-$$"
 TMP=$(mktemp -d /tmp/kvfuse-routing.XXXX)
 OUT=docs/results/scaleout
@@ -70,7 +71,7 @@ wait_ready "$URL" 1
 $PY -m kvfuse.cli bench load --url "$URL" "${LOAD[@]}" --concurrency 1 --rounds 1 --json "$TMP/ingest.json" >/dev/null
 DEFAULT=$($PY -c 'from kvfuse.config import FleetSettings; print(FleetSettings().route_load_weight)')
 B=
-for pair in $(seq "$REPEATS"); do
+for pair in $PAIRS; do
   echo "== pair $pair: b joins holding nothing" >&2
   if [ -n "$B" ]; then kill "$B"; wait "$B" 2>/dev/null || true; fi
   rm -rf "$TMP/worker-b"
