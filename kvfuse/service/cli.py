@@ -90,7 +90,6 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvfuse.config import get_settings
-    from kvfuse.service.app import create_app
     from kvfuse.service.auth import check_bind
 
     s = get_settings()
@@ -105,6 +104,8 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as err:  # check_bind's PermissionError is one too
         print(f"kvfuse serve: {err}", file=sys.stderr)
         return 2
+    from kvfuse.service.app import create_app  # after the checks: it imports the index libraries
+
     settings = s.model_copy(update={"server": server})
     uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=s.log_level,
                 timeout_graceful_shutdown=5)

@@ -30,7 +30,7 @@ def test_summary_counts_only_successful_requests_toward_latency_and_throughput()
 
 
 def test_summary_counts_the_answers_of_each_fleet_worker() -> None:
-    from kvfuse.bench.load import LOAD_TABLE
+    from kvfuse.bench.load_report import LOAD_TABLE
     from kvfuse.bench.report import markdown_table
 
     samples = [Sample(ok=True, worker=w) for w in ("b", "a", "b")] + [Sample(ok=False, status=503, worker="a")]
