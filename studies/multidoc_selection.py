@@ -12,7 +12,7 @@ For each run: score, answer KL to vanilla, and the share of the fact's tokens th
 If anchor misses the fact's tokens and anchor_fact answers as vanilla, the selection is what fails; if
 anchor_fact fails too and answer_doc does not, the fact needs its document around it fresh; if both fail,
 the other (stale) documents are what pulls the answer away. VARIANTS (comma list, default the four
-above) may set fusion options on a method: `anchor:anchor_tokens=32`. Writes
+above) may set fusion options on a method: `anchor:anchor_tokens=32`, `anchor:recompute_ratio=0.3`. Writes
 bench-results/multidoc-selection-*.json.
 Why: docs/results/fidelity-multidoc/README.md.
 """
@@ -61,6 +61,10 @@ class AnswerDoc(A.Anchor):
         return chosen.nonzero().view(-1)
 
 
+def _number(text: str) -> int | float:
+    return int(text) if text.isdigit() else float(text)
+
+
 def moved(ex: tasks.Example, pos: int) -> list[int]:
     answer = ex.fact_chunks[0]
     rest = [d for d in range(len(ex.chunks)) if d != answer]
@@ -99,7 +103,7 @@ def main(argv: list[str]) -> int:
                 method, _, sets = m.partition(":")
                 opts = be.options(method, RATIO)
                 if sets:
-                    opts = dataclasses.replace(opts, **{k: int(v) for k, v in (x.split("=") for x in sets.split(";"))})
+                    opts = dataclasses.replace(opts, **{k: _number(v) for k, v in (x.split("=") for x in sets.split(";"))})
                 budget = be.max_tokens or placed.max_tokens
                 text, _, _, ttft, fused = be.greedy(prefix, prepared[1], question_ids, opts, budget)
                 logits = agreement.teacher_forced_logits(be.engine, fused, ref.tokens)
