@@ -76,7 +76,7 @@ class ServerSettings(_Section):
     kv_budget_tokens: int = Field(65536, ge=1)
     prefill_tokens_per_step: int = Field(2048, ge=1)
     ingest_step_share: float = Field(0.25, gt=0.0, le=1.0)
-    # An ingestion interrupted by something that passes (kvfuse/service/ingest_retry.py) runs again: a
+    # An ingestion interrupted by something that passes (kvfuse/service/rag/ingest_retry.py) runs again: a
     # worker crash at most ingest_retry_attempts tries in all, an unreachable document index (Redis) at
     # most ingest_index_attempts; the pause before each retry doubles from backoff_s up to backoff_max_s.
     ingest_retry_attempts: int = Field(3, ge=1)
@@ -224,7 +224,7 @@ class FleetSettings(_Section):
     heartbeat_ttl_s: float = Field(5.0, gt=0)  # a worker silent this long is dead: its jobs are claimed back
     reply_ttl_s: float = Field(30.0, gt=0)  # a job's reply stream outlives its reader by this much
     shared_tier_mb: int = Field(1024, ge=0)  # cap of the shared chunk KV tier in Redis (0: no shared tier)
-    # Query routing (kvfuse/service/fleet_routing.py): a worker's score is the share of the query's chunks
+    # Query routing (kvfuse/service/dispatch/routing.py): a worker's score is the share of the query's chunks
     # it holds minus this times its jobs over its running slots; 0 = locality alone.
     route_load_weight: float = Field(8.0, ge=0)
 

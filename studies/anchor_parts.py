@@ -16,7 +16,8 @@ import dataclasses
 import torch
 from study_tools import DATA, outcome, report_outcomes, task_args
 
-from kvfuse.bench.fidelity import EngineBackend, Outcome
+from kvfuse.bench.engine_backend import EngineBackend
+from kvfuse.bench.fidelity import Outcome
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import get_settings
 from kvfuse.fusion.methods import anchor as A

@@ -7,7 +7,7 @@ chunks are precomputed twice, alone (`none`) and after MODE (`store.precompute_c
 runs on both at r = 0.15, plus `anchor-noanchors`: `anchor` with its forced chunk-start tokens off
 (`anchor_tokens` = 0), to see whether they are still needed once the chunks carry a context. Vanilla runs
 once per example (read back from `bench.reference_dir` when there). This is `kvfuse bench fidelity`'s
-in-process backend (`kvfuse.bench.fidelity.EngineBackend`), scoring and measures; it only shares the
+in-process backend (`kvfuse.bench.engine_backend.EngineBackend`), scoring and measures; it only shares the
 vanilla run and the example between the two modes, which the CLI does in two runs.
 
 STUDY_SHARD=I/K runs only the examples whose index is I modulo K, so K processes can share one
@@ -34,7 +34,8 @@ from pathlib import Path
 
 from kvfuse.bench import report, tasks
 from kvfuse.bench.data import resolve_data_dir
-from kvfuse.bench.fidelity import EngineBackend, aggregate, outcome_dicts
+from kvfuse.bench.engine_backend import EngineBackend
+from kvfuse.bench.fidelity import aggregate, outcome_dicts
 from kvfuse.config import get_settings
 
 RATIO = 0.15

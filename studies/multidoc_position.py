@@ -19,7 +19,8 @@ from pathlib import Path
 
 from kvfuse.bench import multidoc, tasks
 from kvfuse.bench.data import resolve_data_dir
-from kvfuse.bench.fidelity import EngineBackend, aggregate, outcome_dicts
+from kvfuse.bench.engine_backend import EngineBackend
+from kvfuse.bench.fidelity import aggregate, outcome_dicts
 from kvfuse.config import get_settings
 
 RATIO = 0.15

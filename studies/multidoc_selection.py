@@ -30,7 +30,8 @@ from study_tools import FACT, fact_mask
 
 from kvfuse.bench import agreement, multidoc, tasks
 from kvfuse.bench.data import resolve_data_dir
-from kvfuse.bench.fidelity import EngineBackend, Outcome, aggregate, outcome_dicts
+from kvfuse.bench.engine_backend import EngineBackend
+from kvfuse.bench.fidelity import Outcome, aggregate, outcome_dicts
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.config import get_settings
 from kvfuse.fusion.methods import anchor as A

@@ -14,7 +14,8 @@ import sys
 import torch
 from study_tools import DATA, FACT, fact_mask
 
-from kvfuse.bench.fidelity import EngineBackend, kl_divergence
+from kvfuse.bench.engine_backend import EngineBackend
+from kvfuse.bench.fidelity import kl_divergence
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import load_settings

@@ -13,7 +13,8 @@ Usage: python studies/numeric_floor.py TASKS N [SEED] [DOCS] [DOC_TOKENS] [JSON]
 import torch
 from study_tools import DATA, outcome, report_outcomes, task_args
 
-from kvfuse.bench.fidelity import EngineBackend, Outcome
+from kvfuse.bench.engine_backend import EngineBackend
+from kvfuse.bench.fidelity import Outcome
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import get_settings
 from kvfuse.fusion.cache import FusedCache

@@ -3,7 +3,7 @@ examples as docs/results/samkv/fidelity.json (needle, --docs 4 --doc-tokens 512,
 docs/results/samkv/update_ablation.txt."""
 from kvfuse.bench import tasks
 from kvfuse.bench.data import resolve_data_dir
-from kvfuse.bench.fidelity import EngineBackend
+from kvfuse.bench.engine_backend import EngineBackend
 from kvfuse.config import load_settings
 
 s = load_settings()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvfuse.bench.fidelity import EngineBackend
+from kvfuse.bench.engine_backend import EngineBackend
 from kvfuse.bench.tasks import Haystack, TaskConfig, synthetic
 from kvfuse.config import Settings
 from kvfuse.fusion.methods import registry

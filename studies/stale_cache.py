@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from kvfuse.bench.data import resolve_data_dir
-from kvfuse.bench.fidelity import EngineBackend, kl_divergence
+from kvfuse.bench.engine_backend import EngineBackend
+from kvfuse.bench.fidelity import kl_divergence
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import load_settings

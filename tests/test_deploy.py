@@ -79,7 +79,7 @@ def test_compose_and_dockerfile_commands_are_real_cli_commands(compose: dict):
 
 def test_healthcheck_path_is_a_route(compose: dict):
     from kvfuse.config import load_settings
-    from kvfuse.service.app import create_app
+    from kvfuse.service.api.app import create_app
 
     test = " ".join(compose["services"]["kvfuse"]["healthcheck"]["test"])
     path = re.search(r"http://127\.0\.0\.1:8000(/[a-z]+)", test).group(1)

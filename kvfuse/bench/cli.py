@@ -20,7 +20,7 @@ def _flat(values: list[list] | None) -> list:
 
 
 def _fidelity(args: argparse.Namespace) -> int:
-    from kvfuse.bench import fidelity, report, tasks
+    from kvfuse.bench import engine_backend, fidelity, report, tasks
     from kvfuse.bench.data import resolve_data_dir
     from kvfuse.bench.machine import command_line, load_info, machine_info
     from kvfuse.config import get_settings
@@ -47,7 +47,7 @@ def _fidelity(args: argparse.Namespace) -> int:
                               timeout_s=settings.server.request_timeout_s)
     else:
         ref_dir = None if args.no_reference_cache else (args.reference_dir or settings.bench.reference_dir)
-        backend = fidelity.EngineBackend(settings, max_tokens=args.max_tokens, reference_dir=ref_dir)
+        backend = engine_backend.EngineBackend(settings, max_tokens=args.max_tokens, reference_dir=ref_dir)
     methods = args.methods or backend.methods()
     plan = fidelity.method_plan(methods, args.ratios)
     cfg = tasks.TaskConfig(n=args.n, docs=args.docs, doc_tokens=args.doc_tokens, seed=args.seed)
@@ -111,7 +111,7 @@ def _fidelity_tasks(args: argparse.Namespace) -> dict[str, list[str]]:
 def _fidelity_examples(layouts: dict[str, list[str]], orders: list[str], backend: object, settings: object,
                        data_dir: Path, cfg: object) -> Iterator[tuple[str, list]]:
     """(task label, examples) of every layout, order and task, built as they are reached."""
-    from kvfuse.bench import fidelity, multidoc, tasks
+    from kvfuse.bench import engine_backend, multidoc, tasks
 
     hay = None
     for task in layouts.get("haystack", []):
@@ -124,7 +124,7 @@ def _fidelity_examples(layouts: dict[str, list[str]], orders: list[str], backend
     embedder = None
     for order in orders:
         if order == "retrieval" and embedder is None:
-            embedder = backend.embedder() if hasattr(backend, "embedder") else fidelity.load_embedder(settings)
+            embedder = backend.embedder() if hasattr(backend, "embedder") else engine_backend.load_embedder(settings)
         for task in layouts["multidoc"]:
             examples = multidoc.build_examples(task, corpus, cfg, order, embedder.embed if embedder else None)
             yield multidoc.label(task, order), examples
@@ -148,7 +148,7 @@ def _ingest_rate(backend: object) -> dict | None:
 def _speed(args: argparse.Namespace) -> int:
     from kvfuse.bench import report, speed, tasks
     from kvfuse.bench.data import resolve_data_dir
-    from kvfuse.bench.fidelity import EngineBackend
+    from kvfuse.bench.engine_backend import EngineBackend
     from kvfuse.bench.machine import command_line, load_info, machine_info
     from kvfuse.config import get_settings
 

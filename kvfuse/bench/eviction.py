@@ -230,7 +230,7 @@ def command(args: Any) -> int:
         return 0
     from kvfuse.bench import tasks
     from kvfuse.bench.data import resolve_data_dir
-    from kvfuse.bench.fidelity import EngineBackend
+    from kvfuse.bench.engine_backend import EngineBackend
     from kvfuse.bench.machine import command_line, load_info, machine_info
     from kvfuse.config import get_settings
 

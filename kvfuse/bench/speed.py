@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfuse.bench.fidelity import EngineBackend, loaded_share_and_cache, median, method_plan
+from kvfuse.bench.engine_backend import EngineBackend, loaded_share_and_cache
+from kvfuse.bench.fidelity import median, method_plan
 from kvfuse.bench.memory import PeakRSS
 from kvfuse.bench.tasks import Haystack, TaskConfig, synthetic
 
@@ -42,7 +43,7 @@ class Sample:
     peak_rss_mb: float
     recomputed_tokens: int
     kv_load_s: float = 0.0
-    kv_loaded_share: float = 0.0  # of the chunks' KV bytes (see fidelity.loaded_share_and_cache)
+    kv_loaded_share: float = 0.0  # of the chunks' KV bytes (see engine_backend.loaded_share_and_cache)
     kv_loaded_bytes: int | None = None  # what the prefill read from the store (cold runs of samkv)
     fused_cache_tokens: int = 0
 

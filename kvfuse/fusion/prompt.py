@@ -3,8 +3,8 @@
 The prompt is prefix + documents + question: the template rendered up to the user's content (with the
 system prompt), the chunks, then the question and the template from the end of the user turn through the
 assistant header. Tokenizer only, no model: the API process uses it too (the `prefix` precompute
-context, kvfuse/service/chunk_contexts.py; the prompt size check before retrieval,
-kvfuse/service/prompt_size.py).
+context, kvfuse/service/rag/precompute_context.py; the prompt size check before retrieval,
+kvfuse/service/rag/prompt_size.py).
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvfuse.config import get_settings
-    from kvfuse.service.auth import check_bind
+    from kvfuse.service.api.auth import check_bind
 
     s = get_settings()
     server = s.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port),
@@ -104,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as err:  # check_bind's PermissionError is one too
         print(f"kvfuse serve: {err}", file=sys.stderr)
         return 2
-    from kvfuse.service.app import create_app  # after the checks: it imports the index libraries
+    from kvfuse.service.api.app import create_app  # after the checks: it imports the index libraries
 
     settings = s.model_copy(update={"server": server})
     uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=s.log_level,
@@ -157,7 +157,7 @@ def _unreachable_is_one_line(name: str, command: Any) -> Any:
 
 def _worker(args: argparse.Namespace) -> int:
     from kvfuse.config import get_settings
-    from kvfuse.service.fleet_worker import worker_command
+    from kvfuse.service.worker.fleet_worker import worker_command
 
     s = get_settings()
     if not s.redis_url:
@@ -168,9 +168,9 @@ def _worker(args: argparse.Namespace) -> int:
 
         import redis
 
-        from kvfuse.service.fleet import FleetKeys, live_workers
+        from kvfuse.service.wire.fleet_keys import FleetKeys, read_heartbeats
 
-        beats = live_workers(redis.Redis.from_url(s.redis_url, decode_responses=True), FleetKeys(s.fleet.namespace))
+        beats = read_heartbeats(redis.Redis.from_url(s.redis_url, decode_responses=True), FleetKeys(s.fleet.namespace))
         return 0 if any(b.get("host") == socket.gethostname() for b in beats.values()) else 1
     if args.name:
         s = s.model_copy(update={"fleet": s.fleet.model_copy(update={"worker_name": args.name})})
@@ -230,7 +230,7 @@ def local_server(timeout: float) -> Iterator[str]:
     import uvicorn
 
     from kvfuse.config import get_settings
-    from kvfuse.service.app import create_app
+    from kvfuse.service.api.app import create_app
 
     s = get_settings()
     with socket.socket() as sock:

@@ -25,7 +25,6 @@ from kvfuse.store.catalog import DocumentCatalog
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.records import STAGING_PREFIX, DocumentRecord
 
-UNFINISHED = ("pending", "processing", "indexing")  # indexing: committed in LMDB, vectors not yet added
 FINISHED = ("ready", "failed", "cancelled")
 
 
@@ -53,7 +52,7 @@ class JobRecord:
     chunks_done: int = 0
     staged_keys: list[str] = field(default_factory=list)  # chunk keys referenced under staging_owner(id)
     worker_crashed: bool = False
-    # Retries so far per passing cause (kvfuse/service/ingest_retry.py), stored so their bound holds
+    # Retries so far per passing cause (kvfuse/service/rag/ingest_retry.py), stored so their bound holds
     # across restarts; and, while the job pauses before its next try, what it waits for.
     retries: dict[str, int] = field(default_factory=dict)
     waiting_for: str | None = None

@@ -24,7 +24,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -250,12 +250,3 @@ class Trainer:
         self.save()
         return self.artifact()
 
-
-@dataclass
-class RunSummary:
-    steps: int
-    seconds: float
-    artifact: str
-    artifact_bytes: int
-    val_first: dict = field(default_factory=dict)
-    val_last: dict = field(default_factory=dict)

@@ -20,7 +20,8 @@ import torch
 
 from kvfuse.bench import tasks
 from kvfuse.bench.data import resolve_data_dir
-from kvfuse.bench.fidelity import FIXED_RATIO, EngineBackend
+from kvfuse.bench.engine_backend import EngineBackend
+from kvfuse.bench.fidelity import FIXED_RATIO
 from kvfuse.config import get_settings
 from kvfuse.fusion import available_methods
 

@@ -51,7 +51,8 @@ def test_bootstrap_interval():
 @pytest.mark.slow
 def test_answer_kl_and_reference_reuse(default_llm_path: str, shared_data: Path, tmp_path: Path):
     from kvfuse.bench import tasks
-    from kvfuse.bench.fidelity import EngineBackend, aggregate, run_examples
+    from kvfuse.bench.engine_backend import EngineBackend
+    from kvfuse.bench.fidelity import aggregate, run_examples
     from kvfuse.config import Settings
 
     settings = Settings(model_cache_dir=Path(default_llm_path).parent)

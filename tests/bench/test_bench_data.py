@@ -44,7 +44,7 @@ def test_default_data_dir_is_relative_to_the_working_directory(shared_data: Path
 
 
 def test_the_service_and_the_cli_never_import_matplotlib():
-    code = ("import sys; import kvfuse.service.app; from kvfuse.cli import build_parser; build_parser(); "
+    code = ("import sys; import kvfuse.service.api.app; from kvfuse.cli import build_parser; build_parser(); "
             "import kvfuse.bench.report; print('matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"

@@ -12,7 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -101,6 +102,33 @@ class ServerProcess(KvfuseProcess):
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_tail()}")
+
+
+class Holder:
+    """A test module's server; a restart test may replace it."""
+
+    server: ServerProcess
+
+
+@contextmanager
+def serving(root: Path, env: dict[str, str], essays: dict[str, str] | None = None,
+            setup: Callable[[httpx.Client], None] | None = None) -> Iterator[Holder]:
+    """A server on a fresh data dir under `root`, with `essays` ingested (each ready, its name as id and
+    topic) and `setup` run, stopped at the end (a module fixture yields what this yields)."""
+    h = Holder()
+    h.server = ServerProcess(root / "data", root / "server.log", **env).start()
+    try:
+        if essays or setup:
+            with make_client(h.server) as c:
+                if essays:
+                    body = ingest(c, [{"id": name, "text": text, "metadata": {"topic": name}}
+                                      for name, text in essays.items()])
+                    assert [d["status"] for d in body["documents"]] == ["ready"] * len(essays), body
+                if setup is not None:
+                    setup(c)
+        yield h
+    finally:
+        h.server.stop()
 
 
 def make_client(server: ServerProcess, key: str | None = API_KEY, timeout: float = 180.0) -> httpx.Client:

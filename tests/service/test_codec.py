@@ -1,12 +1,12 @@
-"""The fleet's wire form of the protocol messages (kvfuse.service.codec): every message type survives a
+"""The fleet's wire form of the protocol messages (kvfuse.service.wire.codec): every message type survives a
 round trip through stream fields, and nothing but a protocol message is ever read back."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvfuse.service import protocol as P
-from kvfuse.service.codec import CodecError, decode, encode
+from kvfuse.service.wire import protocol as P
+from kvfuse.service.wire.codec import CodecError, decode, encode
 
 MESSAGES = [
     P.QueryJob("q?", None, False, {"method": "anchor"}, {"max_tokens": 4}, [P.ChunkRef("k1", [1, 2, 3], 0.5)], 7),

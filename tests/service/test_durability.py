@@ -13,7 +13,17 @@ import time
 
 import httpx
 import pytest
-from service_helpers import API_KEY, ServerProcess, make_client, metric, store_check, wait_job, wait_progress
+from service_helpers import (
+    API_KEY,
+    Holder,
+    ServerProcess,
+    make_client,
+    metric,
+    serving,
+    store_check,
+    wait_job,
+    wait_progress,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -33,19 +43,10 @@ def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-class Holder:
-    server: ServerProcess
-
-
 @pytest.fixture(scope="module")
 def holder(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("durability")
-    h = Holder()
-    h.server = ServerProcess(root / "data", root / "server.log", **SERVER_ENV).start()
-    try:
+    with serving(tmp_path_factory.mktemp("durability"), SERVER_ENV) as h:
         yield h
-    finally:
-        h.server.stop()
 
 
 @pytest.fixture

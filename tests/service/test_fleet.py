@@ -213,8 +213,8 @@ def test_a_worker_with_another_model_is_refused(tmp_path, redis_url, redis_names
 
 def test_a_job_a_dead_worker_took_before_any_token_runs_again_on_a_survivor(tmp_path, redis_url,
                                                                            redis_namespace) -> None:
-    from kvfuse.service import protocol as P
-    from kvfuse.service.codec import decode, encode
+    from kvfuse.service.wire import protocol as P
+    from kvfuse.service.wire.codec import decode, encode
 
     env = fleet_env(redis_url, redis_namespace)
     ns = env["KVFUSE_FLEET__NAMESPACE"]

@@ -1,9 +1,9 @@
-"""The fleet's query routing policy (kvfuse.service.fleet_routing): locality weighed against load."""
+"""The fleet's query routing policy (kvfuse.service.dispatch.routing): locality weighed against load."""
 
 from __future__ import annotations
 
 from kvfuse.config import FleetSettings
-from kvfuse.service.fleet_routing import Candidate, pick_worker
+from kvfuse.service.dispatch.routing import Candidate, pick_worker
 
 WEIGHT = FleetSettings().route_load_weight  # the documented default
 

@@ -14,9 +14,19 @@ import time
 
 import httpx
 import pytest
-from service_helpers import API_KEY, REPO, ServerProcess, ingest, make_client, metric, read_stream
+from service_helpers import (
+    API_KEY,
+    REPO,
+    Holder,
+    ServerProcess,
+    ingest,
+    make_client,
+    metric,
+    read_stream,
+    serving,
+)
 
-from kvfuse.service.responses import DocumentOut, DocumentPage, QueryAnswer, QuerySources
+from kvfuse.service.api.responses import DocumentOut, DocumentPage, QueryAnswer, QuerySources
 
 pytestmark = pytest.mark.slow
 
@@ -44,25 +54,10 @@ LONG_SYSTEM = "You write very long, detailed answers that go on for many paragra
 LONG_QUESTION = "Describe everything in the documents in full detail, at great length, one point at a time."
 
 
-class Holder:
-    """The module's server; the restart test replaces it."""
-
-    server: ServerProcess
-
-
 @pytest.fixture(scope="module")
 def holder(tmp_path_factory: pytest.TempPathFactory, essays3: dict[str, str]):
-    root = tmp_path_factory.mktemp("service")
-    h = Holder()
-    h.server = ServerProcess(root / "data", root / "server.log", **SERVER_ENV).start()
-    try:
-        with make_client(h.server) as c:
-            body = ingest(c, [{"id": name, "text": text, "metadata": {"topic": name}}
-                              for name, text in essays3.items()])
-            assert [d["status"] for d in body["documents"]] == ["ready"] * 3, body
+    with serving(tmp_path_factory.mktemp("service"), SERVER_ENV, essays3) as h:
         yield h
-    finally:
-        h.server.stop()
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Nothing accepted is dropped for a failure that is not the document's (kvfuse/service/ingest_retry.py),
+"""Nothing accepted is dropped for a failure that is not the document's (kvfuse/service/rag/ingest_retry.py),
 over real HTTP with a real worker process, a real LMDB store and a real redis-server:
 
 - the worker SIGKILLed in the middle of an ingestion: the job says it retries, runs again on the new

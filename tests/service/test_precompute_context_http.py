@@ -1,5 +1,5 @@
-"""Context-carrying chunk caches through the service (`store.precompute_context`, kvfuse/service/
-chunk_contexts.py): a real server ingests over HTTP, and the test reads back what it stored.
+"""Context-carrying chunk caches through the service (`store.precompute_context`,
+kvfuse/service/rag/precompute_context.py): a real server ingests over HTTP, and the test reads back what it stored.
 
 - `document`: each chunk's blob holds exactly the cache `FusionEngine.precompute_after` computes after
   the text before it in its document, keyed by chunk + context, and the document's record names each

@@ -8,9 +8,9 @@ import shutil
 
 import httpx
 import pytest
-from service_helpers import API_KEY, ServerProcess, ingest, make_client, metric
+from service_helpers import API_KEY, Holder, ServerProcess, make_client, metric, serving
 
-from kvfuse.service.responses import QueryAnswer
+from kvfuse.service.api.responses import QueryAnswer
 
 pytestmark = pytest.mark.slow
 
@@ -30,25 +30,15 @@ NOTES = [
 ]
 
 
-class Holder:
-    server: ServerProcess
+def _add_notes(c: httpx.Client) -> None:
+    resp = c.post("/v1/documents?wait=true", json={"documents": NOTES, "collection": "notes"})
+    assert resp.status_code == 201, resp.text
 
 
 @pytest.fixture(scope="module")
 def holder(tmp_path_factory: pytest.TempPathFactory, essays3: dict[str, str]):
-    root = tmp_path_factory.mktemp("retrieval")
-    h = Holder()
-    h.server = ServerProcess(root / "data", root / "server.log", **SERVER_ENV).start()
-    try:
-        with make_client(h.server) as c:
-            body = ingest(c, [{"id": name, "text": text, "metadata": {"topic": name}}
-                              for name, text in essays3.items()])
-            assert [d["status"] for d in body["documents"]] == ["ready"] * 3, body
-            resp = c.post("/v1/documents?wait=true", json={"documents": NOTES, "collection": "notes"})
-            assert resp.status_code == 201, resp.text
+    with serving(tmp_path_factory.mktemp("retrieval"), SERVER_ENV, essays3, _add_notes) as h:
         yield h
-    finally:
-        h.server.stop()
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvfuse.config import ServerSettings
-from kvfuse.service.scheduler import Request, Scheduler, SchedulerLimits
+from kvfuse.service.worker.scheduler import Request, Scheduler, SchedulerLimits
 
 
 def sched(**kw) -> Scheduler:

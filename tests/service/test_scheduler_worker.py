@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from kvfuse.config import load_settings
-from kvfuse.service import protocol as P
-from kvfuse.service.job_book import QueueFull, WorkerCrashed, WorkerJobError
+from kvfuse.service.dispatch.job_book import QueueFull, WorkerCrashed, WorkerJobError
+from kvfuse.service.dispatch.supervisor import WorkerSupervisor
 from kvfuse.service.metrics import Metrics
-from kvfuse.service.supervisor import WorkerSupervisor
+from kvfuse.service.wire import protocol as P
 
 pytestmark = pytest.mark.slow
 
@@ -199,7 +199,7 @@ def test_small_kv_budget_makes_the_fourth_wait_then_complete_and_a_full_queue_re
 
 
 def test_a_prompt_past_the_context_is_refused_at_planning(harness: Harness, chunks) -> None:
-    # The API refuses such a prompt before retrieval (kvfuse/service/prompt_size.py); the worker, whose
+    # The API refuses such a prompt before retrieval (kvfuse/service/rag/prompt_size.py); the worker, whose
     # context is the one that counts (a fleet's workers may differ), still checks exactly, in the same words.
     (err,) = harness.run_all([query(chunks, [0], max_tokens=4096)])
     assert isinstance(err, WorkerJobError) and err.kind == P.ERR_MAX_TOKENS, err

@@ -12,11 +12,9 @@ import pytest
 from service_helpers import REPO
 
 from kvfuse.config import ServerSettings
-from kvfuse.service import sse
-from kvfuse.service.auth import check_bind, is_loopback, key_is_valid
-from kvfuse.service.cli import collect_files, doc_id_for
-from kvfuse.service.errors import APIError
-from kvfuse.service.schemas import (
+from kvfuse.service.api import sse
+from kvfuse.service.api.auth import check_bind, is_loopback, key_is_valid
+from kvfuse.service.api.schemas import (
     DOC_ID_PATTERN,
     SEED_MAX,
     SEED_MIN,
@@ -27,6 +25,8 @@ from kvfuse.service.schemas import (
     parse_json,
     validate,
 )
+from kvfuse.service.cli import collect_files, doc_id_for
+from kvfuse.service.errors import APIError
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.5"])
@@ -190,7 +190,7 @@ def _refs(node: object) -> list[str]:
 
 def test_openapi_documents_the_bodies_read_by_hand() -> None:
     from kvfuse.config import load_settings
-    from kvfuse.service.app import create_app
+    from kvfuse.service.api.app import create_app
 
     spec = create_app(load_settings()).openapi()
     body = {path: spec["paths"][path]["post"]["requestBody"]["content"]
@@ -207,9 +207,9 @@ def test_openapi_documents_the_bodies_read_by_hand() -> None:
 
 
 def test_ingest_retry_policy_bounds_each_passing_cause_and_backs_off() -> None:
-    from kvfuse.service import protocol as P
-    from kvfuse.service.ingest_retry import INDEX_UNAVAILABLE, WORKER_CRASHED, RetryPolicy, cause_of
-    from kvfuse.service.job_book import WorkerCrashed, WorkerJobError
+    from kvfuse.service.dispatch.job_book import WorkerCrashed, WorkerJobError
+    from kvfuse.service.rag.ingest_retry import INDEX_UNAVAILABLE, WORKER_CRASHED, RetryPolicy, cause_of
+    from kvfuse.service.wire import protocol as P
     from kvfuse.store.errors import IndexUnavailableError
 
     policy = RetryPolicy.from_settings(ServerSettings(ingest_retry_attempts=2, ingest_index_attempts=5,

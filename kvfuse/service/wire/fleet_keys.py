@@ -3,7 +3,7 @@ fleet's model fingerprint. Both ends import this module, so they agree on every 
 
 Layout, under `fleet.namespace` (docs/DESIGN.md, "Scale-out")
   jobs              stream: jobs any worker may take (consumer group `workers`)
-  jobs:<worker>     stream: queries routed to that worker (fleet_routing.py; its own consumer group `workers`)
+  jobs:<worker>     stream: queries routed to that worker (dispatch/routing.py; its own consumer group `workers`)
   reply:<uid>       stream: one job's Taken / Plan / Delta / Result / Done / Error entries; it expires
                     `reply_ttl_s` after its reader last renewed it (a job whose reply stream is gone is
                     dropped by its worker)
@@ -65,7 +65,7 @@ class FingerprintMismatch(RuntimeError):
     """A worker's model differs from the fleet's: its KV and answers would not match the others'."""
 
 
-def live_workers(r: Any, keys: FleetKeys) -> dict[str, dict]:
+def read_heartbeats(r: Any, keys: FleetKeys) -> dict[str, dict]:
     """Heartbeats of the live workers, by id (a synchronous redis client)."""
     ids = sorted(r.smembers(keys.workers))
     if not ids:
@@ -74,8 +74,8 @@ def live_workers(r: Any, keys: FleetKeys) -> dict[str, dict]:
     return {i: json.loads(b) for i, b in zip(ids, beats, strict=True) if b is not None}
 
 
-async def alive_workers(r: Any, keys: FleetKeys) -> dict[str, dict]:
-    """`live_workers` for an asyncio redis client."""
+async def read_heartbeats_async(r: Any, keys: FleetKeys) -> dict[str, dict]:
+    """`read_heartbeats` for an asyncio redis client."""
     ids = sorted(await r.smembers(keys.workers))
     if not ids:
         return {}

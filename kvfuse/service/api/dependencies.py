@@ -12,7 +12,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from kvfuse.service.query import QueryService
+from kvfuse.service.rag.query import QueryService
 from kvfuse.service.state import ServiceState
 
 
@@ -26,7 +26,8 @@ def ready_state(state: Annotated[ServiceState, Depends(service_state)]) -> Servi
     return state
 
 
-def query_service(state: Annotated[ServiceState, Depends(service_state)]) -> QueryService:
+def query_service(state: Annotated[ServiceState, Depends(ready_state)]) -> QueryService:
+    """The query pipeline, once the store, index and embedder are loaded (503 until then)."""
     return state.queries
 
 

@@ -25,14 +25,14 @@ from kvfuse.config import DEFAULT_COLLECTION
 from kvfuse.fusion import chunk_context
 
 if TYPE_CHECKING:
-    from kvfuse.service.state import ServiceState
+    from kvfuse.service.rag.corpus import Corpus
 
 
-def contexts_for(state: ServiceState, doc_id: str, chunk_ids: list[list[int]], vectors: Any,
+def contexts_for(corpus: Corpus, doc_id: str, chunk_ids: list[list[int]], vectors: Any,
                  collection: str = DEFAULT_COLLECTION) -> list[list[int]]:
     """One context (token ids, [] = alone) per chunk of `doc_id`. Reads the store and the index: call it
     in a thread."""
-    s = state.settings.store
+    s = corpus.settings.store
     mode, budget = chunk_context.check_mode(s.precompute_context), s.precompute_context_tokens
     if mode == "none" or budget <= 0:
         return [[] for _ in chunk_ids]
@@ -41,17 +41,17 @@ def contexts_for(state: ServiceState, doc_id: str, chunk_ids: list[list[int]], v
     if mode == "prefix":
         from kvfuse.fusion.prompt import template_halves
 
-        before, _ = template_halves(state.chunker.tokenizer, state.settings.model.system_prompt)
-        prefix = chunk_context.joined([state.chunker.encode(before)], budget)
+        before, _ = template_halves(corpus.chunker.tokenizer, corpus.settings.model.system_prompt)
+        prefix = chunk_context.joined([corpus.chunker.encode(before)], budget)
         return [list(prefix) for _ in chunk_ids]
-    return _neighbour_contexts(state, doc_id, collection, chunk_ids, np.asarray(vectors, dtype=np.float32),
+    return _neighbour_contexts(corpus, doc_id, collection, chunk_ids, np.asarray(vectors, dtype=np.float32),
                                s.precompute_neighbours, budget)
 
 
-def _neighbour_contexts(state: ServiceState, doc_id: str, collection: str, chunk_ids: list[list[int]],
+def _neighbour_contexts(corpus: Corpus, doc_id: str, collection: str, chunk_ids: list[list[int]],
                         vectors: np.ndarray, n: int, budget: int) -> list[list[int]]:
     own = vectors @ vectors.T
-    previous = state.store.get_document(doc_id)
+    previous = corpus.store.get_document(doc_id)
     # The document's previous version is still in the index: ask for enough hits to skip all of it.
     top_k = n + (len(previous.chunk_keys) if previous is not None else 0)
     records: dict[str, Any] = {}
@@ -59,27 +59,27 @@ def _neighbour_contexts(state: ServiceState, doc_id: str, collection: str, chunk
     for i, vec in enumerate(vectors):
         scored: list[tuple[float, list[int]]] = [(float(own[i, j]), chunk_ids[j])
                                                  for j in range(len(chunk_ids)) if j != i]
-        found = state.index.search(vec, top_k, collections=[collection]) if state.index is not None else []
+        found = corpus.index.search(vec, top_k, collections=[collection]) if corpus.index is not None else []
         for hit in found:
-            tokens = _chunk_tokens(state, records, hit.document_id, hit.chunk_index, doc_id)
+            tokens = _chunk_tokens(corpus, records, hit.document_id, hit.chunk_index, doc_id)
             if tokens is not None:
                 scored.append((float(hit.score), tokens))
         out.append(chunk_context.nearest_context(scored, n, budget))
     return out
 
 
-def _chunk_tokens(state: ServiceState, records: dict[str, Any], doc_id: str, index: int,
+def _chunk_tokens(corpus: Corpus, records: dict[str, Any], doc_id: str, index: int,
                   ingesting: str) -> list[int] | None:
     """The tokens of chunk `index` of another ready document; None for the document being ingested, or
     one deleted or changed since the search."""
     if doc_id == ingesting:
         return None
     if doc_id not in records:
-        records[doc_id] = state.store.get_document(doc_id)
+        records[doc_id] = corpus.store.get_document(doc_id)
     rec = records[doc_id]
     if rec is None or rec.status != "ready" or index >= len(rec.chunk_tokens):
         return None
     try:
-        return state.queries.chunk_token_ids(rec)[index]
+        return corpus.chunk_token_ids(rec)[index]
     except Exception:  # noqa: BLE001 - a neighbour that cannot be read is skipped, never fails the ingestion
         return None

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfuse.config import ServerSettings
-from kvfuse.service import protocol as P
-from kvfuse.service.job_book import WorkerCrashed, WorkerJobError
+from kvfuse.service.dispatch.job_book import WorkerCrashed, WorkerJobError
+from kvfuse.service.wire import protocol as P
 from kvfuse.store.errors import IndexUnavailableError
 
 WORKER_CRASHED = "worker_crashed"

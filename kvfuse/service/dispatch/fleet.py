@@ -1,10 +1,10 @@
 """The API side of a fleet: jobs to `kvfuse worker`s on any host through Redis streams.
 
-`FleetDispatcher` is a `JobBook` (job_book.py) like `WorkerSupervisor` (supervisor.py; `dispatch.py` picks one), so
+`FleetDispatcher` is a `JobBook` (job_book.py) like `WorkerSupervisor` (supervisor.py; `base.py` picks one), so
 queries and ingestion do not know which transport runs them. Per job (keys in fleet.py):
 
 1. the job's reply stream is opened (and kept from expiring while the API reads it);
-2. the job goes out with XADD: a query to the stream of the live worker that fleet_routing.py picks,
+2. the job goes out with XADD: a query to the stream of the live worker that routing.py picks,
    weighing the share of its chunks the worker holds (the sets workers report) against the jobs this
    dispatcher has at it; a query when no worker has room, and ingestion, to the shared stream, where the
    first worker with room takes it;
@@ -29,12 +29,12 @@ from collections import Counter, deque
 from typing import Any
 
 from kvfuse.config import Settings
-from kvfuse.service import protocol as P
-from kvfuse.service.codec import CodecError, decode, encode
-from kvfuse.service.fleet import FleetKeys, alive_workers
-from kvfuse.service.fleet_routing import Candidate, pick_worker
-from kvfuse.service.job_book import Cancelled, Crashed, Job, JobBook, NoLiveWorker
+from kvfuse.service.dispatch.job_book import Cancelled, Crashed, Job, JobBook, NoLiveWorker
+from kvfuse.service.dispatch.routing import Candidate, pick_worker
 from kvfuse.service.metrics import Metrics
+from kvfuse.service.wire import protocol as P
+from kvfuse.service.wire.codec import CodecError, decode, encode
+from kvfuse.service.wire.fleet_keys import FleetKeys, read_heartbeats_async
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class FleetDispatcher(JobBook):
         """Keep the live workers' heartbeats (for /ready, /metrics, dispatch and liveness)."""
         while not self._closing:
             try:
-                self.workers = await alive_workers(self._r, self.keys)
+                self.workers = await read_heartbeats_async(self._r, self.keys)
                 fps = {w["fingerprint"] for w in self.workers.values()}
                 if self.workers:
                     self.info = next(iter(self.workers.values())).get("info", {})
@@ -106,6 +106,11 @@ class FleetDispatcher(JobBook):
         """No local worker to kill: a cancelled job is dropped by its worker (cancel key)."""
 
     # -- jobs ----------------------------------------------------------------------------------------------
+    def live_workers(self) -> list[dict[str, Any]]:
+        keep = ("host", "pid", "device", "fingerprint", "kv_budget_tokens", "kv_free_tokens", "running", "waiting",
+                "max_running_requests", "kv")
+        return [{"id": wid, **{k: b.get(k) for k in keep}} for wid, b in sorted(self.workers.items())]
+
     def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
         if not self.workers:
             raise NoLiveWorker(self.last_error or "no live worker in the fleet")
@@ -117,7 +122,7 @@ class FleetDispatcher(JobBook):
         return job
 
     async def _target_for(self, job: Job) -> str | None:
-        """The worker whose own stream the job goes to (fleet_routing.py), or None for the shared stream."""
+        """The worker whose own stream the job goes to (routing.py), or None for the shared stream."""
         if not isinstance(job.message, P.QueryJob) or not self.workers:
             return None
         keys = [c.key for c in job.message.chunks]

@@ -15,8 +15,8 @@ from pydantic import BaseModel, Field
 from kvfuse.config import DEFAULT_COLLECTION
 
 if TYPE_CHECKING:
-    from kvfuse.service.ingest import IngestJob
-    from kvfuse.service.supervisor import WorkerSupervisor
+    from kvfuse.service.dispatch.supervisor import WorkerSupervisor
+    from kvfuse.service.rag.ingest_job import IngestJob
     from kvfuse.store import DocumentRecord
     from kvfuse.store.jobs import JobRecord
 
@@ -339,4 +339,4 @@ class Readiness(BaseModel):
 
     ready: bool
     components: dict[str, bool]
-    workers: list[dict[str, Any]] = []  # the live workers (kvfuse.service.dispatch.live_workers); valid key only
+    workers: list[dict[str, Any]] = []  # the live workers (`Dispatcher.live_workers`); valid key only

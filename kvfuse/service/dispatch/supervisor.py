@@ -2,7 +2,7 @@
 
 Every job goes to the worker at once (over a writer thread, so a busy worker never blocks the event
 loop); the worker's scheduler decides when it runs, batching many queries into each decode step (see
-`worker.py` and `protocol.py` for the messages). Any number of jobs are in flight; replies are routed
+`worker/core.py` and `wire/protocol.py` for the messages). Any number of jobs are in flight; replies are routed
 by job id to each job's event queue (the book of jobs and counts is `job_book.JobBook`, shared with the
 fleet's dispatcher).
 
@@ -30,10 +30,10 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from kvfuse.config import Settings
-from kvfuse.service import protocol as P
-from kvfuse.service.job_book import Cancelled, Crashed, Job, JobBook
+from kvfuse.service.dispatch.job_book import Cancelled, Crashed, Job, JobBook
 from kvfuse.service.metrics import Metrics
-from kvfuse.service.worker import worker_main
+from kvfuse.service.wire import protocol as P
+from kvfuse.service.worker.core import worker_main
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,12 @@ class WorkerSupervisor(JobBook):
             return  # sent when the (next) worker is ready
         self._sent.add(job.id)
         self._outbox.put(job.message)
+
+    def live_workers(self) -> list[dict[str, Any]]:
+        if not self.ready:
+            return []
+        return [{"id": self.info.get("name"), "pid": self.pid, "device": self.settings.model.device,
+                 "fingerprint": self.info.get("fingerprint"), "running": self.running, "waiting": self.waiting}]
 
     def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
         """Hand a job to the worker; raises QueueFull when `server.queue_size` queries already wait."""

@@ -17,14 +17,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfuse import __version__
 from kvfuse.config import Settings, setting_error
-from kvfuse.service import documents_api, openai_api, query_api
-from kvfuse.service.auth import key_is_valid, presented_key
-from kvfuse.service.dependencies import State
-from kvfuse.service.dispatch import live_workers
-from kvfuse.service.errors import ErrorBody, error_body, install_error_handlers
-from kvfuse.service.middleware import GuardMiddleware
-from kvfuse.service.responses import Health, Readiness
-from kvfuse.service.schemas import add_body_schemas
+from kvfuse.service.api import document_routes, openai_routes, query_routes
+from kvfuse.service.api.auth import key_is_valid, presented_key
+from kvfuse.service.api.dependencies import State
+from kvfuse.service.api.errors import install_error_handlers
+from kvfuse.service.api.middleware import GuardMiddleware
+from kvfuse.service.api.responses import Health, Readiness
+from kvfuse.service.api.schemas import add_body_schemas
+from kvfuse.service.errors import ErrorBody, error_body
 from kvfuse.service.state import ServiceState
 
 
@@ -56,9 +56,9 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="kvfuse", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, server=settings.server)
-    app.include_router(documents_api.router)
-    app.include_router(query_api.router)
-    app.include_router(openai_api.router)
+    app.include_router(document_routes.router)
+    app.include_router(query_routes.router)
+    app.include_router(openai_routes.router)
     fastapi_openapi = app.openapi
 
     def openapi() -> dict:
@@ -75,21 +75,21 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health(state: State, request: Request) -> Health:
-        return Health.of(__version__, state.supervisor, details=authorized(request))
+        return Health.of(__version__, state.dispatcher, details=authorized(request))
 
     not_ready = {"model": ErrorBody, "description": "not ready: the error, beside the Readiness fields"}
 
     @app.get("/ready", response_model=Readiness, responses={503: not_ready})
     async def ready(state: State, request: Request) -> Readiness | JSONResponse:
         # The live workers name hosts and pids: like errors, only for a valid key.
-        workers = live_workers(state.supervisor) if authorized(request) else []
+        workers = state.dispatcher.live_workers() if authorized(request) else []
         parts = Readiness(ready=False, components=state.readiness(await state.document_index_available()),
                           workers=workers)
         if all(parts.components.values()) and not state.startup_error:
             parts.ready = True
             return parts
         missing = ", ".join(k for k, ok in parts.components.items() if not ok)
-        reason = (state.startup_error or state.supervisor.last_error
+        reason = (state.startup_error or state.dispatcher.last_error
                   or (f"waiting for {state.waiting_for}" if state.waiting_for else f"waiting for: {missing}"))
         if not authorized(request):  # errors may name hosts and ports: only for a valid key
             reason = f"waiting for: {missing}" if missing else "the service failed to start"
@@ -99,7 +99,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/metrics", response_class=Response)
     async def metrics(state: State) -> Response:
         state.refresh_document_gauge()
-        workers = live_workers(state.supervisor)
+        workers = state.dispatcher.live_workers()
         state.metrics.live_workers.set(len(workers))
         state.metrics.worker_load.clear()
         for w in workers:

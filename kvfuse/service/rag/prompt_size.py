@@ -21,25 +21,27 @@ from typing import TYPE_CHECKING
 
 from kvfuse.fusion.prompt import overflow, prompt_texts
 from kvfuse.service.errors import APIError
-from kvfuse.service.protocol import ERR_MAX_TOKENS
+from kvfuse.service.wire.protocol import ERR_MAX_TOKENS
 
 if TYPE_CHECKING:
-    from kvfuse.service.state import ServiceState
+    from kvfuse.config import Settings
+    from kvfuse.retriever import Chunker
 
 PROMPT_TOO_LONG = "prompt_too_long"  # the question and system prompt alone cannot fit the context -> 400
 
 
-def context_limit(state: ServiceState) -> int | None:
-    """The model context in tokens (prompt and answer together), if known yet."""
-    return state.supervisor.info.get("max_context_tokens") or state.settings.model.max_context_tokens or None
+def context_limit(worker_info: dict, settings: Settings) -> int | None:
+    """The model context in tokens (prompt and answer together), if known yet: the worker's, as it
+    reported it (`worker_info`), else the configured one."""
+    return worker_info.get("max_context_tokens") or settings.model.max_context_tokens or None
 
 
-async def check_prompt_fits(state: ServiceState, question: str, system_prompt: str, max_tokens: int) -> None:
-    """Raise 400 if the prompt (documents aside) plus max_tokens cannot fit the model context."""
-    limit = context_limit(state)
+async def check_prompt_fits(chunker: Chunker, limit: int | None, question: str, system_prompt: str,
+                            max_tokens: int) -> None:
+    """Raise 400 if the prompt (documents aside) plus max_tokens cannot fit `limit` tokens (no check
+    when the limit is not known yet)."""
     if limit is None:
         return
-    chunker = state.chunker
     prefix, question_part = prompt_texts(chunker.tokenizer, question, system_prompt)
     chars, bound = len(prefix) + len(question_part), limit * chunker.max_token_chars
     if chars > bound:

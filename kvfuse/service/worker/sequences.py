@@ -1,6 +1,6 @@
 """The worker's per-job state: a query from arrival to its last token, and an ingestion job in pieces.
 
-Kept apart from the engine loop (`worker.py`) so that the loop reads as the step it is: admit, ingest,
+Kept apart from the engine loop (core.py) so that the loop reads as the step it is: admit, ingest,
 decode, retire. A query is checked on arrival (does it fit the context and the KV budget at all?) and
 planned (which retrieved chunks fit), waits in the scheduler, and on admission loads its chunk KV; its
 fused prefill then runs a few decoder layers per engine step (within the step's prefill budget) until it
@@ -13,20 +13,21 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvfuse.service import protocol as P
-from kvfuse.service.scheduler import Request
+from kvfuse.service.wire import protocol as P
+from kvfuse.service.worker.scheduler import Request
 
 if TYPE_CHECKING:
-    from kvfuse.service.worker import Worker
+    from kvfuse.service.worker.chunk_kv import ChunkCache
+    from kvfuse.service.worker.scheduler import Scheduler
 
 
-def plan_query(worker: Worker, job: P.QueryJob) -> Request | P.Error:
-    """The scheduler request of a query, or the Error that refuses it (it could never run)."""
+def plan_query(job: P.QueryJob, engine: Any, scheduler: Scheduler, limit: int, step: int) -> Request | P.Error:
+    """The scheduler request of a query, or the Error that refuses it (it could never run): `limit` is the
+    worker's context in tokens, `step` the engine step it arrived in."""
     from kvfuse.fusion import FusionOptions, GenerationOptions
     from kvfuse.fusion.methods import get_method
     from kvfuse.fusion.prompt import overflow
 
-    engine, step = worker.engine, worker.step_no
     fusion = FusionOptions(**job.fusion)
     gen = GenerationOptions(**job.generation)
     method = get_method(fusion.method)  # unknown method -> ValueError -> 422
@@ -34,7 +35,6 @@ def plan_query(worker: Worker, job: P.QueryJob) -> Request | P.Error:
     if gen.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     prefix_ids, question_ids = engine.prompt_parts(job.question, job.system_prompt)
-    limit = worker.max_context
     fixed = len(prefix_ids) + len(question_ids) + gen.max_tokens
     too_long = overflow(len(prefix_ids) + len(question_ids), gen.max_tokens, limit)
     if too_long:
@@ -59,8 +59,8 @@ def plan_query(worker: Worker, job: P.QueryJob) -> Request | P.Error:
         gone = set(dropped)
         kept = [i for i in kept if i not in gone]
     kv_tokens = fixed + total
-    kv_budget = worker.scheduler.limits.kv_budget_tokens
-    if not worker.scheduler.fits_alone(kv_tokens):
+    kv_budget = scheduler.limits.kv_budget_tokens
+    if not scheduler.fits_alone(kv_tokens):
         return P.Error(job.job_id, P.ERR_KV_BUDGET,
                        f"the prompt plus max_tokens ({kv_tokens} tokens) exceed the server's KV budget of "
                        f"{kv_budget} tokens (server.kv_budget_tokens): lower max_tokens or use fewer documents",
@@ -98,12 +98,11 @@ class QuerySequence:
         return P.Plan(self.job.job_id, self.kept, self.dropped, self.context_tokens, len(self.prefix_ids),
                       len(self.question_ids), step)
 
-    def start(self, worker: Worker) -> None:
+    def start(self, engine: Any, kv: ChunkCache) -> None:
         """Load the chunks' KV and set up the fused prefill, which `advance` then runs in pieces."""
         from kvfuse.fusion import ChunkKV
         from kvfuse.fusion.methods import get_method
 
-        engine = worker.engine
         chunks = [self.job.chunks[i] for i in self.kept]
         t0 = time.perf_counter()
         if self.full_prefill:  # prefills from the tokens: no stored KV to read
@@ -114,18 +113,18 @@ class QuerySequence:
             blocks = get_method(self.fusion.method).own_pipeline  # samkv reads only the blocks it selects
             for c in chunks:
                 if blocks:
-                    loaded.append(worker.block_source(c.key, c.token_ids))
+                    loaded.append(kv.block_source(c.key, c.token_ids))
                     continue
-                ckv, was_rebuilt = worker.load_or_rebuild(c.key, c.token_ids, write_back=False)
+                ckv, was_rebuilt = kv.load_or_rebuild(c.key, c.token_ids, write_back=False)
                 loaded.append(ckv)
                 self.rebuilt += was_rebuilt
-            prefix = worker.prefix_kv(self.prefix_ids)
+            prefix = kv.prefix_kv(self.prefix_ids)
         self._t_loaded = time.perf_counter()
         self.timings = {"kv_load_s": self._t_loaded - t0}
         self._steps = engine.fuse_steps(prefix, loaded, self.question_ids, self.fusion,
                                         max_tokens=self.gen_options.max_tokens)
 
-    def advance(self, worker: Worker, budget: int) -> tuple[int, str | None]:
+    def advance(self, engine: Any, budget: int) -> tuple[int, str | None]:
         """Run the prefill for about `budget` rows x layers (at least one layer): (work done, the first
         token's text once the prefill is complete, else None)."""
         from kvfuse.fusion.generation import Generation
@@ -138,7 +137,6 @@ class QuerySequence:
             fused = done.value
         else:
             return spent, None
-        engine = worker.engine
         self._steps = None
         self.cache, self.stats = fused.cache, fused.stats
         self.gen = Generation(engine.tokenizer, engine.stop_token_ids, self.gen_options, engine.device)
@@ -168,19 +166,15 @@ class IngestTask:
         self.todo: list[int] = []  # chunk indices still to compute
         self.computed = 0
 
-    def run_piece(self, worker: Worker, budget_tokens: int) -> P.Done | None:
+    def run_piece(self, kv: ChunkCache, budget_tokens: int) -> P.Done | None:
         """Compute the next piece; the job's Done once every chunk is stored."""
-        from kvfuse.service.worker import kv_nbytes
-
         chunks = self.job.chunks
         if self.keys is None:
-            e = worker.engine
-            self.keys = [worker.key_of(ids, self.job.context(i)) for i, ids in enumerate(chunks)]
+            self.keys = [kv.key_of(ids, self.job.context(i)) for i, ids in enumerate(chunks)]
             for i, (key, ids) in enumerate(zip(self.keys, chunks, strict=True)):
-                if worker.store.has_chunk(key):
+                if kv.store.has_chunk(key):
                     # Content-addressed: an identical chunk (same model, dtype, tokens, context) is stored once.
-                    self.nbytes.append(kv_nbytes(len(ids), e.num_layers, e.num_kv_heads, e.head_dim,
-                                                 worker.kv_dtype))
+                    self.nbytes.append(kv.stored_nbytes(len(ids)))
                 else:
                     self.nbytes.append(-1)
                     self.todo.append(i)
@@ -191,7 +185,7 @@ class IngestTask:
             piece.append(i)
             tokens += cost(i)
         if piece:
-            stored = dict(worker.compute_and_store([chunks[i] for i in piece], [self.job.context(i) for i in piece]))
+            stored = dict(kv.compute_and_store([chunks[i] for i in piece], [self.job.context(i) for i in piece]))
             for i in piece:
                 self.nbytes[i] = stored[self.keys[i]]
             self.computed += len(piece)

@@ -14,17 +14,21 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from starlette.requests import Request
-
+from kvfuse.service.dispatch.job_book import (
+    NoLiveWorker,
+    QueueFull,
+    WorkerCrashed,
+    WorkerJobError,
+    WorkerUnavailable,
+)
 from kvfuse.service.errors import APIError
-from kvfuse.service.job_book import NoLiveWorker, QueueFull, WorkerCrashed, WorkerJobError, WorkerUnavailable
-from kvfuse.service.prompt_size import check_prompt_fits
-from kvfuse.service.protocol import (
+from kvfuse.service.rag.prompt_size import check_prompt_fits, context_limit
+from kvfuse.service.rag.retrieval import RetrievalOptions, retrieval_options, retrieve
+from kvfuse.service.wire.protocol import (
     ERR_CONTEXT_OVERFLOW,
     ERR_INDEX_UNAVAILABLE,
     ERR_INVALID,
@@ -36,24 +40,17 @@ from kvfuse.service.protocol import (
     QueryJob,
     Result,
 )
-from kvfuse.service.responses import (
-    FusionUsed,
-    QueryAnswer,
-    QuerySources,
-    RetrievalUsed,
-    Source,
-    Timings,
-    Usage,
-)
-from kvfuse.service.retrieval import RetrievalOptions, retrieval_options, retrieve
-from kvfuse.service.schemas import FusionIn, GenerationIn
 
 if TYPE_CHECKING:
-    from kvfuse.service.state import ServiceState
+    from kvfuse.config import Settings
+    from kvfuse.service.metrics import Metrics
+    from kvfuse.service.rag.corpus import Corpus
+    from kvfuse.service.rag.ingest import IngestManager
+
+Gone = Callable[[], Awaitable[bool]]  # whether the client has gone (a request's is_disconnected)
 
 log = logging.getLogger(__name__)
 
-_DOC_TOKEN_CACHE = 256  # documents whose chunk token ids are kept (so a query does not re-tokenize them)
 _DISCONNECT_POLL_S = 0.25
 _MAX_STOP = 4  # stop strings per request, OpenAI's limit
 
@@ -62,7 +59,7 @@ class ClientGone(Exception):
     """The client disconnected before its answer was complete."""
 
 
-async def next_unless_gone(agen: AsyncIterator[Any], request: Request | None) -> Any:
+async def next_unless_gone(agen: AsyncIterator[Any], gone: Gone | None) -> Any:
     """The next item of `agen`, watching for a client that leaves meanwhile (a query waiting in the queue,
     or a long generation nobody reads any more): then the pending read is cancelled and ClientGone raised."""
     nxt = asyncio.ensure_future(anext(agen))
@@ -70,7 +67,7 @@ async def next_unless_gone(agen: AsyncIterator[Any], request: Request | None) ->
         done, _ = await asyncio.wait({nxt}, timeout=_DISCONNECT_POLL_S)
         if done:
             return nxt.result()
-        if request is not None and await request.is_disconnected():
+        if gone is not None and await gone():
             nxt.cancel()  # the worker job is cancelled by the caller or by the generator's cleanup
             await asyncio.gather(nxt, return_exceptions=True)
             raise ClientGone()
@@ -86,9 +83,6 @@ class SourceChunk:
     dense_rank: int | None = None
     keyword_rank: int | None = None
 
-    def public(self) -> Source:
-        return Source(document_id=self.document_id, chunk_index=self.chunk_index, score=round(self.score, 6),
-                      tokens=len(self.token_ids), dense_rank=self.dense_rank, keyword_rank=self.keyword_rank)
 
 
 @dataclass
@@ -121,29 +115,48 @@ class QueryRun:
         return (f"{len(self.dropped)} retrieved chunk(s) did not fit the model context beside the question and "
                 "max_tokens and were left out (lowest score first)")
 
-    def retrieved(self) -> QuerySources:
-        """What the answer is built on: the stream's first event, and part of every answer."""
-        fusion = FusionUsed(method=self.plan.fusion["method"], recompute_ratio=self.plan.fusion["recompute_ratio"])
-        r = self.plan.retrieval
-        retrieval = RetrievalUsed(mode="explicit" if self.plan.explicit else r.mode, collections=r.searched)
-        return QuerySources(sources=[c.public() for c in self.sources],
-                            dropped_sources=[c.public() for c in self.dropped], warning=self.warning, fusion=fusion,
-                            retrieval=retrieval)
+
+
+@dataclass
+class QueryOutcome:
+    """A finished run: the worker's result (`Result` as a dict), when its first token and its end arrived,
+    and the prompt tokens whose stored KV went into the answer unchanged."""
+
+    result: dict
+    first_at: float | None
+    ended_at: float
+    cached_tokens: int
+
+
+def cached_tokens(plan: QueryPlan, usage: dict) -> int:
+    """Reused = prompt tokens whose stored KV went into the answer unchanged (vanilla reuses nothing)."""
+    if plan.fusion["method"] == "vanilla":
+        return 0
+    return max(0, usage.get("prefix_tokens", 0) + usage.get("context_tokens", 0) - usage.get("recomputed_tokens", 0))
 
 
 class QueryService:
-    def __init__(self, state: ServiceState) -> None:
-        self.state = state
-        self._doc_tokens: OrderedDict[tuple[str, str], list[list[int]]] = OrderedDict()
+    """Queries from the request's knobs to the worker's last message, over the corpus (attached once
+    loaded) and the dispatcher; a stale document found on the way is handed to ingestion to rebuild."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, dispatcher: Any, ingest: IngestManager) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.dispatcher = dispatcher
+        self.ingest = ingest
+        self.corpus: Corpus | None = None
         self._stale_logged: set[str] = set()  # documents with KV of another model, logged once each
+
+    def attach(self, corpus: Corpus) -> None:
+        self.corpus = corpus
 
     # -- preparation ---------------------------------------------------------------------------------------
     async def prepare(self, *, question: str, system_prompt: str | None, top_k: int | None,
                       document_ids: list[str] | None, filters: dict | None, retrieval: Any | None,
-                      fusion: FusionIn | None, gen: GenerationIn, arrived: float) -> QueryPlan:
-        st = self.state
-        s = st.settings
-        st.require_components()
+                      fusion: Any | None, gen: Any, arrived: float) -> QueryPlan:
+        """`fusion` and `gen` are the request's knobs (pydantic models: api/schemas.py FusionIn and
+        GenerationIn); unset ones take the configured defaults. The corpus must be loaded."""
+        s = self.settings
         if not question.strip():
             raise APIError(422, "the question is empty or whitespace only", code="empty_query", param="query")
         if top_k is not None and top_k > s.retriever.max_top_k:
@@ -152,42 +165,43 @@ class QueryService:
         fusion_opts = self.fusion_options(fusion)
         gen_opts = self.generation_options(gen)
         system_prompt = system_prompt if system_prompt is not None else s.model.system_prompt
-        await check_prompt_fits(st, question, system_prompt, gen_opts["max_tokens"])  # before the embedding
-        retrieval_opts = retrieval_options(st, retrieval)
+        await check_prompt_fits(self.corpus.chunker, context_limit(self.dispatcher.info, s), question,
+                                system_prompt, gen_opts["max_tokens"])  # before the embedding
+        retrieval_opts = retrieval_options(s, retrieval)
         t0 = time.perf_counter()
         if document_ids is not None:
             chunks = await asyncio.to_thread(self._explicit_chunks, document_ids)
         else:
-            hits = await asyncio.to_thread(retrieve, st, question, top_k or s.retriever.top_k, retrieval_opts, filters)
+            hits = await asyncio.to_thread(retrieve, self.corpus, question, top_k or s.retriever.top_k, retrieval_opts, filters)
             chunks = await asyncio.to_thread(self._hits_to_chunks, hits)
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
-            st.metrics.retrieval.observe(retrieval_s)
+            self.metrics.retrieval.observe(retrieval_s)
         return QueryPlan(question=question, system_prompt=system_prompt, chunks=chunks,
                          explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
                          generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
                          deadline=arrived + s.server.request_timeout_s)
 
-    def fusion_options(self, fusion: FusionIn | None) -> dict[str, Any]:
+    def fusion_options(self, fusion: Any | None) -> dict[str, Any]:
         from kvfuse.fusion import FusionOptions, available_methods
 
         # Only the per-request knobs: config.fusion also holds engine-wide settings.
         names = {f.name for f in dataclasses.fields(FusionOptions)}
-        opts = {k: v for k, v in self.state.settings.fusion.model_dump().items() if k in names}
+        opts = {k: v for k, v in self.settings.fusion.model_dump().items() if k in names}
         if fusion is not None:
             opts.update(fusion.model_dump(exclude_none=True))
         methods = available_methods()
         if opts["method"] not in methods:
             raise APIError(422, f"unknown fusion method {opts['method']!r}; available: {', '.join(methods)}",
                            code="unknown_fusion_method", param="fusion.method")
-        layers = self.state.supervisor.info.get("num_layers")
+        layers = self.dispatcher.info.get("num_layers")
         if layers is not None and opts["check_layer"] >= layers:
             raise APIError(422, f"fusion.check_layer must be below the model's {layers} layers",
                            code="invalid_value", param="fusion.check_layer")
         return opts
 
-    def generation_options(self, gen: GenerationIn) -> dict[str, Any]:
-        g = self.state.settings.generation
+    def generation_options(self, gen: Any) -> dict[str, Any]:
+        g = self.settings.generation
         max_tokens = gen.max_tokens if gen.max_tokens is not None else g.max_tokens
         if max_tokens > g.max_tokens_limit:
             raise APIError(422, f"max_tokens {max_tokens} exceeds the limit of {g.max_tokens_limit}",
@@ -201,27 +215,6 @@ class QueryService:
         return {"max_tokens": max_tokens, "temperature": g.temperature if gen.temperature is None else gen.temperature,
                 "top_p": g.top_p if gen.top_p is None else gen.top_p, "seed": gen.seed, "stop": stop}
 
-    def chunk_token_ids(self, rec: Any) -> list[list[int]]:
-        """A ready document's chunk token ids: its tokens split by the chunk sizes stored at ingest."""
-        cache_key = (rec.id, rec.content_hash)
-        if cache_key in self._doc_tokens:
-            self._doc_tokens.move_to_end(cache_key)
-            return self._doc_tokens[cache_key]
-        text = self.state.store.get_text(rec.id)
-        if text is None:
-            raise APIError(404, f"document {rec.id!r} has no stored text", code="document_not_found")
-        ids = self.state.chunker.encode(text)
-        if len(ids) != sum(rec.chunk_tokens):
-            raise APIError(500, f"document {rec.id!r} no longer tokenizes as it did at ingestion: re-ingest it",
-                           code="tokenizer_changed")
-        out, pos = [], 0
-        for n in rec.chunk_tokens:
-            out.append(list(ids[pos : pos + n]))
-            pos += n
-        self._doc_tokens[cache_key] = out
-        while len(self._doc_tokens) > _DOC_TOKEN_CACHE:
-            self._doc_tokens.popitem(last=False)
-        return out
 
     def _key(self, rec: Any, i: int, token_ids: list[int]) -> str:
         """Chunk i's key under the model running now (and the context its KV was computed after, from the
@@ -230,19 +223,18 @@ class QueryService:
         for another model is counted, logged once, and rebuilt for this one in the background."""
         from kvfuse import kvblob
 
-        st = self.state
-        fp = st.supervisor.info.get("fingerprint")
+        fp = self.dispatcher.info.get("fingerprint")
         if not fp:  # no worker yet: the query waits for one, which will have this model
             return rec.chunk_keys[i]
         context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
-        key = kvblob.chunk_key_from_hash(fp, st.settings.store.kv_dtype, kvblob.token_hash(token_ids), context)
+        key = kvblob.chunk_key_from_hash(fp, self.settings.store.kv_dtype, kvblob.token_hash(token_ids), context)
         if key != rec.chunk_keys[i]:
-            st.metrics.fingerprint_misses.inc()
+            self.metrics.fingerprint_misses.inc()
             if rec.id not in self._stale_logged:
                 self._stale_logged.add(rec.id)
                 log.warning("document %s has KV of another model (or KV dtype): its chunks are rebuilt from "
                             "their tokens at each query until the document is rebuilt for this model", rec.id)
-                st.ingest.resubmit_soon(rec.id, "its KV is from another model")
+                self.ingest.resubmit_soon(rec.id, "its KV is from another model")
         return key
 
     def _explicit_chunks(self, document_ids: list[str]) -> list[SourceChunk]:
@@ -250,10 +242,10 @@ class QueryService:
             raise APIError(422, "document_ids contains duplicates", code="invalid_value", param="document_ids")
         chunks: list[SourceChunk] = []
         for doc_id in document_ids:
-            rec = self.state.store.get_document(doc_id)
+            rec = self.corpus.store.get_document(doc_id)
             if rec is None or rec.status != "ready":
                 self._not_ready(doc_id, rec)
-            for i, ids in enumerate(self.chunk_token_ids(rec)):
+            for i, ids in enumerate(self.corpus.chunk_token_ids(rec)):
                 chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids))
         return chunks
 
@@ -261,11 +253,11 @@ class QueryService:
         """Why a named document cannot be used: a document still being ingested (first version, so no
         record yet, or one that has none good) is 409 with Retry-After, as GET /v1/documents/{id} says
         `processing`; a failed one is 409 without; an unknown one 404."""
-        job = self.state.ingest.unfinished(doc_id)
+        job = self.ingest.unfinished(doc_id)
         if job is not None:
             raise APIError(409, f"document {doc_id!r} is being ingested (job {job.id}) and is not ready yet; "
                            "retry later", code="document_not_ready", param="document_ids",
-                           headers={"Retry-After": str(max(1, self.state.settings.server.retry_after_s))})
+                           headers={"Retry-After": str(max(1, self.settings.server.retry_after_s))})
         if rec is None:
             raise APIError(404, f"document {doc_id!r} not found", code="document_not_found", param="document_ids")
         raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
@@ -276,11 +268,11 @@ class QueryService:
         records: dict[str, Any] = {}
         for h in hits:
             if h.document_id not in records:
-                records[h.document_id] = self.state.store.get_document(h.document_id)
+                records[h.document_id] = self.corpus.store.get_document(h.document_id)
             rec = records[h.document_id]
             if rec is None or rec.status != "ready" or h.chunk_index >= len(rec.chunk_keys):
                 continue  # deleted or re-ingested since the search
-            ids = self.chunk_token_ids(rec)[h.chunk_index]
+            ids = self.corpus.chunk_token_ids(rec)[h.chunk_index]
             chunks.append(SourceChunk(h.document_id, h.chunk_index, h.score, self._key(rec, h.chunk_index, ids), ids,
                                       h.dense_rank, h.keyword_rank))
         if not chunks:
@@ -289,29 +281,29 @@ class QueryService:
         return chunks
 
     # -- running -------------------------------------------------------------------------------------------
-    async def start(self, plan: QueryPlan, request: Request | None) -> QueryRun:
-        st = self.state
+    async def start(self, plan: QueryPlan, gone: Gone | None) -> QueryRun:
+        """Queue the job and wait for the worker's plan (which chunks fit), watching `gone` meanwhile."""
         message = QueryJob(question=plan.question, system_prompt=plan.system_prompt, explicit=plan.explicit,
                            fusion=plan.fusion, generation=plan.generation,
                            chunks=[ChunkRef(c.key, c.token_ids, c.score) for c in plan.chunks])
         try:
-            job = st.supervisor.submit(message)
+            job = self.dispatcher.submit(message)
         except QueueFull as err:
-            st.metrics.requests.labels("rejected").inc()
+            self.metrics.requests.labels("rejected").inc()
             raise APIError(429, f"the query queue is full ({err}); retry later", code="queue_full",
-                           headers={"Retry-After": str(st.settings.server.retry_after_s)}) from None
+                           headers={"Retry-After": str(self.settings.server.retry_after_s)}) from None
         except WorkerUnavailable as err:
             raise APIError(503, str(err), code="shutting_down") from None
         except NoLiveWorker as err:
             raise self.api_error(err) from None
-        events = st.supervisor.events(job, plan.deadline)
+        events = self.dispatcher.events(job, plan.deadline)
         try:
-            first = await next_unless_gone(events, request)
+            first = await next_unless_gone(events, gone)
         except BaseException as err:
-            st.supervisor.cancel(job)
+            self.dispatcher.cancel(job)
             raise self.api_error(err) from None
         if not isinstance(first, Plan):
-            st.supervisor.cancel(job)
+            self.dispatcher.cancel(job)
             raise APIError(500, f"unexpected worker message {type(first).__name__}", code="internal_error")
         kept = [plan.chunks[i] for i in first.kept]
         dropped = [plan.chunks[i] for i in first.dropped]
@@ -320,9 +312,8 @@ class QueryService:
 
     def api_error(self, err: BaseException) -> BaseException:
         """The HTTP error for a failure of a running query (other exceptions pass through)."""
-        st = self.state
         if isinstance(err, WorkerJobError):
-            st.metrics.requests.labels("refused").inc()
+            self.metrics.requests.labels("refused").inc()
             if err.kind in (ERR_CONTEXT_OVERFLOW, ERR_MAX_TOKENS, ERR_KV_BUDGET):
                 return APIError(400, err.message, code=err.kind,
                                 param="document_ids" if err.kind == ERR_CONTEXT_OVERFLOW else "max_tokens")
@@ -330,29 +321,28 @@ class QueryService:
                 return APIError(422, err.message, code="invalid_value")
             if err.kind == ERR_INDEX_UNAVAILABLE:
                 return APIError(503, f"the document index is unavailable: {err.message}", code="index_unavailable",
-                                headers={"Retry-After": str(max(1, st.settings.server.retry_after_s))})
+                                headers={"Retry-After": str(max(1, self.settings.server.retry_after_s))})
             return APIError(500, f"generation failed: {err.message}", code="generation_failed")
-        retry_after = {"Retry-After": str(max(1, st.settings.server.retry_after_s))}
+        retry_after = {"Retry-After": str(max(1, self.settings.server.retry_after_s))}
         if isinstance(err, NoLiveWorker):
-            st.metrics.requests.labels("no_live_worker").inc()
+            self.metrics.requests.labels("no_live_worker").inc()
             return APIError(503, f"{err}; retry once a worker has joined (GET /ready lists the live workers)",
                             code="no_live_worker", headers=retry_after)
         if isinstance(err, WorkerCrashed):
-            st.metrics.requests.labels("worker_crashed").inc()
-            return APIError(503, f"{err}; {st.supervisor.crash_advice}", code="worker_crashed", headers=retry_after)
+            self.metrics.requests.labels("worker_crashed").inc()
+            return APIError(503, f"{err}; {self.dispatcher.crash_advice}", code="worker_crashed", headers=retry_after)
         if isinstance(err, TimeoutError):
-            st.metrics.requests.labels("timeout").inc()
-            return APIError(504, f"the query did not finish within {st.settings.server.request_timeout_s} s",
+            self.metrics.requests.labels("timeout").inc()
+            return APIError(504, f"the query did not finish within {self.settings.server.request_timeout_s} s",
                             code="timeout")
         if isinstance(err, ClientGone | asyncio.CancelledError):
-            st.metrics.requests.labels("cancelled").inc()
+            self.metrics.requests.labels("cancelled").inc()
         return err
 
     async def stream(self, run: QueryRun) -> AsyncIterator[tuple[str, Any]]:
-        """("delta", {"text"}) messages, then ("result", QueryAnswer). Raises the mapped APIError on failure;
+        """("delta", {"text"}) messages, then ("result", QueryOutcome). Raises the mapped APIError on failure;
         cancels the job if the consumer stops early (client gone, timeout)."""
-        st = self.state
-        m = st.metrics
+        m = self.metrics
         first_at: float | None = None
         last_at = None
         finished = False
@@ -370,14 +360,16 @@ class QueryService:
                 elif isinstance(msg, Result):
                     finished = True
                     p = dataclasses.asdict(msg)
-                    summary = self.summarize(run, p, first_at)
+                    u = p["usage"]
+                    outcome = QueryOutcome(p, first_at, now, cached_tokens(run.plan, u))
                     m.e2e.observe(now - run.plan.arrived)
                     m.kv_load.observe(p["timings"].get("kv_load_s", 0.0))
-                    m.hit_tokens.inc(summary.usage.cached_tokens)
-                    m.query_tokens.inc(summary.usage.prompt_tokens)
+                    m.hit_tokens.inc(outcome.cached_tokens)
+                    m.query_tokens.inc(u.get("prefix_tokens", 0) + u.get("context_tokens", 0)
+                                       + u.get("question_tokens", 0))
                     m.rebuilt_chunks.inc(p.get("rebuilt_chunks", 0))
                     m.requests.labels(p["finish_reason"] if p["finish_reason"] == "cancelled" else "ok").inc()
-                    yield "result", summary
+                    yield "result", outcome
                 else:  # Cancelled: ended before the worker started it
                     finished = True
                     return
@@ -385,32 +377,4 @@ class QueryService:
             raise self.api_error(err) from None
         finally:
             if not finished:
-                st.supervisor.cancel(run.job)
-
-    def summarize(self, run: QueryRun, result: dict, first_at: float | None) -> QueryAnswer:
-        """The answer from the worker's result: its token counts as the client reads them, and timings
-        measured from the request's arrival."""
-        u = result["usage"]
-        t = result["timings"]
-        prefix, context, question = u.get("prefix_tokens", 0), u.get("context_tokens", 0), u.get("question_tokens", 0)
-        recomputed = u.get("recomputed_tokens", 0)
-        vanilla = run.plan.fusion["method"] == "vanilla"
-        # Reused = prompt tokens whose stored KV went into the answer unchanged (vanilla reuses nothing).
-        cached = 0 if vanilla else max(0, prefix + context - recomputed)
-        now = time.monotonic()
-        ms = lambda s: round(1000.0 * s, 2)  # noqa: E731
-        job = run.job
-        return QueryAnswer(
-            **dict(run.retrieved()),
-            answer=result["text"],
-            finish_reason=result["finish_reason"],
-            usage=Usage(prompt_tokens=prefix + context + question, completion_tokens=u.get("generated_tokens", 0),
-                        context_tokens=context, cached_tokens=cached, recomputed_tokens=recomputed),
-            timings=Timings(retrieval_ms=ms(run.plan.retrieval_s),
-                            queue_ms=ms((job.started_at or now) - job.enqueued_at),
-                            kv_load_ms=ms(t.get("kv_load_s", 0.0)), assemble_ms=ms(t.get("assemble_s", 0.0)),
-                            select_ms=ms(t.get("select_s", 0.0)), recompute_ms=ms(t.get("recompute_s", 0.0)),
-                            ttft_ms=ms((first_at or now) - run.plan.arrived), decode_ms=ms(t.get("decode_s", 0.0)),
-                            total_ms=ms(now - run.plan.arrived)),
-            worker=result.get("worker") or None,
-        )
+                self.dispatcher.cancel(run.job)

@@ -50,7 +50,7 @@ class QueryJob:
 class PrecomputeJob:
     chunks: list[list[int]]
     job_id: int = 0
-    # per chunk, the tokens its KV is computed after ([] or none given: alone); see service/chunk_contexts.py
+    # per chunk, the tokens its KV is computed after ([] or none given: alone); see service/rag/precompute_context.py
     contexts: list[list[int]] = field(default_factory=list)
 
     def context(self, i: int) -> list[int]:
@@ -66,8 +66,6 @@ class Cancel:
 class Shutdown:
     job_id: int = 0
 
-
-Job = QueryJob | PrecomputeJob
 
 
 # -- worker -> API ---------------------------------------------------------------------------------------

@@ -10,12 +10,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvfuse.service import sse
-from kvfuse.service.dependencies import Queries
-from kvfuse.service.errors import ERROR_RESPONSES, APIError
-from kvfuse.service.query import ClientGone, QueryRun, QueryService, next_unless_gone
-from kvfuse.service.responses import QueryAnswer
-from kvfuse.service.schemas import QueryIn, documented_body, parse_json, validate
+from kvfuse.service.api import sse
+from kvfuse.service.api.answers import answer_of, sources_of
+from kvfuse.service.api.dependencies import Queries
+from kvfuse.service.api.errors import ERROR_RESPONSES
+from kvfuse.service.api.responses import QueryAnswer
+from kvfuse.service.api.schemas import QueryIn, documented_body, parse_json, validate
+from kvfuse.service.errors import APIError
+from kvfuse.service.rag.query import ClientGone, QueryRun, QueryService, next_unless_gone
 
 router = APIRouter(responses=ERROR_RESPONSES)
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the access log does
@@ -27,7 +29,7 @@ async def watch_disconnect(agen: AsyncIterator[Any], request: Request) -> AsyncI
     """Items of `agen`; raises ClientGone as soon as the client disconnects (checked while waiting)."""
     while True:
         try:
-            item = await next_unless_gone(agen, request)
+            item = await next_unless_gone(agen, request.is_disconnected)
         except StopAsyncIteration:
             return
         yield item
@@ -39,7 +41,7 @@ async def start_query(queries: QueryService, request: Request, body: Any, *, que
                                  document_ids=body.document_ids, filters=body.filters, retrieval=body.retrieval,
                                  fusion=body.fusion,
                                  gen=body, arrived=arrived)
-    return await queries.start(plan, request)
+    return await queries.start(plan, request.is_disconnected)
 
 
 @router.post("/v1/query", response_model=QueryAnswer, responses=_STREAM_DOC, openapi_extra=documented_body(QueryIn))
@@ -66,7 +68,7 @@ async def collect_answer(queries: QueryService, run: QueryRun, request: Request,
     try:
         async for kind, p in watch_disconnect(queries.stream(run), request):
             if kind == "result":
-                answer = p
+                answer = answer_of(run, p)
     except ClientGone:
         return None
     if answer is None:
@@ -75,13 +77,13 @@ async def collect_answer(queries: QueryService, run: QueryRun, request: Request,
 
 
 async def _sse(queries: QueryService, run: QueryRun) -> AsyncIterator[bytes]:
-    yield sse.event(run.retrieved(), "sources")
+    yield sse.event(sources_of(run), "sources")
     try:
         async for kind, p in queries.stream(run):
             if kind == "delta":
                 yield sse.event({"text": p["text"]}, "token")
             else:
-                yield sse.event(p, "done")
+                yield sse.event(answer_of(run, p), "done")
     except APIError as err:
         yield sse.event({**err.body(), "status": err.status}, "error")
     yield sse.DONE

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvfuse.config import Settings
-from kvfuse.service import protocol as P
-from kvfuse.service.job_book import Job, QueueFull
+from kvfuse.service.dispatch.job_book import Job, QueueFull
+from kvfuse.service.dispatch.supervisor import WorkerSupervisor
 from kvfuse.service.metrics import Metrics
-from kvfuse.service.supervisor import WorkerSupervisor
+from kvfuse.service.wire import protocol as P
 
 
 class _Member(WorkerSupervisor):
@@ -79,6 +79,9 @@ class LocalPool:
     @property
     def running(self) -> int:
         return sum(m.running for m in self.members)
+
+    def live_workers(self) -> list[dict[str, Any]]:
+        return [w for m in self.members for w in m.live_workers()]
 
     def gauges(self) -> None:
         self.metrics.waiting.set(self.waiting)

@@ -16,25 +16,25 @@ meanwhile that it waits and why. See docs/DESIGN.md, Durability.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfuse.config import DEFAULT_COLLECTION
-from kvfuse.service.chunk_contexts import contexts_for
+from kvfuse.config import Settings
+from kvfuse.service.dispatch.base import require_worker
+from kvfuse.service.dispatch.job_book import WorkerCrashed, WorkerJobError, precompute
 from kvfuse.service.errors import APIError
-from kvfuse.service.ingest_retry import INDEX_UNAVAILABLE, WORKER_CRASHED, RetryPolicy, cause_of
-from kvfuse.service.job_book import WorkerCrashed, WorkerJobError, precompute
-from kvfuse.service.protocol import PrecomputeJob
-from kvfuse.service.responses import Submitted
+from kvfuse.service.rag.ingest_job import IngestJob, Submission, content_hash
+from kvfuse.service.rag.ingest_retry import INDEX_UNAVAILABLE, WORKER_CRASHED, RetryPolicy, cause_of
+from kvfuse.service.rag.precompute_context import contexts_for
+from kvfuse.service.wire.protocol import PrecomputeJob
 from kvfuse.store.jobs import JobRecord, public_status
 
 if TYPE_CHECKING:
-    from kvfuse.service.state import ServiceState
+    from kvfuse.service.metrics import Metrics
+    from kvfuse.service.rag.corpus import Corpus
 
 log = logging.getLogger(__name__)
 
@@ -42,46 +42,28 @@ _MAX_JOBS_KEPT = 10_000  # jobs kept in memory; older ones are read from the sto
 _PURGE_EVERY_S = 3600.0  # how often finished jobs past server.job_history_s are deleted
 
 
-def content_hash(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def default_doc_id(text: str, collection: str = DEFAULT_COLLECTION) -> str:
-    """A missing id becomes the content hash (so re-sending the same text finds the same document), under
-    its collection's name outside the default one (the same text may be a document of several)."""
-    doc_id = "sha256-" + content_hash(text)[:32]
-    return doc_id if collection == DEFAULT_COLLECTION else f"{collection}:{doc_id}"
-
-
-@dataclass(eq=False)
-class IngestJob:
-    """A job's stored record plus what only this process needs (its end event, a pending cancel)."""
-
-    rec: JobRecord
-    cancelled: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    woken: asyncio.Event = field(default_factory=asyncio.Event)  # cuts a retry's pause short (a cancel)
-
-    def __getattr__(self, name: str) -> Any:  # id, document_id, status, error, progress ... from the record
-        return getattr(self.__dict__["rec"], name)
-
-
-class Cancelled(Exception):
+class IngestCancelled(Exception):
     """The document was deleted while it was being ingested."""
 
 
 class IngestManager:
     """Runs ingestion jobs one document at a time (the worker is the bottleneck anyway)."""
 
-    def __init__(self, state: ServiceState) -> None:
-        self.state = state
-        self.policy = RetryPolicy.from_settings(state.settings.server)
+    def __init__(self, settings: Settings, metrics: Metrics, dispatcher: Any) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.dispatcher = dispatcher
+        self.corpus: Corpus | None = None  # attached once loaded, before `recover` and `start`
+        self.policy = RetryPolicy.from_settings(settings.server)
         self.jobs: OrderedDict[str, IngestJob] = OrderedDict()
         self.active: dict[str, IngestJob] = {}  # document id -> its unfinished job
         self._queue: asyncio.Queue[IngestJob] = asyncio.Queue()
         self._runner: asyncio.Task | None = None
         self._purged_at = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, corpus: Corpus) -> None:
+        self.corpus = corpus
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -94,7 +76,7 @@ class IngestManager:
     def recover(self) -> int:
         """Queue the jobs a previous run left unfinished, oldest first (call before `start`)."""
         self._purge()
-        jobs = self.state.store.jobs.unfinished()
+        jobs = self.corpus.store.jobs.unfinished()
         for rec in jobs:
             log.info("resuming ingestion job %s of %s (was %s)", rec.id, rec.document_id, rec.status)
             self._register(IngestJob(rec))
@@ -102,13 +84,13 @@ class IngestManager:
 
     def _purge(self) -> None:
         self._purged_at = time.time()
-        n = self.state.store.jobs.purge(self.state.settings.server.job_history_s)
+        n = self.corpus.store.jobs.purge(self.settings.server.job_history_s)
         if n:
             log.info("forgot %d finished jobs older than server.job_history_s", n)
 
     def get(self, job_id: str) -> IngestJob | JobRecord | None:
         job = self.jobs.get(job_id)
-        return job if job is not None else self.state.store.jobs.get(job_id)
+        return job if job is not None else self.corpus.store.jobs.get(job_id)
 
     def unfinished(self, doc_id: str) -> IngestJob | None:
         """The document's job while it runs. A job whose end is being recorded (its status already final,
@@ -125,33 +107,33 @@ class IngestManager:
                                code="document_busy", param="id")
             return
         if on_conflict == "fail":
-            existing = self.state.store.get_document(doc_id)
+            existing = self.corpus.store.get_document(doc_id)
             if existing is not None and existing.status != "failed":
                 raise APIError(409, f"document {doc_id!r} already exists (on_conflict=fail)",
                                code="document_exists", param="id")
 
-    def submit_all(self, items: list[tuple[str, str, dict, str, str]]) -> list[tuple[IngestJob | None, Submitted]]:
+    def submit_all(self, items: list[tuple[str, str, dict, str, str]]) -> list[tuple[IngestJob | None, Submission]]:
         """Queue a job per (doc id, text, metadata, on_conflict, collection) (after check_conflict, with no
         await in between); (None, item) when skipped (a document kept by `skip` stays in its collection). The jobs are stored in one transaction before this returns:
         a 202 is a promise that survives a restart."""
-        out: list[tuple[IngestJob | None, Submitted]] = []
+        out: list[tuple[IngestJob | None, Submission]] = []
         new: list[IngestJob] = []
         for doc_id, text, metadata, on_conflict, collection in items:
             if (job := self.unfinished(doc_id)) is not None:
-                out.append((None, Submitted(document_id=doc_id, job_id=job.id, status=public_status(job.status),
+                out.append((None, Submission(document_id=doc_id, job_id=job.id, status=public_status(job.status),
                                             skipped=True)))
                 continue
-            existing = self.state.store.get_document(doc_id)
+            existing = self.corpus.store.get_document(doc_id)
             if existing is not None and existing.status != "failed" and on_conflict == "skip":
-                out.append((None, Submitted(document_id=doc_id, job_id=None, status=existing.status, skipped=True)))
+                out.append((None, Submission(document_id=doc_id, job_id=None, status=existing.status, skipped=True)))
                 continue
             job = IngestJob(JobRecord(id="job-" + uuid.uuid4().hex[:16], document_id=doc_id, text=text,
                                       metadata=metadata, collection=collection, created_at=time.time()))
             new.append(job)
-            out.append((job, Submitted(document_id=doc_id, job_id=job.id, status=job.status)))
+            out.append((job, Submission(document_id=doc_id, job_id=job.id, status=job.status)))
         if new:
             try:
-                self.state.store.jobs.put_many([j.rec for j in new])
+                self.corpus.store.jobs.put_many([j.rec for j in new])
             except Exception as err:  # noqa: BLE001 - nothing was promised yet
                 raise APIError(503, f"the ingestion jobs could not be stored: {err}", code="store_unavailable") from err
             for job in new:
@@ -163,7 +145,7 @@ class IngestManager:
         the stored version answers until the new one is in. None if a job is already on it."""
         if self.unfinished(doc_id) is not None:
             return None
-        rec, text = self.state.store.get_document(doc_id), self.state.store.get_text(doc_id)
+        rec, text = self.corpus.store.get_document(doc_id), self.corpus.store.get_text(doc_id)
         if rec is None or not text:
             return None
         log.info("rebuilding %s from its stored text: %s", doc_id, reason)
@@ -187,9 +169,9 @@ class IngestManager:
         from kvfuse.store.records import KV_LOST
 
         out = []
-        for rec in self.state.all_documents():
+        for rec in self.corpus.all_documents():
             if rec.status == "ready" and rec.chunk_keys:
-                found = self.state.store.blob_fingerprint(rec.chunk_keys[0])
+                found = self.corpus.store.blob_fingerprint(rec.chunk_keys[0])
                 if found is not None and found != fingerprint:
                     out.append((rec.id, "its KV is from another model"))
             elif rec.status == "failed" and (rec.error or "").startswith(KV_LOST):
@@ -211,7 +193,7 @@ class IngestManager:
         job.cancelled = True
         job.woken.set()
         if job.rec.status == "pending" and not job.rec.staged_keys:  # not started: nothing to undo
-            self.state.store.jobs.abandon(job.rec, "cancelled", "the document was deleted before ingestion")
+            self.corpus.store.jobs.abandon(job.rec, "cancelled", "the document was deleted before ingestion")
             del self.active[doc_id]
             job.done.set()
         return job
@@ -237,7 +219,7 @@ class IngestManager:
 
     def _check(self, job: IngestJob) -> None:
         if job.cancelled:
-            raise Cancelled()
+            raise IngestCancelled()
 
     async def _ingest(self, job: IngestJob) -> None:
         """Run the job to its end. A failure that passes (a worker crash, the document index down:
@@ -248,21 +230,21 @@ class IngestManager:
                 try:
                     await self._attempt(job)
                     return
-                except Cancelled:
+                except IngestCancelled:
                     await self._end(job, "cancelled", "the document was deleted during ingestion")
                     return
                 except Exception as err:  # noqa: BLE001 - every failure is retried or becomes the job's reason
                     if not await self._retry(job, err):
                         return
         finally:
-            self.state.refresh_document_gauge()
+            self.corpus.refresh_gauges(self.metrics)
 
     async def _attempt(self, job: IngestJob) -> None:
         """One try of the job, from where its record says it is."""
         from kvfuse import kvblob
         from kvfuse.store.records import DocumentRecord
 
-        st, rec, jobs = self.state, job.rec, self.state.store.jobs
+        corpus, rec, jobs = self.corpus, job.rec, self.corpus.store.jobs
         t0 = time.perf_counter()
         doc_id = job.document_id
         rec.waiting_for = None
@@ -272,29 +254,29 @@ class IngestManager:
         self._check(job)
         rec.status = "processing"
         await asyncio.to_thread(jobs.put, rec)
-        await st.supervisor_ready()
-        chunks = await asyncio.to_thread(st.chunker.chunk, rec.text)
+        await require_worker(self.dispatcher, self.settings.server.worker_start_timeout_s)
+        chunks = await asyncio.to_thread(corpus.chunker.chunk, rec.text)
         rec.chunks_total, rec.chunks_done = len(chunks), 0
         ids = [c.token_ids for c in chunks]
-        vectors = await asyncio.to_thread(st.embedder.embed, [c.text for c in chunks])
+        vectors = await asyncio.to_thread(corpus.embedder.embed, [c.text for c in chunks])
         self._check(job)
-        contexts = await asyncio.to_thread(contexts_for, st, doc_id, ids, vectors, rec.collection)
-        fp, hashes = st.supervisor.info["fingerprint"], [kvblob.context_hash(c) for c in contexts]
-        keys = [kvblob.chunk_key_from_hash(fp, st.settings.store.kv_dtype, kvblob.token_hash(t), h)
+        contexts = await asyncio.to_thread(contexts_for, corpus, doc_id, ids, vectors, rec.collection)
+        fp, hashes = self.dispatcher.info["fingerprint"], [kvblob.context_hash(c) for c in contexts]
+        keys = [kvblob.chunk_key_from_hash(fp, self.settings.store.kv_dtype, kvblob.token_hash(t), h)
                 for t, h in zip(ids, hashes, strict=True)]
         # Staged before any blob is written: the refs make every blob below the job's, so none is
         # ever an orphan.
         await asyncio.to_thread(jobs.stage, rec, keys)
         self._check(job)
         kv_bytes = 0
-        batch = st.settings.server.precompute_batch_chunks
+        batch = self.settings.server.precompute_batch_chunks
         for i in range(0, len(ids), batch):
-            done = await precompute(st.supervisor, PrecomputeJob(ids[i : i + batch],
+            done = await precompute(self.dispatcher, PrecomputeJob(ids[i : i + batch],
                                                                  contexts=contexts[i : i + batch]))
             if done.keys != keys[i : i + batch]:
                 raise RuntimeError("the worker computed other chunk keys than the API (model changed?)")
             kv_bytes += sum(done.nbytes)
-            st.metrics.precomputed_chunks.inc(done.computed)
+            self.metrics.precomputed_chunks.inc(done.computed)
             rec.chunks_done = min(len(ids), i + batch)
             self._check(job)
         doc = DocumentRecord(id=doc_id, status="ready", metadata=rec.metadata, collection=rec.collection,
@@ -312,13 +294,13 @@ class IngestManager:
     async def _index(self, job: IngestJob, vectors: Any, texts: list[str] | None) -> None:
         """Replace the document's vectors and chunk texts in the retrieval indexes (chunked and embedded
         again from its stored text after a restart) and finish."""
-        st, rec = self.state, job.rec
+        corpus, rec = self.corpus, job.rec
         if vectors is None or texts is None:
-            text = await asyncio.to_thread(st.store.get_text, rec.document_id) or ""
-            texts = [c.text for c in await asyncio.to_thread(st.chunker.chunk, text)]
-            vectors = await asyncio.to_thread(st.embedder.embed, texts)
-        await asyncio.to_thread(st.index_replace, rec.document_id, vectors, texts, rec.metadata, rec.collection)
-        await asyncio.to_thread(st.store.jobs.finish, rec)
+            text = await asyncio.to_thread(corpus.store.get_text, rec.document_id) or ""
+            texts = [c.text for c in await asyncio.to_thread(corpus.chunker.chunk, text)]
+            vectors = await asyncio.to_thread(corpus.embedder.embed, texts)
+        await asyncio.to_thread(corpus.index_replace, rec.document_id, vectors, texts, rec.metadata, rec.collection)
+        await asyncio.to_thread(corpus.store.jobs.finish, rec)
 
     async def _retry(self, job: IngestJob, err: Exception) -> bool:
         """After a failed try: True once the job may run again (its record reloaded from LMDB, the retry
@@ -342,19 +324,19 @@ class IngestManager:
             rec.waiting_for = (f"retry {tries} of {self.policy.attempts[cause] - 1} in {pause:g} s, "
                                f"after: {reason}")
             log.warning("ingest of %s: %s", job.document_id, rec.waiting_for)
-            await asyncio.to_thread(self.state.store.jobs.put, rec)
+            await asyncio.to_thread(self.corpus.store.jobs.put, rec)
             try:
                 await asyncio.wait_for(job.woken.wait(), pause)
             except TimeoutError:
                 pass
-            if cause != INDEX_UNAVAILABLE or await self.state.document_index_available():
+            if cause != INDEX_UNAVAILABLE or await self.corpus.document_index_available():
                 return True
             tries += 1  # the index still does not answer: that try failed too
 
     async def _reload(self, job: IngestJob) -> None:
         """Take the job's record as LMDB has it: a try may have stopped between its in-memory changes and
         their write (a swap committed in LMDB whose index write failed is `indexing` there)."""
-        stored = await asyncio.to_thread(self.state.store.jobs.get, job.id)
+        stored = await asyncio.to_thread(self.corpus.store.jobs.get, job.id)
         if stored is not None and not stored.finished:
             job.rec = stored
 
@@ -366,15 +348,15 @@ class IngestManager:
         from kvfuse.store.errors import IndexUnavailableError
         from kvfuse.store.records import DocumentRecord
 
-        st, rec = self.state, job.rec
+        store, rec = self.corpus.store, job.rec
         try:
             failed = None
             if status == "failed":
-                existing = await asyncio.to_thread(st.store.catalog.stored_document, rec.document_id)
+                existing = await asyncio.to_thread(store.catalog.stored_document, rec.document_id)
                 if existing is None or existing.status == "failed":
                     failed = DocumentRecord(id=rec.document_id, status="failed", metadata=rec.metadata,
                                             collection=rec.collection, error=reason, content_hash=content_hash(rec.text))
-            await asyncio.to_thread(st.store.jobs.abandon, rec, status, reason, failed)
+            await asyncio.to_thread(store.jobs.abandon, rec, status, reason, failed)
         except IndexUnavailableError as err:  # raised after the LMDB write, by the index's copy of it
             log.warning("job %s ended %s; the document index is behind until it answers again: %s", rec.id,
                         status, err)

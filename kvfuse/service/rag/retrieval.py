@@ -16,7 +16,8 @@ from kvfuse.retriever.hybrid import RankedHit, search
 from kvfuse.service.errors import APIError
 
 if TYPE_CHECKING:
-    from kvfuse.service.state import ServiceState
+    from kvfuse.config import Settings
+    from kvfuse.service.rag.corpus import Corpus
 
 
 @dataclass(frozen=True)
@@ -31,30 +32,30 @@ class RetrievalOptions:
         return self.collections or [DEFAULT_COLLECTION]
 
 
-def retrieval_options(state: ServiceState, retrieval: Any | None) -> RetrievalOptions:
+def retrieval_options(settings: Settings, retrieval: Any | None) -> RetrievalOptions:
     """The request's `retrieval` object over the configured defaults (`retriever.mode`, ...)."""
-    r = state.settings.retriever
+    r = settings.retriever
     given = retrieval.model_dump(exclude_none=True) if retrieval is not None else {}
     return RetrievalOptions(mode=given.get("mode", r.mode), collections=given.get("collections"),
                             rrf_k=given.get("rrf_k", r.rrf_k), candidates=given.get("candidates", r.candidates))
 
 
-def retrieve(state: ServiceState, question: str, top_k: int, opts: RetrievalOptions,
+def retrieve(corpus: Corpus, question: str, top_k: int, opts: RetrievalOptions,
              filters: dict | None) -> list[RankedHit]:
     """The top_k chunks for `question`, best first, each with its rank in the lists it came from. Reads
     the indexes and embeds the question: call it in a thread."""
-    if opts.mode == "keyword" and not state.keyword.terms(question):
+    if opts.mode == "keyword" and not corpus.keyword.terms(question):
         raise APIError(422, "the query has no searchable keywords (only stopwords, punctuation or one-character "
                             "words): keyword retrieval needs one; use retrieval.mode dense or hybrid",
                        code="empty_keyword_query", param="query")
-    return search(opts.mode, question, top_k, embed=lambda q: state.embedder.embed([q])[0], dense=state.index,
-                  keyword=state.keyword, document_ids=_selection(state, opts, filters), rrf_k=opts.rrf_k,
+    return search(opts.mode, question, top_k, embed=lambda q: corpus.embedder.embed([q])[0], dense=corpus.index,
+                  keyword=corpus.keyword, document_ids=_selection(corpus, opts, filters), rrf_k=opts.rrf_k,
                   candidates=opts.candidates)
 
 
-def _selection(state: ServiceState, opts: RetrievalOptions, filters: dict | None) -> list[str] | None:
+def _selection(corpus: Corpus, opts: RetrievalOptions, filters: dict | None) -> list[str] | None:
     """The documents a search may return; None when that is every indexed one (no scan needed)."""
-    present = state.index.collections()
+    present = corpus.index.collections()
     unknown = [c for c in opts.collections or [] if c not in present]
     if unknown:
         raise APIError(404, f"no ready document in collection(s) {', '.join(map(repr, unknown))}; collections "
@@ -63,6 +64,6 @@ def _selection(state: ServiceState, opts: RetrievalOptions, filters: dict | None
     if not filters and set(opts.searched) >= set(present):
         return None
     try:
-        return state.index.select(filters=filters, collections=opts.searched)
+        return corpus.index.select(filters=filters, collections=opts.searched)
     except FilterTypeError as err:
         raise APIError(422, str(err), code="filter_type_mismatch", param=f"filters.{err.field}") from None

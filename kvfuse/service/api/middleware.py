@@ -7,8 +7,9 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfuse.config import ServerSettings
-from kvfuse.service.auth import check_request
-from kvfuse.service.errors import APIError, error_response
+from kvfuse.service.api.auth import check_request
+from kvfuse.service.api.errors import error_response
+from kvfuse.service.errors import APIError
 
 
 class GuardMiddleware:

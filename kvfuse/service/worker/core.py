@@ -28,35 +28,26 @@ import os
 import signal
 import socket
 import traceback
-from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any
 
 from kvfuse.config import Settings
-from kvfuse.service import protocol as P
-from kvfuse.service.protocol import (  # noqa: F401 - re-exported: the API maps these kinds to statuses
+from kvfuse.service.wire import protocol as P
+from kvfuse.service.wire.protocol import (
     ERR_CONTEXT_OVERFLOW,
     ERR_INDEX_UNAVAILABLE,
     ERR_INTERNAL,
     ERR_INVALID,
-    ERR_KV_BUDGET,
-    ERR_MAX_TOKENS,
 )
-from kvfuse.service.scheduler import Request, Scheduler, SchedulerLimits
-from kvfuse.service.sequences import IngestTask, QuerySequence, plan_query
+from kvfuse.service.worker.chunk_kv import ChunkCache
+from kvfuse.service.worker.scheduler import Request, Scheduler, SchedulerLimits
+from kvfuse.service.worker.sequences import IngestTask, QuerySequence, plan_query
 
 log = logging.getLogger("kvfuse.worker")
 
-_PREFIX_CACHE_ENTRIES = 8  # distinct system prompts kept decoded in the worker
-
-
-def kv_nbytes(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
-    """Payload size of a chunk's K and V at rest (used when a chunk is already stored)."""
-    itemsize = 4 if kv_dtype == "float32" else 2
-    return 2 * num_layers * num_kv_heads * num_tokens * head_dim * itemsize
-
-
 class Worker:
+    SHARE_REBUILT = False  # a fleet worker writes a chunk rebuilt on a miss back to the shared tiers
+
     def __init__(self, settings: Settings, conn: Connection) -> None:
         from kvfuse.fusion import FusionEngine
 
@@ -65,11 +56,11 @@ class Worker:
         self.name = settings.fleet.worker_name or f"{socket.gethostname()}-{os.getpid()}"
         self.engine = FusionEngine.from_settings(settings)
         self.store = self.open_store(settings)
+        self.kv = ChunkCache(self.engine, self.store, settings, share_rebuilt=self.SHARE_REBUILT)
         self.kv_dtype = settings.store.kv_dtype
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
         self.scheduler = Scheduler(SchedulerLimits.from_settings(settings.server))
         self.step_no = 0
-        self._prefixes: OrderedDict[str, Any] = OrderedDict()
 
     # -- helpers -------------------------------------------------------------------------------------------
     def open_store(self, settings: Settings) -> Any:
@@ -92,85 +83,6 @@ class Worker:
                 "methods": list(available_methods()), "kv_dtype": self.kv_dtype,
                 "kv_budget_tokens": self.scheduler.limits.kv_budget_tokens,
                 "max_running_requests": self.scheduler.limits.max_running}
-
-    def key_of(self, token_ids: list[int], context: list[int] | None = None) -> str:
-        from kvfuse import kvblob
-
-        return kvblob.chunk_key(self.engine.fingerprint, self.kv_dtype, token_ids, context or ())
-
-    def compute_and_store(self, chunks: list[list[int]], contexts: list[list[int]] | None = None
-                          ) -> list[tuple[str, int]]:
-        """Precompute, encode and store chunks, each after its context if given (chunks alone are
-        batched); returns (key, blob bytes) each."""
-        fp, contexts = self.engine.fingerprint, contexts or [[] for _ in chunks]
-        alone = [i for i, c in enumerate(contexts) if not c]
-        computed = dict(zip(alone, self.engine.precompute([chunks[i] for i in alone]), strict=True))
-        for i, context in enumerate(contexts):
-            if context:
-                computed[i] = self.engine.precompute_after(context, chunks[i])
-        return [self.store.put_kv(fp, self.kv_dtype, chunks[i], computed[i].k, computed[i].v,
-                                  self.chunk_artifacts(chunks[i]), context_ids=contexts[i])
-                for i in range(len(chunks))]
-
-    def chunk_artifacts(self, token_ids: list[int]) -> dict | None:
-        """What the blob keeps beside the KV: samkv's analysis of the chunk (kvfuse.fusion.sparse), when
-        `fusion.samkv_ingest_artifacts` is on; else None (samkv rebuilds it on demand)."""
-        if not self.settings.fusion.samkv_ingest_artifacts:
-            return None
-        from kvfuse.fusion.sparse import artifacts
-
-        return artifacts.build(self.engine.tf, token_ids).to_tensors()
-
-    def block_source(self, key: str, token_ids: list[int]) -> Any:
-        """A chunk read block by block from the store (samkv); the whole chunk, rebuilt if need be, on a
-        miss or a damaged blob."""
-        from kvfuse.fusion.sparse.source import StoreSource
-
-        return StoreSource(self.store, key, token_ids,
-                           fallback=lambda: self.load_or_rebuild(key, token_ids, write_back=False)[0])
-
-    def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool) -> tuple[Any, bool]:
-        """A chunk's ChunkKV from the store; recomputed from its token ids on a miss or a corrupt blob.
-
-        A miss is not written back by default: the owning document may have been deleted meanwhile, and
-        an unreferenced blob would leak. A corrupt blob is replaced (its document still refers to it).
-        A chunk keyed with a precompute context is rebuilt alone (the query does not carry the context)
-        and never written back: the alone cache is a fallback, not what its key names."""
-        from kvfuse import kvblob
-        from kvfuse.fusion import ChunkKV
-
-        corrupt = False
-        try:
-            hit = self.store.load_chunk(key)
-        except kvblob.CorruptBlobError as err:
-            log.warning("chunk %s is corrupt (%s): rebuilding it from its tokens", key[:16], err)
-            hit, corrupt = None, True
-        if hit is not None and hit[2].model_fingerprint != self.engine.fingerprint:
-            # Another model's KV (a key from elsewhere): a miss, never fused; rebuilt from the tokens.
-            log.warning("chunk %s holds KV of another model: rebuilding it from its tokens", key[:16])
-            hit = None
-        if hit is not None:
-            k, v, header = hit
-            if header.num_tokens == len(token_ids) and header.token_hash == kvblob.token_hash(token_ids):
-                return ChunkKV(token_ids=token_ids, k=k, v=v, after_context=bool(header.context_hash)), False
-            log.warning("chunk %s does not match its tokens: rebuilding it", key[:16])
-            corrupt = True
-        ckv = self.engine.precompute([token_ids])[0]
-        if (corrupt or write_back) and key == self.key_of(token_ids):
-            self.store.put_kv(self.engine.fingerprint, self.kv_dtype, token_ids, ckv.k, ckv.v)
-        return ckv, True
-
-    def prefix_kv(self, prefix_ids: list[int]) -> Any:
-        """The system prompt's KV, cached by content like any chunk (kept decoded in this process)."""
-        key = self.key_of(prefix_ids)
-        if key in self._prefixes:
-            self._prefixes.move_to_end(key)
-            return self._prefixes[key]
-        ckv = self.engine.precompute([prefix_ids])[0]
-        self._prefixes[key] = ckv
-        while len(self._prefixes) > _PREFIX_CACHE_ENTRIES:
-            self._prefixes.popitem(last=False)
-        return ckv
 
     def _error(self, job_id: int, err: BaseException) -> P.Error:
         from kvfuse.store.errors import IndexUnavailableError
@@ -195,7 +107,7 @@ class Worker:
             return False
         try:
             if isinstance(msg, P.QueryJob):
-                req = plan_query(self, msg)
+                req = plan_query(msg, self.engine, self.scheduler, self.max_context, self.step_no)
                 if isinstance(req, P.Error):
                     self.send(req)
                 else:
@@ -244,7 +156,7 @@ class Worker:
         seq: QuerySequence = req.data
         self.send(seq.plan_message(self.step_no))
         try:
-            seq.start(self)
+            seq.start(self.engine, self.kv)
         except Exception as err:  # noqa: BLE001 - fails this request only
             self.scheduler.retire(req.job_id)
             self.send(self._error(req.job_id, err))
@@ -257,7 +169,7 @@ class Worker:
                 return
             seq: QuerySequence = req.data
             try:
-                spent, text = seq.advance(self, budget)
+                spent, text = seq.advance(self.engine, budget)
             except Exception as err:  # noqa: BLE001 - fails this request only
                 self.scheduler.retire(req.job_id)
                 self.send(self._error(req.job_id, err))
@@ -293,7 +205,7 @@ class Worker:
     def _ingest(self, req: Request, budget_tokens: int) -> None:
         task: IngestTask = req.data
         try:
-            done = task.run_piece(self, budget_tokens)
+            done = task.run_piece(self.kv, budget_tokens)
         except Exception as err:  # noqa: BLE001 - fails this job only
             self.scheduler.ingest_done(req.job_id)
             self.send(self._error(req.job_id, err))

@@ -1,7 +1,7 @@
 """The API side's book of worker jobs, one for every transport.
 
 `WorkerSupervisor` (a local worker process over a pipe, supervisor.py) and `FleetDispatcher` (`kvfuse
-worker`s through Redis, fleet_dispatch.py) differ in how a job reaches a worker and how its replies come
+worker`s through Redis, fleet.py) differ in how a job reaches a worker and how its replies come
 back; everything else is this: job ids, the waiting / running query counts behind the queue limit
 (`server.queue_size` → `QueueFull`, 429) and the gauges, a job's start and end, and the stream of its
 messages that the query and ingestion code read. The outcomes a caller sees are defined here too.
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfuse.config import Settings
-from kvfuse.service import protocol as P
 from kvfuse.service.metrics import Metrics
+from kvfuse.service.wire import protocol as P
 
 
 class QueueFull(Exception):
@@ -39,7 +39,7 @@ class WorkerUnavailable(Exception):
 
 
 class WorkerJobError(Exception):
-    """The worker refused or failed the job; `kind` is one of kvfuse.service.protocol.ERR_*."""
+    """The worker refused or failed the job; `kind` is one of kvfuse.service.wire.protocol.ERR_*."""
 
     def __init__(self, kind: str, message: str, excess_tokens: int | None = None) -> None:
         super().__init__(message)
@@ -69,7 +69,7 @@ class Job:
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     cancelled: bool = False
-    worker: str | None = None  # the fleet worker that took it (fleet_dispatch.py)
+    worker: str | None = None  # the fleet worker that took it (fleet.py)
     cancel_deadline: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: asyncio.Event = field(default_factory=asyncio.Event)

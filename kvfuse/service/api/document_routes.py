@@ -4,15 +4,15 @@ GET /v1/collections, GET /v1/jobs/{id}."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Query, Request, Response
 
 from kvfuse.config import DEFAULT_COLLECTION
-from kvfuse.service.dependencies import ReadyState, State
-from kvfuse.service.errors import ERROR_RESPONSES, APIError
-from kvfuse.service.ingest import IngestJob, default_doc_id
-from kvfuse.service.responses import (
+from kvfuse.service.api.dependencies import ReadyState, State
+from kvfuse.service.api.errors import ERROR_RESPONSES
+from kvfuse.service.api.responses import (
     CollectionDeleted,
     CollectionList,
     CollectionOut,
@@ -23,7 +23,7 @@ from kvfuse.service.responses import (
     Submitted,
     SubmittedBatch,
 )
-from kvfuse.service.schemas import (
+from kvfuse.service.api.schemas import (
     COLLECTION_PATTERN,
     DocumentBatchIn,
     DocumentIn,
@@ -33,6 +33,8 @@ from kvfuse.service.schemas import (
     parse_json,
     validate,
 )
+from kvfuse.service.errors import APIError
+from kvfuse.service.rag.ingest_job import IngestJob, default_doc_id
 
 if TYPE_CHECKING:
     from kvfuse.service.state import ServiceState
@@ -101,11 +103,12 @@ async def create_documents(request: Request, response: Response, state: ReadySta
     jobs = [job for job, _ in results if job is not None]
     if not wait:
         response.status_code = 202 if jobs else 200
-        out: list[JobOut | Submitted] = [item for _, item in results]
+        out: list[JobOut | Submitted] = [Submitted(**dataclasses.asdict(item)) for _, item in results]
         return SubmittedBatch(documents=out) if batch else out[0]
     if jobs:
         await asyncio.wait([asyncio.create_task(j.done.wait()) for j in jobs], timeout=srv.ingest_wait_timeout_s)
-    out = [_waited(request, state, job) if job is not None else item for job, item in results]
+    out = [_waited(request, state, job) if job is not None else Submitted(**dataclasses.asdict(item))
+           for job, item in results]
     if not batch:
         job = results[0][0]
         if job is not None and job.status == "failed":
@@ -136,7 +139,7 @@ def _waited(request: Request, state: ServiceState, job: IngestJob) -> JobOut:
 async def list_documents(state: ReadyState, offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=1000),
                          collection: str | None = Query(None, pattern=COLLECTION_PATTERN)) -> DocumentPage:
     """A page of documents in creation order; of one collection with ?collection= (404 if it has none)."""
-    page, total = await asyncio.to_thread(state.store.list_documents, offset=offset, limit=limit,
+    page, total = await asyncio.to_thread(state.corpus.store.list_documents, offset=offset, limit=limit,
                                           collection=collection)
     if collection is not None and total == 0:
         raise _no_collection(collection)
@@ -150,7 +153,7 @@ async def delete_collection(state: ReadyState,
     """Delete every document of a collection (?collection= is required: no call deletes everything)."""
     ids: list[str] = []
     while True:  # listed anew each round: a page from a shrinking listing would skip documents
-        page, _ = await asyncio.to_thread(state.store.list_documents, offset=len(ids), limit=500,
+        page, _ = await asyncio.to_thread(state.corpus.store.list_documents, offset=len(ids), limit=500,
                                           collection=collection)
         if not page:
             break
@@ -166,7 +169,7 @@ async def delete_collection(state: ReadyState,
 @router.get("/v1/collections")
 async def list_collections(state: ReadyState) -> CollectionList:
     """Collections that have ready documents (what queries can search), with their counts."""
-    counts = await asyncio.to_thread(state.index.collections)
+    counts = await asyncio.to_thread(state.corpus.index.collections)
     return CollectionList(collections=[CollectionOut(name=n, documents=c) for n, c in counts.items()])
 
 
@@ -177,7 +180,7 @@ def _no_collection(collection: str) -> APIError:
 
 @router.get("/v1/documents/{doc_id}")
 async def get_document(state: ReadyState, doc_id: str, include_text: bool = False) -> DocumentOut:
-    rec = await asyncio.to_thread(state.store.get_document, doc_id)
+    rec = await asyncio.to_thread(state.corpus.store.get_document, doc_id)
     job = state.ingest.unfinished(doc_id)
     if rec is None:
         if job is not None:  # queued, not written yet
@@ -185,7 +188,7 @@ async def get_document(state: ReadyState, doc_id: str, include_text: bool = Fals
         raise APIError(404, f"document {doc_id!r} not found", code="document_not_found")
     out = DocumentOut.of(rec, job)
     if include_text:
-        out.text = await asyncio.to_thread(state.store.get_text, doc_id)
+        out.text = await asyncio.to_thread(state.corpus.store.get_text, doc_id)
     return out
 
 
@@ -202,11 +205,11 @@ async def _delete(state: ServiceState, doc_id: str) -> bool:
         await asyncio.wait_for(job.done.wait(), _DELETE_WAIT_S)
         existed = True
     else:
-        existed = await asyncio.to_thread(state.store.get_document, doc_id) is not None
+        existed = await asyncio.to_thread(state.corpus.store.get_document, doc_id) is not None
         if not existed:
             raise APIError(404, f"document {doc_id!r} not found", code="document_not_found")
-    await asyncio.to_thread(state.index_remove, doc_id)
-    await asyncio.to_thread(state.store.delete_document, doc_id)
+    await asyncio.to_thread(state.corpus.index_remove, doc_id)
+    await asyncio.to_thread(state.corpus.store.delete_document, doc_id)
     state.refresh_document_gauge()
     return existed
 

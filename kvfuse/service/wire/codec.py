@@ -12,7 +12,7 @@ import dataclasses
 import json
 from typing import Any
 
-from kvfuse.service import protocol as P
+from kvfuse.service.wire import protocol as P
 
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     P.QueryJob, P.PrecomputeJob, P.Cancel, P.Shutdown, P.Ready, P.Fatal, P.Plan, P.Delta, P.Result, P.Done,

@@ -1,6 +1,6 @@
 """`kvfuse worker`: a model worker of a fleet, on any host, joined to the API through Redis only.
 
-It is the batching worker of worker.py (same scheduler, same engine step), fed from Redis streams
+It is the batching worker of core.py (same scheduler, same engine step), fed from Redis streams
 instead of a pipe (docs/DESIGN.md, "Scale-out"; the keys are in fleet.py):
 
 - it registers with a heartbeat (a key with a TTL naming its model fingerprint, device, free KV budget,
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfuse.config import Settings
-from kvfuse.service import protocol as P
-from kvfuse.service.codec import CodecError, decode, encode
-from kvfuse.service.fleet import GROUP, FingerprintMismatch, FleetKeys, live_workers
-from kvfuse.service.worker import Worker
+from kvfuse.service.wire import protocol as P
+from kvfuse.service.wire.codec import CodecError, decode, encode
+from kvfuse.service.wire.fleet_keys import GROUP, FingerprintMismatch, FleetKeys, read_heartbeats
+from kvfuse.service.worker.core import Worker
 
 log = logging.getLogger("kvfuse.worker")
 
@@ -60,6 +60,8 @@ class Route:
 
 
 class FleetWorker(Worker):
+    SHARE_REBUILT = True  # a chunk of a fleet is everybody's: a rebuilt one goes to the tiers for other hosts
+
     def __init__(self, settings: Settings) -> None:
         import redis
 
@@ -76,7 +78,6 @@ class FleetWorker(Worker):
         self._done: list[int] = []
         self._holds: set[str] = set()
         self._stop = threading.Event()
-        self.rebuilt = 0
         self.started_at = time.time()
         super().__init__(settings, conn=None)  # type: ignore[arg-type] - no pipe: send() goes to Redis
         self.ttl_ms = int(self.fleet.heartbeat_ttl_s * 1000)
@@ -92,14 +93,8 @@ class FleetWorker(Worker):
         # The document index belongs to the API; this host's LMDB is a chunk cache with an embedded index.
         return KVStore.open(settings.model_copy(update={"redis_url": ""}), shared=shared)
 
-    def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool) -> tuple[Any, bool]:
-        # A chunk of a fleet is everybody's: a rebuilt one goes to the tiers so other hosts read it.
-        ckv, rebuilt = super().load_or_rebuild(key, token_ids, write_back=True)
-        self.rebuilt += int(rebuilt)
-        return ckv, rebuilt
-
     def kv_stats(self) -> dict:
-        out = {f"hits_{k}": v for k, v in self.store.chunks.hits.items()} | {"rebuilt": self.rebuilt}
+        out = {f"hits_{k}": v for k, v in self.store.chunks.hits.items()} | {"rebuilt": self.kv.rebuilt}
         if self.store.shared is not None:
             out |= self.store.shared.stats()
         return out
@@ -116,7 +111,7 @@ class FleetWorker(Worker):
     # -- registration and heartbeat --------------------------------------------------------------------------
     def register(self) -> None:
         fp, k = self.engine.fingerprint, self.keys
-        others = {w["fingerprint"] for w in live_workers(self.r, k).values()} - {fp}
+        others = {w["fingerprint"] for w in read_heartbeats(self.r, k).values()} - {fp}
         if not self.r.set(k.fingerprint, fp, nx=True, px=self.ttl_ms):
             fleet = self.r.get(k.fingerprint)
             if fleet is not None and fleet != fp:

@@ -16,12 +16,12 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvfuse.service import sse
-from kvfuse.service.dependencies import Queries, State
-from kvfuse.service.errors import ERROR_RESPONSES, APIError
-from kvfuse.service.query import ClientGone, QueryRun, QueryService
-from kvfuse.service.query_api import CLIENT_CLOSED, collect_answer, start_query
-from kvfuse.service.responses import (
+from kvfuse.service.api import sse
+from kvfuse.service.api.answers import answer_of, sources_of
+from kvfuse.service.api.dependencies import Queries, State
+from kvfuse.service.api.errors import ERROR_RESPONSES
+from kvfuse.service.api.query_routes import CLIENT_CLOSED, collect_answer, start_query
+from kvfuse.service.api.responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -32,7 +32,9 @@ from kvfuse.service.responses import (
     ModelCard,
     ModelList,
 )
-from kvfuse.service.schemas import ChatIn, documented_body, parse_json, validate
+from kvfuse.service.api.schemas import ChatIn, documented_body, parse_json, validate
+from kvfuse.service.errors import APIError
+from kvfuse.service.rag.query import ClientGone, QueryRun, QueryService
 from kvfuse.service.state import ServiceState
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -101,16 +103,17 @@ async def _stream(queries: QueryService, run: QueryRun, cid: str, created: int, 
     def choice(delta: ChunkDelta, finish: Literal["stop", "length"] | None = None) -> list[ChunkChoice]:
         return [ChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=None)]
 
-    retrieved = run.retrieved()
+    retrieved = sources_of(run)
     yield chunk(choice(ChunkDelta(role="assistant", content="")), sources=retrieved.sources, warning=retrieved.warning)
     try:
         async for kind, p in queries.stream(run):
             if kind == "delta":
                 yield chunk(choice(ChunkDelta(content=p["text"])))
             else:
-                yield chunk(choice(ChunkDelta(), _finish(p.finish_reason)), timings=p.timings, fusion=p.fusion)
+                a = answer_of(run, p)
+                yield chunk(choice(ChunkDelta(), _finish(a.finish_reason)), timings=a.timings, fusion=a.fusion)
                 if include_usage:
-                    yield chunk([], usage=ChatUsage.of(p.usage))
+                    yield chunk([], usage=ChatUsage.of(a.usage))
     except APIError as err:
         yield sse.event(err.body())
     yield sse.DONE

@@ -1,0 +1,209 @@
+"""The in-process benchmark backend: one engine, loaded once, running any method on a benchmark example,
+with vanilla's outputs cached on disk as the reference (kvfuse.bench.reference).
+
+Shared by the fidelity, speed and eviction benchmarks and by the studies; the HTTP backend
+(http_backend.py) runs the same examples through a live server instead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+from typing import Any
+
+from kvfuse.bench import agreement
+from kvfuse.bench.fidelity import Outcome
+from kvfuse.bench.reference import Reference, ReferenceCache, reference_key
+from kvfuse.bench.scoring import score as score_answer
+from kvfuse.bench.tasks import Example
+
+
+class EngineBackend:
+    """The fusion engine in this process: load once, precompute each example once."""
+
+    def __init__(self, settings: Any, *, max_tokens: int | None, reference_dir: Any = None):
+        """max_tokens: answer budget for every example (None: each example's own); reference_dir: where
+        vanilla's outputs are kept between runs (None: computed every run, kept nowhere)."""
+        from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
+
+        m = settings.model
+        self.settings = settings
+        self.engine = FusionEngine.from_settings(settings, max_context_tokens=0)
+        self._options_cls = FusionOptions
+        self.max_tokens = max_tokens
+        self.gen = GenerationOptions(max_tokens=max_tokens or 32, temperature=0.0, top_p=1.0)
+        self.system_prompt = m.system_prompt
+        self.references = ReferenceCache(reference_dir) if reference_dir is not None else None
+        from kvfuse.fusion import chunk_context
+
+        st = settings.store
+        self.context_mode = chunk_context.check_mode(st.precompute_context)
+        self.context_tokens, self.neighbours = st.precompute_context_tokens, st.precompute_neighbours
+        self._embedder: Any = None
+        # chunk precompute cost in the context mode (ingest throughput): chunk tokens, seconds
+        self.ingest = {"mode": self.context_mode, "chunk_tokens": 0, "context_tokens": 0, "precompute_s": 0.0,
+                       "embed_s": 0.0}
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def methods(self) -> list[str]:
+        from kvfuse.fusion import available_methods
+
+        return list(available_methods())
+
+    def options(self, method: str, ratio: float | None) -> Any:
+        # Every knob but method and ratio comes from config.fusion (same defaults as the service).
+        names = {f.name for f in fields(self._options_cls)}
+        base = {k: v for k, v in self.settings.fusion.model_dump().items() if k in names}
+        base["method"] = method
+        if ratio is not None:
+            base["recompute_ratio"] = ratio
+        return self._options_cls(**base)
+
+    def prepare(self, ex: Example) -> Any:
+        prefix_ids, question_ids = self.engine.prompt_parts(ex.question, self.system_prompt)
+        if ex.answer_prefix:  # continues the assistant turn: more question tokens, always recomputed
+            question_ids = question_ids + self.engine.tokenize(ex.answer_prefix)
+        chunk_ids = [self.engine.tokenize(c) for c in ex.chunks]
+        prefix = self.engine.precompute([prefix_ids])[0]
+        contexts = self.contexts(ex, prefix_ids, chunk_ids)
+        t = time.perf_counter()
+        if self.context_mode == "none":
+            chunks = self.engine.precompute(chunk_ids)
+        else:
+            chunks = [self.engine.precompute_after(c, ids) for c, ids in zip(contexts, chunk_ids, strict=True)]
+        self.ingest["precompute_s"] += time.perf_counter() - t
+        self.ingest["chunk_tokens"] += sum(map(len, chunk_ids))
+        self.ingest["context_tokens"] += sum(map(len, contexts))
+        return prefix, chunks, question_ids
+
+    def contexts(self, ex: Example, prefix_ids: list[int], chunk_ids: list[list[int]]) -> list[list[int]]:
+        """Each chunk's precompute context in this run's mode. The example's chunks stand for a document
+        (in their order); neighbours are found among them, or in the example's corpus when it has one
+        (the multi-document layout, kvfuse.bench.multidoc)."""
+        from kvfuse.fusion import chunk_context
+
+        mode, budget = self.context_mode, self.context_tokens
+        if mode == "document":
+            return chunk_context.document_contexts(chunk_ids, budget)
+        if mode == "prefix":
+            return [list(prefix_ids) for _ in chunk_ids]
+        if mode == "neighbours":
+            embedder = self.embedder()  # loaded once, outside the timing
+            t = time.perf_counter()
+            vectors = embedder.embed(list(ex.chunks))
+            self.ingest["embed_s"] += time.perf_counter() - t
+            if ex.corpus is not None:
+                return ex.corpus.neighbour_contexts(ex.sources, chunk_ids, vectors, embedder.embed,
+                                                    self.engine.tokenize, self.neighbours, budget)
+            return chunk_context.neighbour_contexts(chunk_ids, vectors, self.neighbours, budget)
+        return [[] for _ in chunk_ids]
+
+    def embedder(self) -> Any:
+        if self._embedder is None:
+            self._embedder = load_embedder(self.settings)
+        return self._embedder
+
+    def _outcome(self, ex: Example, method: str, ratio: float | None, text: str, ttft_s: float,
+                 context_tokens: int, recomputed_tokens: int) -> Outcome:
+        return Outcome(task=ex.task, example_id=ex.id, method=method, ratio=ratio, prediction=text.strip(),
+                       score=score_answer(ex.metric, text, ex.answers), ttft_s=ttft_s,
+                       context_tokens=context_tokens, recomputed_tokens=recomputed_tokens)
+
+    def run(self, ex: Example, prepared: Any, method: str, ratio: float | None,
+            reference: Reference | None = None) -> Outcome:
+        """One method on one example. Vanilla's outcome carries its Reference (read from the reference
+        cache when there); any other method is compared with `reference` when given."""
+        prefix, chunks, question_ids = prepared
+        budget = self.max_tokens or ex.max_tokens
+        key = None
+        if method == "vanilla" and self.references is not None:
+            key = reference_key(self.engine.fingerprint,
+                                [prefix.token_ids, *(c.token_ids for c in chunks), question_ids], budget)
+            hit = self.references.load(key)
+            if hit is not None:
+                out = self._outcome(ex, method, ratio, hit.prediction, hit.ttft_s, hit.context_tokens,
+                                    hit.recomputed_tokens)
+                out.kl_vs_vanilla = out.answer_kl_vs_vanilla = 0.0
+                out.reference = hit
+                return out
+        opts = self.options(method, ratio)
+        self.ingest_artifacts(opts.method, chunks)  # the method itself (a study may run it under a label)
+        text, tokens, steps, ttft_s, fused = self.greedy(prefix, chunks, question_ids, opts, budget,
+                                                         keep_steps=method == "vanilla")
+        stats = fused.stats
+        out = self._outcome(ex, method, ratio, text, ttft_s, int(stats["context_tokens"]),
+                            int(stats["recomputed_tokens"]))
+        out.kv_loaded_share, out.fused_cache_tokens = loaded_share_and_cache(method, stats)
+        if method == "vanilla":
+            out.reference = Reference(text.strip(), tokens, steps.half(), ttft_s, out.context_tokens, int(stats["recomputed_tokens"]))
+            if key is not None:
+                self.references.save(key, out.reference)
+            out.kl_vs_vanilla = out.answer_kl_vs_vanilla = 0.0  # the reference itself
+        elif reference is not None and reference.tokens:
+            logits = agreement.teacher_forced_logits(self.engine, fused, reference.tokens)
+            kls = agreement.token_kls(reference.logprobs, logits)
+            out.kl_vs_vanilla, out.answer_kl_vs_vanilla = kls[0], sum(kls) / len(kls)
+        return out
+
+    def ingest_artifacts(self, method: str, chunks: Any) -> None:
+        """What ingest computes besides the KV, computed before the timed prefill as the service has it
+        stored (samkv's per-chunk analysis, memoised by content in this process)."""
+        from kvfuse.fusion.methods import get_method
+
+        if get_method(method).own_pipeline:
+            from kvfuse.fusion.methods.samkv import artifacts_for
+            from kvfuse.fusion.sparse.source import MemorySource
+
+            for c in chunks:
+                artifacts_for(self.engine, MemorySource(c))
+
+    def greedy(self, prefix: Any, chunks: Any, question_ids: list[int], opts: Any, max_tokens: int, *,
+               keep_steps: bool = False) -> tuple[str, list[int], Any, float, Any]:
+        """Greedy answer from one fused prefill: (text, tokens chosen (the stop token included), the
+        log-probabilities of every step [tokens, vocab] when keep_steps else None, TTFT, the
+        FusedPrefill). `engine.generate` would fuse a second time to get the same answer, so the loop is
+        repeated here with the engine's own `fuse`/`decode_step`/stop tokens; TTFT is measured as
+        generate measures it (start of fuse to the first token chosen)."""
+        import torch
+
+        engine = self.engine
+        t0 = time.perf_counter()
+        fused = engine.fuse(prefix, chunks, question_ids, opts, max_tokens=max_tokens)
+        logits = fused.logits
+        token = int(torch.argmax(logits))
+        ttft_s = time.perf_counter() - t0
+        chosen, steps = [token], [torch.log_softmax(logits.float(), -1)] if keep_steps else []
+        while token not in engine.stop_token_ids and len(chosen) < max_tokens:
+            logits = engine.decode_step(fused.cache, token)
+            token = int(torch.argmax(logits))
+            chosen.append(token)
+            if keep_steps:
+                steps.append(torch.log_softmax(logits.float(), -1))
+        generated = chosen[:-1] if chosen[-1] in engine.stop_token_ids else chosen
+        text = engine.tokenizer.decode(generated, skip_special_tokens=True)
+        return text, chosen, torch.stack(steps) if keep_steps else None, ttft_s, fused
+
+    def finish(self, ex: Example, prepared: Any) -> None:
+        return None
+
+
+def load_embedder(settings: Any) -> Any:
+    """The embedder the service retrieves with (`model.embedder`), on the CPU as the API runs it."""
+    from kvfuse.model_files import resolve_embedder
+    from kvfuse.retriever import Embedder
+
+    return Embedder(resolve_embedder(settings.model.embedder), device="cpu")
+
+
+def loaded_share_and_cache(method: str, stats: dict) -> tuple[float, int]:
+    """(share of the chunks' stored KV bytes the prefill read, fused cache positions) from a prefill's
+    stats: a method that reports them (samkv) is taken at its word; vanilla reads no KV; every other
+    method reads all of it into a cache of the whole prompt."""
+    cache = stats.get("fused_cache_tokens", stats["prefix_tokens"] + stats["context_tokens"] + stats["question_tokens"])
+    if "kv_loaded_bytes" in stats:
+        total = stats["kv_total_bytes"]
+        return (stats["kv_loaded_bytes"] / total if total else 0.0), int(cache)
+    return (0.0 if method == "vanilla" else 1.0), int(cache)

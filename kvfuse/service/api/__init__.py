@@ -1,0 +1,1 @@
+"""HTTP only: routes, request and response models, auth, SSE and error mapping; logic lives in rag/."""

@@ -1,0 +1,55 @@
+"""The answer a client reads, built from a query's run: its sources (the stream's first event and part of
+every answer), and the final answer with its token counts and timings measured from the request's
+arrival. The query pipeline (rag/query.py) returns plain data; only this module knows the response models.
+"""
+
+from __future__ import annotations
+
+from kvfuse.service.api.responses import (
+    FusionUsed,
+    QueryAnswer,
+    QuerySources,
+    RetrievalUsed,
+    Source,
+    Timings,
+    Usage,
+)
+from kvfuse.service.rag.query import QueryOutcome, QueryRun, SourceChunk
+
+
+def source(c: SourceChunk) -> Source:
+    return Source(document_id=c.document_id, chunk_index=c.chunk_index, score=round(c.score, 6),
+                  tokens=len(c.token_ids), dense_rank=c.dense_rank, keyword_rank=c.keyword_rank)
+
+
+def sources_of(run: QueryRun) -> QuerySources:
+    """What the answer is built on."""
+    plan = run.plan
+    fusion = FusionUsed(method=plan.fusion["method"], recompute_ratio=plan.fusion["recompute_ratio"])
+    retrieval = RetrievalUsed(mode="explicit" if plan.explicit else plan.retrieval.mode,
+                              collections=plan.retrieval.searched)
+    return QuerySources(sources=[source(c) for c in run.sources], dropped_sources=[source(c) for c in run.dropped],
+                        warning=run.warning, fusion=fusion, retrieval=retrieval)
+
+
+def answer_of(run: QueryRun, outcome: QueryOutcome) -> QueryAnswer:
+    """The answer from the worker's result: its token counts as the client reads them, and timings."""
+    result, end = outcome.result, outcome.ended_at
+    u, t = result["usage"], result["timings"]
+    prefix, context, question = u.get("prefix_tokens", 0), u.get("context_tokens", 0), u.get("question_tokens", 0)
+    ms = lambda s: round(1000.0 * s, 2)  # noqa: E731
+    job, arrived = run.job, run.plan.arrived
+    return QueryAnswer(
+        **dict(sources_of(run)),
+        answer=result["text"],
+        finish_reason=result["finish_reason"],
+        usage=Usage(prompt_tokens=prefix + context + question, completion_tokens=u.get("generated_tokens", 0),
+                    context_tokens=context, cached_tokens=outcome.cached_tokens,
+                    recomputed_tokens=u.get("recomputed_tokens", 0)),
+        timings=Timings(retrieval_ms=ms(run.plan.retrieval_s), queue_ms=ms((job.started_at or end) - job.enqueued_at),
+                        kv_load_ms=ms(t.get("kv_load_s", 0.0)), assemble_ms=ms(t.get("assemble_s", 0.0)),
+                        select_ms=ms(t.get("select_s", 0.0)), recompute_ms=ms(t.get("recompute_s", 0.0)),
+                        ttft_ms=ms((outcome.first_at or end) - arrived), decode_ms=ms(t.get("decode_s", 0.0)),
+                        total_ms=ms(end - arrived)),
+        worker=result.get("worker") or None,
+    )

@@ -1,0 +1,202 @@
+"""`Corpus`: the API process's documents. The store's catalog and texts, the vector and keyword indexes
+kept in step with it, and the embedder and chunker that fill them.
+
+Ingestion, queries and the document routes all work through one `Corpus`; none of them reaches for the
+others' parts. Index writes are saved at once: the indexes on disk must match the store after any
+commit, and the startup check (`reconcile`) repairs what a crash between two writes left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from kvfuse.config import Settings
+from kvfuse.service.errors import APIError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvfuse.retriever import Chunker, Embedder, VectorIndex
+    from kvfuse.retriever.keyword_index import KeywordIndex
+    from kvfuse.service.metrics import Metrics
+    from kvfuse.store import DocumentRecord, KVStore
+
+log = logging.getLogger(__name__)
+
+_DOC_TOKEN_CACHE = 256  # documents whose chunk token ids are kept (so a query does not re-tokenize them)
+
+
+class Corpus:
+    """The store, then (once `load` ran) the chunker, embedder and both retrieval indexes."""
+
+    def __init__(self, settings: Settings, store: KVStore) -> None:
+        self.settings = settings
+        self.store = store
+        self.chunker: Chunker | None = None
+        self.embedder: Embedder | None = None
+        self.index: VectorIndex | None = None
+        self.keyword: KeywordIndex | None = None
+        self._doc_tokens: OrderedDict[tuple[str, str], list[list[int]]] = OrderedDict()
+
+    # -- loading -------------------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load the tokenizer-only chunker, the embedder and the indexes (rebuilt from the stored documents
+        if unusable), then reconcile them with the store. Slow: call it in a thread."""
+        from kvfuse.model_files import resolve_embedder, resolve_llm
+        from kvfuse.retriever import Chunker, Embedder
+
+        s = self.settings
+        self.chunker = Chunker.from_pretrained(resolve_llm(s.model.llm, s.models_dir), s.retriever.chunk_tokens)
+        self.embedder = Embedder(resolve_embedder(s.model.embedder), device="cpu",
+                                 batch_size=s.model.embed_batch_size)
+        self.index = self._open_index()
+        self.keyword = self._open_keyword_index()
+        self.reconcile()
+
+    def _open_index(self) -> VectorIndex:
+        from kvfuse.retriever import VectorIndex
+        from kvfuse.retriever.errors import IndexLoadError
+
+        s = self.settings
+        try:
+            return VectorIndex.open(s.faiss_dir, self.embedder.dim, s.retriever)
+        except IndexLoadError as err:
+            log.warning("vector index unusable (%s): rebuilding it from the stored documents", err)
+            index = VectorIndex(s.faiss_dir, self.embedder.dim, s.retriever)
+            index.rebuild(self._embedded_documents())
+            index.save()
+            return index
+
+    def _open_keyword_index(self) -> KeywordIndex:
+        from kvfuse.retriever.errors import IndexLoadError
+        from kvfuse.retriever.keyword_index import KeywordIndex
+
+        s = self.settings
+        try:
+            return KeywordIndex.open(s.keyword_dir, s.retriever)
+        except IndexLoadError as err:
+            log.warning("keyword index unusable (%s): rebuilding it from the stored documents' text", err)
+            index = KeywordIndex(s.keyword_dir, s.retriever)
+            index.rebuild((doc_id, texts) for doc_id, texts, _ in self._chunked_documents())
+            index.save()
+            return index
+
+    def reconcile(self) -> None:
+        """After a crash: the indexes hold exactly the ready documents. (Unfinished jobs resume from the
+        store; a document record left pending by an older version without durable jobs is failed.)"""
+        docs = self.all_documents()
+        for rec in docs:
+            if rec.status in ("pending", "processing"):
+                log.warning("document %s was interrupted during ingestion: marking it failed", rec.id)
+                text = self.store.get_text(rec.id) or ""
+                self.store.delete_document(rec.id)
+                rec.status, rec.error = "failed", "ingestion was interrupted by a restart; send it again"
+                rec.chunk_keys, rec.chunk_tokens, rec.tokens, rec.kv_bytes = [], [], 0, 0
+                self.store.put_document(rec, text)
+        ready = {r.id: len(r.chunk_keys) for r in docs if r.status == "ready"}
+        report = self.index.check(ready)
+        if not report.ok:
+            for doc_id in report.extra:
+                self.index.remove(doc_id)
+            if report.missing or report.mismatched:
+                self.index.rebuild(self._embedded_documents())
+            self.index.save()
+        report = self.keyword.check(ready)
+        if not report.ok:  # only the documents that differ: chunking again is cheap, embedding is not needed
+            for doc_id in report.extra:
+                self.keyword.remove(doc_id)
+            for doc_id, texts, _ in self._chunked_documents(set(report.missing) | set(report.mismatched)):
+                self.keyword.add(doc_id, texts)
+            self.keyword.save()
+
+    def close(self) -> None:
+        for index in (self.index, self.keyword):
+            if index is not None:
+                index.save()
+        self.store.close()
+
+    # -- reading -------------------------------------------------------------------------------------------
+    def all_documents(self) -> list[DocumentRecord]:
+        docs, offset = [], 0
+        while True:
+            page, total = self.store.list_documents(offset=offset, limit=500)
+            docs.extend(page)
+            offset += len(page)
+            if not page or offset >= total:
+                return docs
+
+    def _chunked_documents(self, only: set[str] | None = None) -> Iterator[tuple[str, list[str], DocumentRecord]]:
+        """(id, chunk texts, record) of every ready document (of `only`, if given), chunked again from its
+        stored text."""
+        for rec in self.all_documents():
+            if rec.status != "ready" or (only is not None and rec.id not in only):
+                continue
+            text = self.store.get_text(rec.id)
+            if text is None:
+                continue
+            yield rec.id, [c.text for c in self.chunker.chunk(text)], rec
+
+    def _embedded_documents(self) -> Iterator[tuple[str, np.ndarray, dict, str]]:
+        """(id, chunk vectors, metadata, collection) of every ready document, re-embedded from its text."""
+        for doc_id, texts, rec in self._chunked_documents():
+            yield doc_id, self.embedder.embed(texts), rec.metadata, rec.collection
+
+    def chunk_token_ids(self, rec: Any) -> list[list[int]]:
+        """A ready document's chunk token ids: its tokens split by the chunk sizes stored at ingest (so
+        chunking settings may change later without invalidating stored KV)."""
+        cache_key = (rec.id, rec.content_hash)
+        if cache_key in self._doc_tokens:
+            self._doc_tokens.move_to_end(cache_key)
+            return self._doc_tokens[cache_key]
+        text = self.store.get_text(rec.id)
+        if text is None:
+            raise APIError(404, f"document {rec.id!r} has no stored text", code="document_not_found")
+        ids = self.chunker.encode(text)
+        if len(ids) != sum(rec.chunk_tokens):
+            raise APIError(500, f"document {rec.id!r} no longer tokenizes as it did at ingestion: re-ingest it",
+                           code="tokenizer_changed")
+        out, pos = [], 0
+        for n in rec.chunk_tokens:
+            out.append(list(ids[pos : pos + n]))
+            pos += n
+        self._doc_tokens[cache_key] = out
+        while len(self._doc_tokens) > _DOC_TOKEN_CACHE:
+            self._doc_tokens.popitem(last=False)
+        return out
+
+    async def document_index_available(self) -> bool:
+        """Whether the store's document index (Redis, when configured) answers now."""
+        try:
+            return await asyncio.to_thread(self.store.catalog.index_available)
+        except Exception:  # noqa: BLE001 - any failure means not available
+            return False
+
+    def refresh_gauges(self, metrics: Metrics) -> None:
+        try:
+            stats = self.store.stats()
+            metrics.documents.set(stats["documents"])
+            metrics.kv_chunks.set(stats["chunks"])
+            metrics.kv_bytes.set(stats["kv_bytes"])
+        except Exception:  # noqa: BLE001 - a gauge must never fail a request
+            log.debug("store stats unavailable", exc_info=True)
+
+    # -- index writes (always saved) -------------------------------------------------------------------------
+    def index_replace(self, doc_id: str, vectors: np.ndarray, texts: list[str], metadata: dict,
+                      collection: str) -> None:
+        """A document's new version in both retrieval indexes (vectors and chunk texts, row i = chunk i) in
+        place of the old one, each saved once. A crash between the two saves leaves the keyword index
+        behind the store: the startup check (`reconcile`) adds what it lacks from the stored text."""
+        self.index.add(doc_id, vectors, metadata, collection)
+        self.index.save()
+        self.keyword.add(doc_id, texts)
+        self.keyword.save()
+
+    def index_remove(self, doc_id: str) -> None:
+        if self.index.remove(doc_id):
+            self.index.save()
+        if self.keyword.remove(doc_id):
+            self.keyword.save()
