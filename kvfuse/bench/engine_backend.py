@@ -8,7 +8,6 @@ Shared by the fidelity, speed and eviction benchmarks and by the studies; the HT
 from __future__ import annotations
 
 import time
-from dataclasses import fields
 from typing import Any
 
 from kvfuse.bench import agreement
@@ -54,9 +53,10 @@ class EngineBackend:
         return list(available_methods())
 
     def options(self, method: str, ratio: float | None) -> Any:
+        from kvfuse.fusion.types import request_knobs
+
         # Every knob but method and ratio comes from config.fusion (same defaults as the service).
-        names = {f.name for f in fields(self._options_cls)}
-        base = {k: v for k, v in self.settings.fusion.model_dump().items() if k in names}
+        base = request_knobs(self.settings.fusion)
         base["method"] = method
         if ratio is not None:
             base["recompute_ratio"] = ratio

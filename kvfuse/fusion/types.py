@@ -47,6 +47,12 @@ FusionOptions = make_dataclass(
 FusionOptions.__module__ = __name__  # where pickle finds it
 
 
+def request_knobs(fusion_settings: FusionRequestSettings) -> dict:
+    """The per-request knobs of config.fusion as FusionOptions' keyword arguments (its engine knobs left
+    out): the defaults a request or a benchmark run starts from."""
+    return {name: getattr(fusion_settings, name) for name in FusionRequestSettings.model_fields}
+
+
 @dataclass
 class GenerationOptions:
     max_tokens: int = _GEN_DEFAULTS.max_tokens

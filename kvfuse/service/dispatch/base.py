@@ -70,13 +70,9 @@ def open_api_store(settings: Settings) -> KVStore:
 
     if not is_fleet(settings):
         return KVStore.open(settings)
-    from kvfuse.service.wire.fleet_keys import FleetKeys
-    from kvfuse.store.shared_tier import RedisTier
+    from kvfuse.service.wire.fleet_keys import shared_tier
 
-    f = settings.fleet
-    shared = (RedisTier(settings.redis_url, FleetKeys(f.namespace).shared_kv, f.shared_tier_mb << 20,
-                        timeout_s=settings.store.redis_timeout_s) if f.shared_tier_mb else None)
-    return KVStore.open(settings, shared=shared, keep_blobs=False)
+    return KVStore.open(settings, shared=shared_tier(settings), keep_blobs=False)
 
 
 async def require_worker(dispatcher: Dispatcher, timeout_s: float) -> None:

@@ -183,11 +183,10 @@ class QueryService:
                          deadline=arrived + s.server.request_timeout_s)
 
     def fusion_options(self, fusion: Any | None) -> dict[str, Any]:
-        from kvfuse.fusion import FusionOptions, available_methods
+        from kvfuse.fusion import available_methods
+        from kvfuse.fusion.types import request_knobs
 
-        # Only the per-request knobs: config.fusion also holds engine-wide settings.
-        names = {f.name for f in dataclasses.fields(FusionOptions)}
-        opts = {k: v for k, v in self.settings.fusion.model_dump().items() if k in names}
+        opts = request_knobs(self.settings.fusion)  # config.fusion also holds engine-wide settings
         if fusion is not None:
             opts.update(fusion.model_dump(exclude_none=True))
         methods = available_methods()

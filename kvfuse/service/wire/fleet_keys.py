@@ -61,6 +61,18 @@ class FleetKeys:
         return f"{self.ns}:kv"
 
 
+def shared_tier(settings: Any) -> Any:
+    """The fleet's shared chunk KV tier in Redis (kvfuse.store.shared_tier), as the API and every worker
+    open it; None when `fleet.shared_tier_mb` is 0."""
+    from kvfuse.store.shared_tier import RedisTier
+
+    f = settings.fleet
+    if not f.shared_tier_mb:
+        return None
+    return RedisTier(settings.redis_url, FleetKeys(f.namespace).shared_kv, f.shared_tier_mb << 20,
+                     timeout_s=settings.store.redis_timeout_s)
+
+
 class FingerprintMismatch(RuntimeError):
     """A worker's model differs from the fleet's: its KV and answers would not match the others'."""
 

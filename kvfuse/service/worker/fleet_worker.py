@@ -38,7 +38,7 @@ from typing import Any
 from kvfuse.config import Settings
 from kvfuse.service.wire import protocol as P
 from kvfuse.service.wire.codec import CodecError, decode, encode
-from kvfuse.service.wire.fleet_keys import GROUP, FingerprintMismatch, FleetKeys, read_heartbeats
+from kvfuse.service.wire.fleet_keys import GROUP, FingerprintMismatch, FleetKeys, read_heartbeats, shared_tier
 from kvfuse.service.worker.core import Worker
 
 log = logging.getLogger("kvfuse.worker")
@@ -85,13 +85,9 @@ class FleetWorker(Worker):
     # -- the store: the host's LMDB (its own embedded index) over the shared tier ----------------------------
     def open_store(self, settings: Settings) -> Any:
         from kvfuse.store import KVStore
-        from kvfuse.store.shared_tier import RedisTier
 
-        fs = settings.fleet
-        shared = (RedisTier(settings.redis_url, self.keys.shared_kv, fs.shared_tier_mb << 20,
-                            timeout_s=settings.store.redis_timeout_s) if fs.shared_tier_mb else None)
         # The document index belongs to the API; this host's LMDB is a chunk cache with an embedded index.
-        return KVStore.open(settings.model_copy(update={"redis_url": ""}), shared=shared)
+        return KVStore.open(settings.model_copy(update={"redis_url": ""}), shared=shared_tier(settings))
 
     def kv_stats(self) -> dict:
         out = {f"hits_{k}": v for k, v in self.store.chunks.hits.items()} | {"rebuilt": self.kv.rebuilt}

@@ -25,7 +25,7 @@ from kvfuse.service.wire import protocol as P
 
 pytestmark = pytest.mark.slow
 
-MODEL_CACHE = Path(os.environ.get("KVFUSE_TEST_MODEL_CACHE", Path(__file__).resolve().parents[2] / "data" / "models"))
+MODEL_CACHE = Path(os.environ.get("KVFUSE_TEST_MODEL_CACHE", Path(__file__).resolve().parents[3] / "data" / "models"))
 KV_BUDGET = 2400
 TIMEOUT_S = 240
 LONG_SYSTEM = "You write very long, detailed answers that go on for many paragraphs."
