@@ -1,6 +1,6 @@
 #!/bin/sh
 # Seed 0 (tuning): anchor at r = 0.15 under each precompute context, ~4k tokens (8 chunks x 512).
-# Run from the repository root on one core: sh docs/results/fidelity-context/tune_seed0.sh N
+# Run from the repository root on one core: sh studies/fidelity_context/tune_seed0.sh N
 N=${1:-1}
 OUT=docs/results/fidelity-context
 for MODE in none document neighbours prefix; do
