@@ -235,7 +235,7 @@ class FusionRequestSettings(_Section):
     request's `fusion` object are derived from these fields (names, defaults, bounds)."""
 
     method: FusionMethodName = Field("anchor", description=(
-        "default method when a request names none (docs/default_fusion.md)"))
+        "default method when a request names none (docs/methods/anchor.md)"))
     recompute_ratio: float = Field(0.15, ge=0.0, le=1.0, description="share of context tokens recomputed")
     check_layer: int = Field(1, ge=0, description="layer whose signal selects tokens (a3, cacheblend)")
     smooth_window: int = Field(5, ge=1, description="a3 score smoothing: average-pool width")
