@@ -244,11 +244,11 @@ class FusionRequestSettings(_Section):
     anchor_tokens: int = Field(16, ge=0, description=(
         "anchor: first tokens of each chunk always recomputed (their sink states)"))
     # A³'s extension: after the first token keep C cache tokens (prefix, question, SnapKV's top context
-    # tokens per layer and KV head); 0 = no eviction. kvfuse/fusion/eviction.py, docs/DESIGN.md.
+    # tokens per layer and KV head); 0 = no eviction. kvfuse/fusion/eviction.py, docs/methods/eviction.md.
     evict_capacity: int = Field(0, ge=0, description=(
         "A³ extension: after the first token keep this many cache tokens (prefix, question, SnapKV's top "
         "context tokens per layer and KV head); 0 = off"))
-    # samkv (docs/DESIGN.md, "SamKV"): Eq. 4's fusion update or a plain overwrite of recomputed K/V; a
+    # samkv (docs/methods/samkv.md): Eq. 4's fusion update or a plain overwrite of recomputed K/V; a
     # floor on each document's Top-P (0: the paper's Eqs. 2-3 alone); the cross-document cut on or off.
     samkv_update: Literal["fusion", "overwrite"] = Field("fusion", description=(
         'samkv: recomputed K/V blended with the cached (Eq. 4) or "overwrite"'))
