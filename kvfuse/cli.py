@@ -39,10 +39,10 @@ def _config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config_table(args: argparse.Namespace) -> int:
-    from kvfuse.config import config_table_markdown
+def _config_docs(args: argparse.Namespace) -> int:
+    from kvfuse.config_docs import write
 
-    print(config_table_markdown())
+    write(args.output)
     return 0
 
 
@@ -56,10 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("prepare", help="convert/locate the LLM and embedder (one time, idempotent)").set_defaults(
         func=_models_prepare
     )
-    config = sub.add_parser("config", help="show the effective configuration")
+    config = sub.add_parser("config", help="show the effective configuration, or render its reference")
     csub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     csub.add_parser("show", help="print every setting after env overrides").set_defaults(func=_config_show)
-    csub.add_parser("table", help="print the README's configuration table").set_defaults(func=_config_table)
+    docs = csub.add_parser("docs", help="render the configuration reference (docs/configuration.md)")
+    docs.add_argument("-o", "--output", help="write the page here (e.g. docs/configuration.md), not stdout")
+    docs.set_defaults(func=_config_docs)
 
     import importlib
 

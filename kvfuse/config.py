@@ -2,7 +2,9 @@
 
 Sources, highest priority first: explicit overrides passed to `load_settings`, environment variables
 `KVFUSE_*` (nested keys joined with `__`), then the YAML file (`KVFUSE_CONFIG`, else `config.yaml` in the
-working directory, else the copy shipped beside the package). `config.yaml` documents every key.
+working directory, else the copy shipped beside the package). `config.yaml` lists every key with its
+default; each field's description is the reference, rendered into docs/configuration.md by
+`kvfuse config docs` (kvfuse/config_docs.py).
 """
 
 from __future__ import annotations
@@ -55,35 +57,60 @@ class _Section(BaseModel):
 
 
 class ServerSettings(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    api_keys: Annotated[list[str], NoDecode] = []
-    allow_unauthenticated_public: bool = False
-    max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
-    max_document_chars: int = Field(2_000_000, gt=0)
-    max_batch_documents: int = Field(256, gt=0)
-    request_timeout_s: float = Field(300.0, gt=0)
-    queue_size: int = Field(16, ge=1)
-    retry_after_s: int = Field(1, ge=0)
-    ingest_wait_timeout_s: float = Field(600.0, gt=0)
-    job_history_s: float = Field(7 * 86400.0, ge=0)
-    precompute_batch_chunks: int = Field(4, ge=1)
-    worker_start_timeout_s: float = Field(300.0, gt=0)
-    worker_cancel_grace_s: float = Field(30.0, gt=0)
-    worker_stop_timeout_s: float = Field(10.0, gt=0)
-    workers: int = Field(1, ge=0)  # local worker processes; 0: remote `kvfuse worker`s (needs redis_url)
-    max_running_requests: int = Field(16, ge=1)
-    kv_budget_tokens: int = Field(65536, ge=1)
-    prefill_tokens_per_step: int = Field(2048, ge=1)
-    ingest_step_share: float = Field(0.25, gt=0.0, le=1.0)
+    """The HTTP server: address, API keys, request limits, the query queue and batch, the worker
+    processes, and ingestion jobs and their retries."""
+
+    host: str = Field("127.0.0.1", description="bind address (`kvfuse serve --host` overrides)")
+    port: int = Field(8000, ge=1, le=65535, description="bind port (`kvfuse serve --port` overrides)")
+    api_keys: Annotated[list[str], NoDecode] = Field([], description=(
+        'accepted API keys; env: comma-separated (k1,k2) or a JSON list (["k1", "k2"]); empty = no auth '
+        '(loopback only unless allowed below)'))
+    allow_unauthenticated_public: bool = Field(False, description=(
+        "allow binding a non-loopback address with no API key"))
+    max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    max_document_chars: int = Field(2_000_000, gt=0, description="larger documents get 413")
+    max_batch_documents: int = Field(256, gt=0, description="documents per batch ingest request")
+    request_timeout_s: float = Field(300.0, gt=0, description=(
+        "a query that runs longer ends with 504 / an SSE error event"))
+    queue_size: int = Field(16, ge=1, description="queries waiting for admission beyond this get 429")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After header sent with 429")
+    ingest_wait_timeout_s: float = Field(600.0, gt=0, description=(
+        "`?wait=true` gives up after this long (the job goes on)"))
+    job_history_s: float = Field(7 * 86400.0, ge=0, description=(
+        "finished ingestion jobs stay readable (GET /v1/jobs/{id}) this long; unfinished ones resume after "
+        "a restart"))
+    precompute_batch_chunks: int = Field(4, ge=1, description=(
+        "chunks per KV precompute job sent to the worker"))
+    worker_start_timeout_s: float = Field(300.0, gt=0, description=(
+        "ingestion waits this long for the model worker to come up"))
+    worker_cancel_grace_s: float = Field(30.0, gt=0, description=(
+        "a cancelled job still running after this long gets its worker killed"))
+    worker_stop_timeout_s: float = Field(10.0, gt=0, description=(
+        "shutdown waits this long for the worker before killing it"))
+    workers: int = Field(1, ge=0, description=(
+        "local worker processes (one per model.devices entry in turn); 0 = dispatch to `kvfuse worker`s "
+        "through Redis (needs redis_url)"))
+    max_running_requests: int = Field(16, ge=1, description=(
+        "queries decoding together in one batched step; more wait in the queue"))
+    kv_budget_tokens: int = Field(65536, ge=1, description=(
+        "KV tokens (prompt + max_tokens) all running queries may hold; a query alone over it gets 400"))
+    prefill_tokens_per_step: int = Field(2048, ge=1, description=(
+        "prefill work per engine step, in prompt tokens through every layer: a long prompt is spread over "
+        "steps while running streams decode"))
+    ingest_step_share: float = Field(0.25, gt=0.0, le=1.0, description=(
+        "share of engine steps guaranteed to KV precompute while queries run"))
     # An ingestion interrupted by something that passes (kvfuse/service/rag/ingest_retry.py) runs again: a
     # worker crash at most ingest_retry_attempts tries in all, an unreachable document index (Redis) at
     # most ingest_index_attempts; the pause before each retry doubles from backoff_s up to backoff_max_s.
-    ingest_retry_attempts: int = Field(3, ge=1)
-    ingest_index_attempts: int = Field(20, ge=1)
-    ingest_retry_backoff_s: float = Field(1.0, ge=0)
-    ingest_retry_backoff_max_s: float = Field(30.0, ge=0)
-    url: str = ""
+    ingest_retry_attempts: int = Field(3, ge=1, description=(
+        "tries of an ingestion job that worker crashes interrupt; the last crash fails it with the reason"))
+    ingest_index_attempts: int = Field(20, ge=1, description=(
+        "tries of an ingestion job while the document index (Redis) does not answer; it waits between them"))
+    ingest_retry_backoff_s: float = Field(1.0, ge=0, description=(
+        "pause before an ingestion job's first retry; it doubles at each retry"))
+    ingest_retry_backoff_max_s: float = Field(30.0, ge=0, description=(
+        "the longest pause between an ingestion job's retries"))
+    url: str = Field("", description="server URL for `kvfuse ingest/query`; empty = http://<host>:<port>")
 
     @property
     def base_url(self) -> str:
@@ -100,15 +127,25 @@ class ServerSettings(_Section):
 
 
 class ModelSettings(_Section):
-    llm: str = "default"
-    device: str = "cpu"
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    threads: int = Field(0, ge=0)
-    max_context_tokens: int = Field(0, ge=0)
-    system_prompt: str = "You are a helpful assistant. Answer the question using the documents. Answer briefly."
-    embedder: str = "default"
-    embed_batch_size: int = Field(32, ge=1)
-    devices: Annotated[list[str], NoDecode] = []  # one local worker per entry in turn (server.workers > 1)
+    """The LLM and the embedder: which models, on which device, in which compute dtype."""
+
+    llm: str = Field("default", description=(
+        '"default" = SmolLM2-135M-Instruct (offline copy), or a local/hub path'))
+    device: str = Field("cpu", description="cpu | cuda | cuda:N")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description=(
+        "float32 | float16 | bfloat16 (compute dtype of the LLM)"))
+    threads: int = Field(0, ge=0, description="torch CPU threads in the worker; 0 = torch default")
+    max_context_tokens: int = Field(0, ge=0, description=(
+        "0 = the model's own limit (max_position_embeddings)"))
+    system_prompt: str = Field(
+        "You are a helpful assistant. Answer the question using the documents. Answer briefly.",
+        description="default system prompt")
+    embedder: str = Field("default", description=(
+        '"default" = all-MiniLM-L6-v2 (offline copy), or a sentence-transformers path'))
+    embed_batch_size: int = Field(32, ge=1, description="chunks embedded per batch")
+    devices: Annotated[list[str], NoDecode] = Field([], description=(
+        "with server.workers > 1: one local worker per device in turn, e.g. [cuda:0, cuda:1] (env: "
+        "comma-separated or a JSON list); empty = all on model.device"))
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -124,20 +161,33 @@ class ModelSettings(_Section):
 
 
 class StoreSettings(_Section):
-    kv_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    lmdb_map_size_mb: int = Field(1024, ge=1)
-    lmdb_max_readers: int = Field(256, ge=1)
-    hot_tier_mb: int = Field(512, ge=0)
-    redis_namespace: str = Field("kvfuse", min_length=1)
-    rebuild_index_on_empty: bool = True
-    redis_timeout_s: float = Field(5.0, gt=0)
-    verify_checksums: bool = True
-    orphan_grace_s: float = Field(3600.0, ge=0)
+    """The chunk KV store: LMDB (the source of truth), the RAM hot tier in front of it, the Redis index, and
+    what each chunk's KV is computed after at ingestion."""
+
+    kv_dtype: Literal["float16", "bfloat16", "float32"] = Field("float16", description=(
+        "dtype of KV at rest: float16 | bfloat16 | float32"))
+    lmdb_map_size_mb: int = Field(1024, ge=1, description=(
+        "initial LMDB map size; it grows instead of failing"))
+    lmdb_max_readers: int = Field(256, ge=1, description="concurrent LMDB read transactions")
+    hot_tier_mb: int = Field(512, ge=0, description="RAM LRU of decoded chunk KV in front of LMDB; 0 = off")
+    redis_namespace: str = Field("kvfuse", min_length=1, description="key prefix for every Redis key")
+    rebuild_index_on_empty: bool = Field(True, description=(
+        "rebuild the Redis index from LMDB when Redis comes up empty"))
+    redis_timeout_s: float = Field(5.0, gt=0, description=(
+        "Redis connect/read timeout; past it the index counts as unavailable"))
+    verify_checksums: bool = Field(True, description=(
+        "verify each blob's checksum when it is read from LMDB (hot-tier hits skip it)"))
+    orphan_grace_s: float = Field(3600.0, ge=0, description=(
+        "`kvfuse store check --repair` keeps unreferenced blobs younger than this"))
     # What a chunk's KV is computed after (kvfuse/fusion/chunk_context.py): none | document | neighbours |
     # prefix; the context's tokens are part of the chunk key. Budget and neighbour count for those modes.
-    precompute_context: Literal["none", "document", "neighbours", "prefix"] = "document"
-    precompute_context_tokens: int = Field(1024, ge=0)
-    precompute_neighbours: int = Field(2, ge=1)
+    precompute_context: Literal["none", "document", "neighbours", "prefix"] = Field("document", description=(
+        "what a chunk's KV is computed after, at ingestion: none | document | neighbours | prefix "
+        '(docs/DESIGN.md, "Context-carrying chunk caches")'))
+    precompute_context_tokens: int = Field(1024, ge=0, description=(
+        "token budget of that context (document, neighbours)"))
+    precompute_neighbours: int = Field(2, ge=1, description=(
+        "neighbours mode: the chunk's n most similar chunks"))
 
 
 class RetrievalRequestSettings(_Section):
@@ -146,87 +196,128 @@ class RetrievalRequestSettings(_Section):
 
     # dense: FAISS over chunk embeddings; keyword: BM25 over chunk terms; hybrid: both, fused by
     # reciprocal rank (docs/DESIGN.md, "Retrieval"; measured in docs/results/retriever/).
-    mode: Literal["dense", "keyword", "hybrid"] = "hybrid"
-    rrf_k: int = Field(60, ge=1)  # hybrid: a chunk scores sum(1 / (rrf_k + rank)) over the two lists
-    candidates: int = Field(50, ge=1)  # hybrid: how deep each list is read before fusing (at least top_k)
+    mode: Literal["dense", "keyword", "hybrid"] = Field("hybrid", description=(
+        "default retrieval per request: dense (FAISS) | keyword (BM25) | hybrid (both, reciprocal rank "
+        "fusion)"))
+    rrf_k: int = Field(60, ge=1, description=(
+        "hybrid: a chunk scores sum(1 / (rrf_k + rank)) over the dense and keyword lists"))
+    candidates: int = Field(50, ge=1, description=(
+        "hybrid: how deep each list is read before fusing (at least top_k)"))
 
 
 class RetrieverSettings(RetrievalRequestSettings):
-    chunk_tokens: int = Field(512, ge=16)
-    top_k: int = Field(4, ge=1)
-    max_top_k: int = Field(64, ge=1)
-    index_type: Literal["flat", "hnsw"] = "flat"
-    hnsw_m: int = Field(32, ge=4)
-    hnsw_ef_construction: int = Field(200, ge=8)
-    hnsw_ef_search: int = Field(128, ge=8)
-    hnsw_compact_ratio: float = Field(0.25, gt=0.0, le=1.0)  # removed share of an HNSW index that triggers its rebuild
-    bm25_k1: float = Field(1.5, gt=0.0)
-    bm25_b: float = Field(0.75, ge=0.0, le=1.0)
+    """Chunking and retrieval: chunk size, top-k, the FAISS index (flat or HNSW), the BM25 keyword index."""
+
+    chunk_tokens: int = Field(512, ge=16, description=(
+        "max LLM tokens per chunk (cut on sentence/paragraph boundaries)"))
+    top_k: int = Field(4, ge=1, description="chunks retrieved per query by default")
+    max_top_k: int = Field(64, ge=1, description="larger top_k is refused with 422")
+    index_type: Literal["flat", "hnsw"] = Field("flat", description=(
+        "flat (exact inner product) | hnsw (approximate, large corpora)"))
+    hnsw_m: int = Field(32, ge=4, description="HNSW graph degree")
+    hnsw_ef_construction: int = Field(200, ge=8, description="HNSW build-time candidate list")
+    hnsw_ef_search: int = Field(128, ge=8, description="HNSW query-time candidate list")
+    hnsw_compact_ratio: float = Field(0.25, gt=0.0, le=1.0, description=(
+        "HNSW cannot delete: removed vectors are skipped until they exceed this share, then it is rebuilt"))
+    bm25_k1: float = Field(1.5, gt=0.0, description="BM25 term-frequency saturation")
+    bm25_b: float = Field(0.75, ge=0.0, le=1.0, description="BM25 length normalisation")
     # The keyword index's base segment is rebuilt once fresh + removed chunks pass this share of it (and
     # this many chunks): kvfuse/retriever/keyword_segments.py.
-    keyword_merge_ratio: float = Field(0.1, gt=0.0, le=1.0)
-    keyword_merge_min_chunks: int = Field(256, ge=0)
+    keyword_merge_ratio: float = Field(0.1, gt=0.0, le=1.0, description=(
+        "the keyword index is rebuilt once chunks added or removed since its last build pass this share of "
+        "it"))
+    keyword_merge_min_chunks: int = Field(256, ge=0, description=(
+        "... and this many chunks (a smaller index is all fresh rows, scored without a build)"))
 
 
 class FusionRequestSettings(_Section):
     """The fusion knobs a request may set, declared once: `kvfuse.fusion.FusionOptions` and the HTTP
     request's `fusion` object are derived from these fields (names, defaults, bounds)."""
 
-    method: FusionMethodName = "anchor"  # kvfuse's own method, see docs/default_fusion.md
-    recompute_ratio: float = Field(0.15, ge=0.0, le=1.0)
-    check_layer: int = Field(1, ge=0)
-    smooth_window: int = Field(5, ge=1)
-    edge_tokens: int = Field(16, ge=0)
-    edge_tokens_end: int = Field(16, ge=0)
-    anchor_tokens: int = Field(16, ge=0)
+    method: FusionMethodName = Field("anchor", description=(
+        "default method when a request names none (docs/methods/anchor.md)"))
+    recompute_ratio: float = Field(0.15, ge=0.0, le=1.0, description="share of context tokens recomputed")
+    check_layer: int = Field(1, ge=0, description="layer whose signal selects tokens (a3, cacheblend)")
+    smooth_window: int = Field(5, ge=1, description="a3 score smoothing: average-pool width")
+    edge_tokens: int = Field(16, ge=0, description="epic: tokens recomputed at the start of each chunk")
+    edge_tokens_end: int = Field(16, ge=0, description="epic: tokens recomputed at the end of each chunk")
+    anchor_tokens: int = Field(16, ge=0, description=(
+        "anchor: first tokens of each chunk always recomputed (their sink states)"))
     # A³'s extension: after the first token keep C cache tokens (prefix, question, SnapKV's top context
-    # tokens per layer and KV head); 0 = no eviction. kvfuse/fusion/eviction.py, docs/DESIGN.md.
-    evict_capacity: int = Field(0, ge=0)
-    # samkv (docs/DESIGN.md, "SamKV"): Eq. 4's fusion update or a plain overwrite of recomputed K/V; a
+    # tokens per layer and KV head); 0 = no eviction. kvfuse/fusion/eviction.py, docs/methods/eviction.md.
+    evict_capacity: int = Field(0, ge=0, description=(
+        "A³ extension: after the first token keep this many cache tokens (prefix, question, SnapKV's top "
+        "context tokens per layer and KV head); 0 = off"))
+    # samkv (docs/methods/samkv.md): Eq. 4's fusion update or a plain overwrite of recomputed K/V; a
     # floor on each document's Top-P (0: the paper's Eqs. 2-3 alone); the cross-document cut on or off.
-    samkv_update: Literal["fusion", "overwrite"] = "fusion"
-    samkv_min_p: float = Field(0.0, ge=0.0, le=1.0)
-    samkv_cross_cut: bool = True
-    link_tokens: int = Field(5, ge=0)  # kvlink: link tokens after each chunk (one of the trained counts, or 0)
+    samkv_update: Literal["fusion", "overwrite"] = Field("fusion", description=(
+        'samkv: recomputed K/V blended with the cached (Eq. 4) or "overwrite"'))
+    samkv_min_p: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "samkv: floor on each document's Top-P share of middle blocks"))
+    samkv_cross_cut: bool = Field(True, description=(
+        "samkv: keep at most (middle blocks of all documents / documents) middle blocks"))
+    link_tokens: int = Field(5, ge=0, description=(
+        "kvlink: trained link tokens after each chunk (a count the artifact was trained for, or 0 = pie)"))
 
 
 class FusionSettings(FusionRequestSettings):
     """config.fusion: the defaults of the request knobs, then the engine's own knobs (config only)."""
 
-    precompute_batch_tokens: int = Field(4096, ge=1)
-    attention_block_rows: int = Field(128, ge=1)
+    precompute_batch_tokens: int = Field(4096, ge=1, description=(
+        "chunk precompute: padded tokens per forward batch"))
+    attention_block_rows: int = Field(128, ge=1, description=(
+        "recompute on CPU: rows per attention block (keys before its first row unmasked, its tail masked)"))
     # ingest computes samkv's per-chunk artifacts (one more pass per chunk); off, samkv builds them on first use
-    samkv_ingest_artifacts: bool = False
-    kvlink_dir: str = ""  # kvlink artifacts (link embeddings per model fingerprint); "" = the packaged ones
+    samkv_ingest_artifacts: bool = Field(False, description=(
+        "ingest: store samkv's per-chunk artifacts with the KV (one more pass per chunk); off: built at "
+        "samkv's first use of a chunk"))
+    kvlink_dir: str = Field("", description=(
+        "kvlink: directory of link-embedding artifacts (`kvfuse train kvlink`); empty = "
+        "kvfuse/artifacts/kvlink"))
 
 
 class GenerationSettings(_Section):
-    max_tokens: int = Field(256, ge=1)
-    max_tokens_limit: int = Field(4096, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=5.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Decoding defaults; a query may set `max_tokens`, `temperature` and `top_p` itself."""
+
+    max_tokens: int = Field(256, ge=1, description="default completion length")
+    max_tokens_limit: int = Field(4096, ge=1, description="larger max_tokens is refused with 422")
+    temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
 
 
 class BenchSettings(_Section):
+    """Where `kvfuse bench` finds its evaluation data and keeps vanilla's reference outputs."""
+
     # The evaluation data is not part of the package; relative paths resolve from the working directory.
-    data_dir: Path = Path("../shared/data")
+    data_dir: Path = Field(Path("../shared/data"), description=(
+        "evaluation data of `kvfuse bench` (essays, MuSiQue); relative to the working directory; "
+        "`--data-dir` overrides"))
     # Vanilla's outputs kept between fidelity runs (kvfuse.bench.reference); git-ignored by default.
-    reference_dir: Path = Path("bench-results/vanilla-references")
+    reference_dir: Path = Field(Path("bench-results/vanilla-references"), description=(
+        "vanilla's answers and log-probs kept between `kvfuse bench fidelity` runs; `--reference-dir` "
+        "overrides"))
 
 
 class FleetSettings(_Section):
     """Scale-out over Redis (docs/DESIGN.md, "Scale-out"): `kvfuse serve --workers 0` dispatches to
     `kvfuse worker` processes on any host; used only when `redis_url` is set."""
 
-    namespace: str = Field("kvfuse:fleet", min_length=1)  # key prefix of the streams, heartbeats, shared KV
-    worker_name: str = ""  # a worker's name in answers and /ready (default: host-pid)
-    heartbeat_s: float = Field(1.0, gt=0)
-    heartbeat_ttl_s: float = Field(5.0, gt=0)  # a worker silent this long is dead: its jobs are claimed back
-    reply_ttl_s: float = Field(30.0, gt=0)  # a job's reply stream outlives its reader by this much
-    shared_tier_mb: int = Field(1024, ge=0)  # cap of the shared chunk KV tier in Redis (0: no shared tier)
+    namespace: str = Field("kvfuse:fleet", min_length=1, description=(
+        "key prefix of the job streams, heartbeats and the shared chunk KV tier"))
+    worker_name: str = Field("", description="a worker's name in answers and /ready (empty = host-pid)")
+    heartbeat_s: float = Field(1.0, gt=0, description="how often a worker renews its heartbeat")
+    heartbeat_ttl_s: float = Field(5.0, gt=0, description=(
+        "a worker silent this long is dead: its pending jobs are claimed back"))
+    reply_ttl_s: float = Field(30.0, gt=0, description=(
+        "a job's reply stream outlives its reader by this much (then the job is dropped)"))
+    shared_tier_mb: int = Field(1024, ge=0, description=(
+        "cap of the shared chunk KV tier in Redis; when full new chunks stay host-local (0 = off)"))
     # Query routing (kvfuse/service/dispatch/routing.py): a worker's score is the share of the query's chunks
     # it holds minus this times its jobs over its running slots; 0 = locality alone.
-    route_load_weight: float = Field(8.0, ge=0)
+    route_load_weight: float = Field(8.0, ge=0, description=(
+        "a query goes to the worker with the best share of its chunks held minus this x (its jobs / its "
+        "max_running_requests); at 16 slots a worker holding every chunk keeps a query until it has 2 jobs "
+        "more than one holding none (0 = locality alone)"))
 
 
 class Settings(BaseSettings):
@@ -234,10 +325,13 @@ class Settings(BaseSettings):
         env_prefix="KVFUSE_", env_nested_delimiter="__", extra="forbid", validate_default=True
     )
 
-    data_dir: Path = Path("./data")
-    model_cache_dir: Path | None = None
-    redis_url: str = ""
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    data_dir: Path = Field(Path("./data"), description=(
+        "LMDB store, FAISS index and the local model cache live here"))
+    model_cache_dir: Path | None = Field(None, description="prepared model copies; empty = <data_dir>/models")
+    redis_url: str = Field("", description=(
+        "redis://host:6379/0 for the Redis index; empty = index embedded in LMDB"))
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description=(
+        "debug | info | warning | error"))
     server: ServerSettings = ServerSettings()
     model: ModelSettings = ModelSettings()
     store: StoreSettings = StoreSettings()
@@ -337,24 +431,3 @@ def get_settings() -> Settings:
     """The process-wide settings, loaded once."""
     return load_settings()
 
-
-def config_table_markdown(path: Path = REPO_CONFIG) -> str:
-    """The README's configuration table, generated from config.yaml's keys, defaults and comments."""
-    import re
-
-    rows, stack = [], []
-    for line in path.read_text().splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        level = (len(line) - len(line.lstrip())) // 2
-        key, rest = re.match(r"\s*([a-z0-9_]+):\s*(.*)$", line).groups()
-        stack = stack[:level]
-        if not rest:
-            stack.append(key)
-            continue
-        value, _, comment = rest.partition("#")
-        dotted = ".".join([*stack, key])
-        env = "KVFUSE_" + "__".join([*stack, key]).upper()
-        cell = comment.strip().replace("|", "\\|")
-        rows.append(f"| `{dotted}` | `{env}` | `{value.strip()}` | {cell} |")
-    return "\n".join(["| key | env var | default | meaning |", "|---|---|---|---|", *rows])

@@ -8,7 +8,7 @@ with no copy.
 
 Keys are post-RoPE at positions 0..n-1 ("rope0"); values carry no position.
 
-Version 2 (docs/DESIGN.md, "Sparse loading"): the same `k` and `v` at the same offsets, plus
+Version 2 (docs/methods/samkv.md, "Sparse loading"): the same `k` and `v` at the same offsets, plus
 - a checksum per block of `block_tokens` tokens (k then v of the block, layer by layer, head by
   head), so `read_blocks` can copy and verify a few blocks without reading the rest of the blob;
 - optional per-chunk artifacts after `v` (tensors named `a.<name>`, with their own checksum), e.g.

@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvfuse.config import config_table_markdown
-
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -15,12 +13,6 @@ def test_help_lists_subcommands():
     out = subprocess.run([sys.executable, "-m", "kvfuse.cli", "--help"], capture_output=True, text=True, check=True)
     for command in ("serve", "ingest", "query", "store", "bench", "models", "config", "train"):
         assert command in out.stdout
-
-
-def test_readme_config_table_is_generated_from_config_yaml():
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("<!-- config-table:start -->\n", 1)[1].split("\n<!-- config-table:end -->", 1)[0]
-    assert block == config_table_markdown(), "README config table is stale: regenerate with `kvfuse config table`"
 
 
 def test_readme_quickstart_is_the_two_make_commands():

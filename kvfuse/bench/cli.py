@@ -191,7 +191,7 @@ def _report(args: argparse.Namespace) -> int:
     if not report.result_files(results):
         print(f"no fidelity*.json or speed*.json in {results}", file=sys.stderr)
         return 1
-    readme = None if args.no_readme else Path(args.readme)
+    readme = None if args.no_readme else Path(args.readme) if args.readme else results / "README.md"
     written = report.regenerate(results, readme)
     for path in written:
         print(path)
@@ -260,11 +260,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_common(spd, max_tokens=32)
     spd.set_defaults(func=_speed, parser=spd)
 
-    rep = bsub.add_parser("report", help="re-render tables, plots and the README results block from JSON")
+    rep = bsub.add_parser("report", help="re-render tables, plots and the results README block from JSON")
     rep.add_argument("--results-dir", default=str(DEFAULT_RESULTS_DIR), help="folder of fidelity*/speed*.json")
-    rep.add_argument("--readme", default="README.md",
-                     help="README whose block between <!-- results:start/end --> is replaced")
-    rep.add_argument("--no-readme", action="store_true", help="leave the README alone")
+    rep.add_argument("--readme", default=None,
+                     help="page whose block between <!-- results:start/end --> is replaced "
+                          "(default: README.md in the results folder, docs/results/README.md)")
+    rep.add_argument("--no-readme", action="store_true", help="leave that page alone")
     rep.set_defaults(func=_report)
 
     from kvfuse.bench import load

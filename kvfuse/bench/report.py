@@ -2,8 +2,8 @@
 
 A run writes `<name>.json` (rows, per-example outcomes, command, machine) and renders it; `kvfuse bench
 report` re-renders every `fidelity*.json` / `speed*.json` / `load*.json` of a results folder into
-`<name>.md` and `<name>.png`, an `index.md` (every run), and the README block between the markers below
-(the newest run of each kind). Every number shown comes
+`<name>.md` and `<name>.png`, an `index.md` (every run), and the block between the markers below in a
+README, by default the folder's own (docs/results/README.md; the newest run of each kind). Every number shown comes
 from those JSON files."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ memory-bound device a long fused prompt slows every step and fills the KV budget
 paper's "Extension" section) keeps, once the fused prefill is done, the system prefix S and the question
 Q whole and only the `C - |S| - |Q|` context tokens per layer and per KV head that the question attends
 to most, and evicts the rest, once, before the second token. `fusion.evict_capacity` is C (0: off);
-it applies after any method's prefill. See docs/DESIGN.md, "Eviction".
+it applies after any method's prefill. See docs/methods/eviction.md.
 
 Selection, as SnapKV (Li et al. 2024, `snapkv_utils.py`): the observation window is the question
 (every question row, its assistant header included). At each layer the window's attention

@@ -1,4 +1,4 @@
-"""The trained link-token embeddings of `kvlink` (KVLink, docs/kvlink.md): one small file per model.
+"""The trained link-token embeddings of `kvlink` (KVLink, docs/methods/kvlink.md): one small file per model.
 
 A file holds, for each trained link count K, a table [max_docs, K, hidden]: row n is the K link
 embeddings that follow the n-th chunk of a prompt (the paper's "link n-1 … link n-K": the identity of a

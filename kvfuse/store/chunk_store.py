@@ -59,8 +59,8 @@ class ChunkStore(ABC):
     def remove(self, key: str) -> bool:
         """Drop the chunk; False when this tier did not have it."""
 
-    # Block reads (sparse loading, docs/DESIGN.md "Sparse loading"). The defaults read the whole chunk; a
-    # tier that keeps bytes overrides them to read only what is asked for.
+    # Block reads (docs/methods/samkv.md, "Sparse loading"). The defaults read the whole chunk; a tier that
+    # keeps bytes overrides them to read only what is asked for.
     def get_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
         """((k, v, header) of the tokens of `blocks` only, bytes read from this tier), or None on a miss."""
         entry = self.get(key)

@@ -2,7 +2,8 @@
 
 What is trained: for each link count K (the paper's 1 and 5), a table [max_docs, K, hidden] of input
 embeddings, row n for the links after the n-th chunk. The model's weights are frozen (the served model
-is shared by every method and by the stored caches; docs/kvlink.md discusses the paper's full fine-tune).
+is shared by every method and by the stored caches; docs/methods/kvlink.md discusses the paper's full
+fine-tune).
 
 The forward is the paper's attention pattern, computed the way the engine serves it, so training and
 serving run the same computation: each document is encoded alone (`FusionEngine.precompute`: it

@@ -2,7 +2,7 @@
 
 Each example is a few essay passages (the documents, cached separately at query time) with facts
 hidden in them, a question and its short answer. Two kinds, as the paper's data recipe asks for
-("tasks requiring cross-chunk reasoning are essential", §3.6 of docs/kvlink.md):
+("tasks requiring cross-chunk reasoning are essential", §3.6 of docs/methods/kvlink.md):
 - copy: one document states a fact about a key, the others state the same kind of fact about other
   keys (distractors); the question asks for one key's value;
 - combine: a bridge fact in one document and its completion in another (A works at office X; office X

@@ -5,7 +5,7 @@ What it selects, within round(r * N) context tokens (anchors count toward the bu
    cached alone computed them as the start of a sequence, so they carry attention-sink states; after
    fusion every chunk contributes such a sink and together they drain attention from the real
    content. Recomputing them at their true positions removes the extra sinks. This is most of what
-   separates A³ from CacheBlend and EPIC on the needle task (docs/default_fusion.md). A chunk cached
+   separates A³ from CacheBlend and EPIC on the needle task (docs/methods/anchor.md). A chunk cached
    after a context (store.precompute_context) has no such sink, and gets no anchors: its share goes to
    evidence (docs/results/fidelity-context/: with a context, forcing them made answers further from
    vanilla's).
@@ -22,7 +22,7 @@ What it selects, within round(r * N) context tokens (anchors count toward the bu
    layers in one pass, attending over the whole fused cache.
 
 Scaling down the question's attention onto the keys left as cached (APE's factor S) was studied and
-dropped: it breaks copying from cached text (docs/default_fusion.md).
+dropped: it breaks copying from cached text (docs/methods/anchor.md).
 
 Cost: no layer runs in full. The probe is |Q| rows through the first `window_end` layers, attention
 over T keys each (|Q| is tens of tokens), against CacheBlend's and A³'s full layer 0 over all N + |Q|
@@ -73,7 +73,7 @@ def spread(scores: torch.Tensor, width: int) -> torch.Tensor:
 @register
 class Anchor(FusionMethod):
     name = "anchor"
-    # Study: docs/default_fusion.md (chosen on the default model; the window is a share of depth so it
+    # Study: docs/methods/anchor.md (chosen on the default model; the window is a share of depth so it
     # scales to other depths, but the right window is a property of the model: measure it per model).
     window: ClassVar[tuple[float, float]] = (0.24, 0.83)  # probe layers as shares of depth
     neighbours: ClassVar[int] = 3  # max-pool width spreading each evidence peak to its neighbours

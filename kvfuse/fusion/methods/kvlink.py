@@ -10,12 +10,12 @@ K = 0 nothing is added and kvlink is `pie`.
 
 The link embeddings come from the artifact `kvfuse train kvlink` trains for the engine's model
 (`kvfuse.fusion.kvlink_artifact`), loaded at engine start; a request for kvlink on a model without one is
-refused (ValueError: 422) with the command to train it. docs/kvlink.md has the design and results.
+refused (ValueError: 422) with the command to train it. docs/methods/kvlink.md has the design and results.
 
 Departures from the paper, and why:
 - Only the link embeddings are trained; the model's weights stay as they are (the paper fine-tunes the
   whole model with them). The served model is shared by every method and by the stored chunk caches,
-  which a fine-tune would invalidate; see docs/kvlink.md for what this costs.
+  which a fine-tune would invalidate; see docs/methods/kvlink.md for what this costs.
 - The prompt keeps kvfuse's own template (system prompt, chunks in the user turn, question after them);
   the paper's KV-START/KV-END tokens are not added (the template's turn markers bound the documents).
 - The link table has a fixed number of chunk indices (the artifact's `max_docs`); chunks past it reuse

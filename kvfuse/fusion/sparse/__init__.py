@@ -6,5 +6,5 @@ selection per query, and block sources that read only the selected blocks of a c
   select.py     the query-time selection (Eqs. 1-3 and the cross-document cut), pure tensor code
   source.py     where a chunk's blocks are read from (memory or the store) and what was read
 
-The method itself is kvfuse/fusion/methods/samkv.py; design and decisions: docs/DESIGN.md ("SamKV").
+The method itself is kvfuse/fusion/methods/samkv.py; design and decisions: docs/methods/samkv.md.
 """

@@ -4,7 +4,7 @@ Inputs per document: its `Segments`, and on the layers of N* its block-mean keys
 local query [S, H, D] and static max/min blocks [S]; the user query's mean query [S, H, D] from the probe.
 Every vector is pre-RoPE (kvfuse.fusion.sparse.artifacts).
 
-Decisions where the paper is silent (docs/DESIGN.md, "SamKV"):
+Decisions where the paper is silent (docs/methods/samkv.md):
 - heads: a query-key score is the inner product of the concatenated heads (query head h reads KV head
   h // group, as attention does); cos in Eq. 1 is over the concatenated heads of a layer.
 - s_anc: the mean of the anchor blocks' scores (= the score of their mean key).
