@@ -1,7 +1,7 @@
 """Response bodies of the HTTP API, one class per shape a client reads.
 
 Endpoints declare these as `response_model`, so the OpenAPI schema at `/openapi.json` and the bytes on the
-wire come from the same place. Extra fields may be added; the documented ones (README, docs/DESIGN.md)
+wire come from the same place. Extra fields may be added; the documented ones (docs/usage.md)
 keep their names and meaning. A query answer is `QueryAnswer`: the JSON body of `POST /v1/query` and,
 word for word, the data of the stream's final `done` event. Errors have their own model in errors.py.
 """
