@@ -63,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="when a document id exists already (default: skip)")
     p.add_argument("--batch", type=bounded(int, 1), default=16, help="documents per request (default: 16)")
     p.add_argument("--no-wait", action="store_true", help="return once queued instead of waiting for ready")
+    p.add_argument("--collection", help="the collection the documents go to (default: default)")
     p.set_defaults(func=_unreachable_is_one_line("ingest", _ingest))
 
     p = sub.add_parser("query", help="ask a question; the answer streams as it is generated")
@@ -74,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--doc", action="append", dest="docs", metavar="ID",
                    help="answer from exactly these documents, in this order (repeatable)")
     p.add_argument("--top-k", type=bounded(int, 1), help="chunks to retrieve (default: retriever.top_k)")
+    p.add_argument("--mode", choices=("dense", "keyword", "hybrid"), help="retrieval mode (default: retriever.mode)")
+    p.add_argument("--collection", action="append", dest="collections", metavar="NAME",
+                   help="search this collection (repeatable; default: the default collection)")
     p.add_argument("--max-tokens", type=bounded(int, 1),
                    help="answer length limit (default: generation.max_tokens)")
     p.set_defaults(func=_unreachable_is_one_line("query", _query))
@@ -288,7 +292,10 @@ def _ingest(args: argparse.Namespace) -> int:
         bar = stack.enter_context(tqdm(total=len(docs), unit="doc", desc="ingest"))
         for i in range(0, len(docs), max(1, args.batch)):
             batch = docs[i : i + args.batch]
-            resp = http.post("/v1/documents", json={"documents": batch, "on_conflict": args.on_conflict})
+            body = {"documents": batch, "on_conflict": args.on_conflict}
+            if args.collection:
+                body["collection"] = args.collection
+            resp = http.post("/v1/documents", json=body)
             if resp.status_code >= 400:
                 bar.write(f"batch of {len(batch)} refused: {_fail(resp)}")
                 bar.update(len(batch))
@@ -316,9 +323,8 @@ def _ingest(args: argparse.Namespace) -> int:
     return 0 if ok == len(files) else 1
 
 
-def _query(args: argparse.Namespace) -> int:
-    import json
-
+def query_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The /v1/query request `kvfuse query` sends (streamed); unset options take the server's defaults."""
     body: dict[str, Any] = {"query": args.question, "stream": True}
     if args.docs:
         body["document_ids"] = args.docs
@@ -329,6 +335,16 @@ def _query(args: argparse.Namespace) -> int:
     fusion = {k: v for k, v in (("method", args.method), ("recompute_ratio", args.ratio)) if v is not None}
     if fusion:
         body["fusion"] = fusion
+    retrieval = {k: v for k, v in (("mode", args.mode), ("collections", args.collections)) if v is not None}
+    if retrieval:
+        body["retrieval"] = retrieval
+    return body
+
+
+def _query(args: argparse.Namespace) -> int:
+    import json
+
+    body = query_body(args)
     sources: list[dict] = []
     final: dict = {}
     with _client(args) as http, http.stream("POST", "/v1/query", json=body) as resp:

@@ -173,6 +173,22 @@ def test_in_range_cli_numbers_pass() -> None:
     assert build_parser().parse_args(["serve", "--port", "65535", "--workers", "0"]).port == 65535
 
 
+def test_cli_query_sends_the_retrieval_mode_and_collections_it_is_given() -> None:
+    from kvfuse.cli import build_parser
+    from kvfuse.service.cli import query_body
+
+    plain = query_body(build_parser().parse_args(["query", "q"]))
+    assert plain == {"query": "q", "stream": True}  # every other option is the server's default
+    args = build_parser().parse_args(["query", "q", "--mode", "keyword", "--collection", "notes", "--collection",
+                                      "default", "--method", "a3"])
+    body = query_body(args)
+    assert body["retrieval"] == {"mode": "keyword", "collections": ["notes", "default"]}
+    assert body["fusion"] == {"method": "a3"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["query", "q", "--mode", "fuzzy"])
+    assert build_parser().parse_args(["ingest", "a.txt", "--collection", "notes"]).collection == "notes"
+
+
 def test_cli_help_lists_the_service_commands() -> None:
     out = subprocess.run([sys.executable, "-m", "kvfuse.cli", "query", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
