@@ -221,6 +221,8 @@ def _format(result: dict[str, Any]) -> str:
 def _run(args: argparse.Namespace) -> int:
     from kvfuse.config import get_settings
 
+    if args.url:
+        return _run_e2e(args, get_settings())
     result = run_retriever_bench(
         get_settings(),
         sizes=tuple(args.sizes),
@@ -246,6 +248,22 @@ def _run(args: argparse.Namespace) -> int:
 
             plot_modes(result["modes"], path.with_suffix(".png"))
         print(_format(result))
+    return 0
+
+
+def _run_e2e(args: argparse.Namespace, settings: Settings) -> int:
+    from kvfuse.bench.retrieval_e2e import format_e2e, run_e2e
+
+    result = run_e2e(args.url, resolve_data_dir(args.data_dir, settings), questions=args.modes_questions,
+                     top_k=args.top_k, method=args.method, max_tokens=args.max_tokens, api_key=args.api_key,
+                     progress=not args.no_progress)
+    text = format_e2e(result)
+    if args.json and args.json != "-":
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        path.with_suffix(".md").write_text(text + "\n")
+    print(json.dumps(result, indent=2) if args.json == "-" else text)
     return 0
 
 
@@ -279,4 +297,11 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rrf-ks", type=csv_list(int), default=[1, 10, 30, 60, 100],
                    help="RRF k values of the hybrid sweep (default 1,10,30,60,100)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    e2e = p.add_argument_group("end to end through a live server (--url): retrieval, then fusion against vanilla "
+                               "on the same retrieved documents, per mode, on --modes-questions questions")
+    e2e.add_argument("--url", default=None, help="run only the end-to-end comparison, through this server")
+    e2e.add_argument("--api-key", default=None, help="API key for --url")
+    e2e.add_argument("--method", default=None, help="the fusion method compared with vanilla (default: the server's)")
+    e2e.add_argument("--top-k", type=int, default=TOP_K, help=f"documents retrieved per question (default {TOP_K})")
+    e2e.add_argument("--max-tokens", type=int, default=24, help="answer length limit (default 24)")
     p.set_defaults(func=_run)

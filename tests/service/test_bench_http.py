@@ -73,3 +73,31 @@ def test_load_ingestion_reuses_documents_the_server_holds_with_the_same_text(ser
         assert other[0] == ids and other[1] > tokens and other[2] > 0
         for doc_id in ids:
             assert c.delete(f"/v1/documents/{doc_id}").status_code == 200
+
+
+def test_retrieval_end_to_end_asks_every_mode_and_vanilla_on_the_same_documents(server: ServerProcess,
+                                                                                tmp_path: Path) -> None:
+    from kvfuse.bench.retrieval_e2e import COLLECTION, MODES
+    from kvfuse.config import get_settings
+
+    out = tmp_path / "e2e.json"
+    get_settings.cache_clear()
+    try:
+        rc = main(["bench", "retriever", "--url", server.url, "--api-key", API_KEY, "--modes-questions", "1",
+                   "--top-k", "2", "--max-tokens", "4", "--method", "anchor", "--no-progress", "--json", str(out)])
+    finally:
+        get_settings.cache_clear()
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["questions"] == 1 and result["passages"] == 10 and result["method"] == "anchor"
+    assert [m["mode"] for m in result["modes"]] == list(MODES)
+    for mode in MODES:
+        (row,) = result["rows"][mode]
+        assert 1 <= len(row["documents"]) <= 2 and all(d.startswith("mq-") for d in row["documents"])
+        assert 0.0 <= row["f1"] <= 1.0 and 0.0 <= row["vanilla_f1"] <= 1.0
+        assert row["ttft_ms"] > 0 and row["vanilla_ttft_ms"] > 0
+    assert out.with_suffix(".md").read_text().count("\n| ") == 2 + len(MODES)  # header, rule, one row per mode
+    with make_client(server) as c:
+        held = {x["name"]: x["documents"] for x in c.get("/v1/collections").json()["collections"]}
+        assert held[COLLECTION] == 10
+        assert c.delete("/v1/documents", params={"collection": COLLECTION}).json()["deleted"] == 10
