@@ -167,6 +167,11 @@ def plot(rows: list[dict], labels: list[str], png: Path) -> None:
         ax.set_xticks(range(len(methods)), methods)
         ax.set_title(f"{title}, n = {n}")
         ax.grid(alpha=0.3)
+    _save(plt, fig, axes, png)
+
+
+def _save(plt, fig, axes, png: Path) -> None:
+    """Both figures: agreement on a share axis, KL on a log axis, legend, saved."""
     axes[1].set_yscale("log")
     axes[0].set_ylim(0, 1.02)
     axes[0].legend(fontsize=8)
@@ -196,12 +201,7 @@ def plot_tradeoff(outs: list[Outcome], label: str, png: Path) -> None:
         ax.set_xlabel("recompute ratio")
         ax.set_title(f"{title}; chunks: {label}")
         ax.grid(alpha=0.3)
-    axes[1].set_yscale("log")
-    axes[0].set_ylim(0, 1.02)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, axes, png)
 
 
 def main(argv: list[str]) -> int:

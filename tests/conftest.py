@@ -39,6 +39,14 @@ def default_llm_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(default_llm_path: str):
+    """The default LLM's tokenizer (one per test session)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_llm_path)
+
+
+@pytest.fixture(scope="session")
 def default_embedder_path() -> str:
     from kvfuse.model_files import resolve_embedder
 

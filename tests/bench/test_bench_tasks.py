@@ -14,13 +14,6 @@ CFG = tasks.TaskConfig(n=3, docs=4, doc_tokens=200, seed=7)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_llm_path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_llm_path)
-
-
-@pytest.fixture(scope="module")
 def hay(tokenizer, shared_data: Path) -> tasks.Haystack:
     return tasks.Haystack(tokenizer, shared_data)
 

@@ -16,13 +16,6 @@ CFG = tasks.TaskConfig(n=3, docs=6, doc_tokens=200, seed=7)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_llm_path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_llm_path)
-
-
-@pytest.fixture(scope="module")
 def corpus(tokenizer, shared_data: Path) -> multidoc.Corpus:
     return multidoc.Corpus(tokenizer, shared_data, CFG.doc_tokens)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
-    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -21,11 +20,6 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_att
              num_key_value_heads=2, max_position_embeddings=1024)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(default_llm_path):
-    return AutoTokenizer.from_pretrained(default_llm_path)
 
 
 def build(kind: str, vocab: int):

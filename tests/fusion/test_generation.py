@@ -10,13 +10,6 @@ from kvfuse.fusion.generation import Generation
 from kvfuse.fusion.types import GenerationOptions
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_llm_path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_llm_path)
-
-
 def onehot(token: int, vocab: int) -> torch.Tensor:
     logits = torch.full((vocab,), -10.0)
     logits[token] = 10.0

@@ -29,13 +29,6 @@ SELECTIVE = ["anchor", "a3", "cacheblend", "prophetkv", "epic"]
 FULL = dict(recompute_ratio=1.0, edge_tokens=1000, edge_tokens_end=1000)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_llm_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(default_llm_path)
-
-
 def tiny_engine(kind: str, tokenizer, device: str, dtype: str) -> FusionEngine:
     model = build(kind, len(tokenizer)).to(device=device, dtype=getattr(torch, dtype))
     return FusionEngine(model, tokenizer, dtype=dtype)
