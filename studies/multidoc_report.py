@@ -4,7 +4,7 @@
 
 Each LABEL (a context mode, say `none` or `neighbours`) names fidelity result files whose outcomes are
 joined (several seeds of one setting). Writes OUT.md (tables) and OUT.png; with --tradeoff LABEL also
-OUT-tradeoff.png, answer agreement and answer KL against the ratio for the methods that ran at several
+OUT-tradeoff.png, answer agreement, answer KL and TTFT against the ratio for the methods that ran at several
 ratios under that label. Per task, and over all tasks (`all`):
 
 - per label and method: score, answer agreement with vanilla and mean answer KL, each with the bench's
@@ -186,17 +186,19 @@ def plot_tradeoff(outs: list[Outcome], label: str, png: Path) -> None:
     plt = pyplot()
     rows = [r for r in aggregate(pooled(outs)) if r["task"] == "all"]
     multi = sorted({r["method"] for r in rows if sum(x["method"] == r["method"] for x in rows) > 1}, key=method_key)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for ax, key, title in ((axes[0], "same_answer_vs_vanilla", "same answer as vanilla (share)"),
-                           (axes[1], "answer_kl_vs_vanilla", "answer KL to vanilla (nats, log)")):
+                           (axes[1], "answer_kl_vs_vanilla", "answer KL to vanilla (nats, log)"),
+                           (axes[2], "ttft_vs_vanilla", "TTFT / vanilla (median, in-process)")):
         for m in multi:
-            pts = sorted((r["ratio"], r[key], r[key + "_ci"]) for r in rows if r["method"] == m)
+            pts = sorted((r["ratio"], r[key], r.get(key + "_ci") or [r[key], r[key]]) for r in rows if r["method"] == m)
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts],
                         yerr=[[p[1] - p[2][0] for p in pts], [p[2][1] - p[1] for p in pts]],
                         marker="o", capsize=3, label=m)
         for r in rows:
             if r["method"] not in multi and r["method"] != "vanilla":
-                ax.errorbar([r["ratio"]], [r[key]], yerr=[[r[key] - r[key + "_ci"][0]], [r[key + "_ci"][1] - r[key]]],
+                ci = r.get(key + "_ci") or [r[key], r[key]]
+                ax.errorbar([r["ratio"]], [r[key]], yerr=[[r[key] - ci[0]], [ci[1] - r[key]]],
                             marker="s", capsize=3, ls="none", label=f"{r['method']}")
         ax.set_xlabel("recompute ratio")
         ax.set_title(f"{title}; chunks: {label}")
@@ -223,10 +225,11 @@ def main(argv: list[str]) -> int:
         rows_t.sort(key=lambda r: (r["task"] != "all", r["task"], method_key(r["method"]), r["ratio"]))
         text += [f"## Against the ratio (chunks: {tradeoff})", "",
                  "| task | method | ratio | n | score | same answer as vanilla | 95 % interval | answer KL (nats) "
-                 "| 95 % interval |", "|---|---|---|---|---|---|---|---|---|"]
+                 "| 95 % interval | TTFT / vanilla |", "|---|---|---|---|---|---|---|---|---|---|"]
         text += [f"| {r['task']} | {r['method']} | {fmt(r['ratio'], 2)} | {r['n']} | {fmt(r['score'], 2)} | "
                  f"{fmt(r['same_answer_vs_vanilla'], 2)} | {interval(r['same_answer_vs_vanilla_ci'], 2)} | "
-                 f"{fmt(r['answer_kl_vs_vanilla'], 4)} | {interval(r['answer_kl_vs_vanilla_ci'], 4)} |" for r in rows_t]
+                 f"{fmt(r['answer_kl_vs_vanilla'], 4)} | {interval(r['answer_kl_vs_vanilla_ci'], 4)} | "
+                 f"{fmt(r['ttft_vs_vanilla'], 3)} |" for r in rows_t]
         plot_tradeoff(runs[tradeoff], tradeoff, out.with_name(out.name + "-tradeoff.png"))
     out.with_suffix(".md").write_text("\n".join(text) + "\n", encoding="utf-8")
     plot(rows, list(runs), out.with_suffix(".png"))
