@@ -12,6 +12,13 @@ from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Example
 
 
+def checked(resp: Any) -> Any:
+    """The JSON of a successful response; RuntimeError naming the request and the server's answer else."""
+    if resp.status_code >= 400:
+        raise RuntimeError(f"{resp.request.method} {resp.request.url} -> {resp.status_code}: {resp.text}")
+    return resp.json()
+
+
 class HttpBackend:
     """A live kvfuse server: each example's chunks are ingested as documents, queried with explicit
     `document_ids` and `fusion`, then deleted. The API has no way to start the assistant's answer, so
@@ -32,15 +39,10 @@ class HttpBackend:
 
         return list(available_methods())
 
-    def _check(self, resp: Any) -> Any:
-        if resp.status_code >= 400:
-            raise RuntimeError(f"{resp.request.method} {resp.request.url} -> {resp.status_code}: {resp.text}")
-        return resp.json()
-
     def prepare(self, ex: Example) -> list[str]:
         ids = [f"bench-{ex.id}-{j}" for j in range(len(ex.chunks))]
         docs = [{"id": i, "text": t, "on_conflict": "overwrite"} for i, t in zip(ids, ex.chunks, strict=True)]
-        self._check(self.client.post("/v1/documents", params={"wait": "true"}, json={"documents": docs}))
+        checked(self.client.post("/v1/documents", params={"wait": "true"}, json={"documents": docs}))
         return ids
 
     def run(self, ex: Example, prepared: list[str], method: str, ratio: float | None,
@@ -53,7 +55,7 @@ class HttpBackend:
             "max_tokens": self.max_tokens or ex.max_tokens,
             "temperature": 0.0, "fusion": fusion,
         }
-        out = self._check(self.client.post("/v1/query", json=body))
+        out = checked(self.client.post("/v1/query", json=body))
         usage = out.get("usage", {})
         return Outcome(
             task=ex.task, example_id=ex.id, method=method, ratio=ratio, prediction=out["answer"].strip(),

@@ -13,12 +13,13 @@ length (1024 for this sample); questions where the two contexts differ are count
 from __future__ import annotations
 
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 from kvfuse.bench.agreement import bootstrap_ci
 from kvfuse.bench.data import load_musique
+from kvfuse.bench.http_backend import checked
+from kvfuse.bench.retrieval_modes import say
 from kvfuse.bench.scoring import contains, normalize_answer
 from kvfuse.bench.scoring import score as score_answer
 
@@ -42,14 +43,14 @@ def run_e2e(url: str, data_dir: Path, *, questions: int, top_k: int = 4, method:
     with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s) as http:
         for i in range(0, len(passages), _BATCH):
             docs = [{"id": ids[p], "text": p} for p in passages[i : i + _BATCH]]
-            _ok(http.post("/v1/documents", params={"wait": "true"},
+            checked(http.post("/v1/documents", params={"wait": "true"},
                           json={"documents": docs, "collection": COLLECTION, "on_conflict": "skip"}))
-            _say(progress, f"ingested {min(i + _BATCH, len(passages))}/{len(passages)} passages")
+            say(progress, f"ingested {min(i + _BATCH, len(passages))}/{len(passages)} passages")
         rows: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
         for q, item in enumerate(items):
             for mode in MODES:
                 rows[mode].append(_ask(http, item, mode, top_k, method, max_tokens, text_of))
-            _say(progress, f"asked {q + 1}/{len(items)} questions")
+            say(progress, f"asked {q + 1}/{len(items)} questions")
     return {"url": url, "questions": len(items), "passages": len(passages), "top_k": top_k,
             "max_tokens": max_tokens, "method": rows[MODES[0]][0]["method"] if items else method,
             "modes": [_summary(mode, rows[mode]) for mode in MODES], "rows": rows}
@@ -61,7 +62,7 @@ def _ask(http: Any, item: Any, mode: str, top_k: int, method: str | None, max_to
                             "retrieval": {"mode": mode, "collections": [COLLECTION]}}
     if method:
         body["fusion"] = {"method": method}
-    fused = _ok(http.post("/v1/query", json=body))
+    fused = checked(http.post("/v1/query", json=body))
     docs = list(dict.fromkeys(s["document_id"] for s in fused["sources"]))
     answers = list(item.answers)
     row = {"question": item.question, "method": fused["fusion"]["method"], "documents": docs,
@@ -73,7 +74,7 @@ def _ask(http: Any, item: Any, mode: str, top_k: int, method: str | None, max_to
         # Whole documents where retrieval took some of their chunks: more than the context holds. No
         # reference for this question (counted in `no_reference`).
         return row | {"vanilla_answer": None}
-    ref = _ok(resp)
+    ref = checked(resp)
     return row | {
         "vanilla_answer": ref["answer"], "vanilla_f1": score_answer("f1", ref["answer"], answers),
         "same_answer": normalize_answer(fused["answer"]) == normalize_answer(ref["answer"]),
@@ -133,12 +134,3 @@ def format_e2e(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _ok(resp: Any) -> Any:
-    if resp.status_code >= 400:
-        raise RuntimeError(f"{resp.request.method} {resp.request.url} -> {resp.status_code}: {resp.text}")
-    return resp.json()
-
-
-def _say(progress: bool, text: str) -> None:
-    if progress:
-        print(text, file=sys.stderr, flush=True)

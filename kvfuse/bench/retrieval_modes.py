@@ -58,7 +58,7 @@ def _one_size(settings: Any, embedder: Any, docs: dict[str, list[str]], asked: A
 
     rs = settings.retriever
     texts = [t for chunks in docs.values() for t in chunks]
-    _say(progress, f"chunks of <= {chunk_tokens} tokens: {len(texts)} from {len(docs)} passages; embedding")
+    say(progress, f"chunks of <= {chunk_tokens} tokens: {len(texts)} from {len(docs)} passages; embedding")
     with tempfile.TemporaryDirectory(prefix="kvfuse-bench-modes-") as tmp:
         t0 = time.perf_counter()
         vectors = embedder.embed(texts)
@@ -149,7 +149,7 @@ def _paired(a: list[int | None], b: list[int | None], k: int) -> dict[str, Any]:
             "wins": sum(d > 0 for d in diff), "losses": sum(d < 0 for d in diff)}
 
 
-def _say(progress: bool, text: str) -> None:
+def say(progress: bool, text: str) -> None:
     if progress:
         print(text, file=sys.stderr, flush=True)
 

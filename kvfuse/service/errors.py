@@ -42,6 +42,11 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+def retry_after(settings: Any) -> dict[str, str]:
+    """The Retry-After header of a 503 or 409 that passes: `server.retry_after_s`, at least one second."""
+    return {"Retry-After": str(max(1, settings.server.retry_after_s))}
+
+
 class APIError(Exception):
     """An error answered to the client as-is."""
 

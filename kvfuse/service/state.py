@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvfuse.config import Settings
 from kvfuse.service.dispatch.base import make_dispatcher, open_api_store
-from kvfuse.service.errors import APIError
+from kvfuse.service.errors import APIError, retry_after
 from kvfuse.service.metrics import Metrics
 from kvfuse.service.rag.corpus import Corpus
 from kvfuse.service.rag.ingest import IngestManager
@@ -144,7 +144,7 @@ class ServiceState:
             raise APIError(503, f"the service failed to start: {self.startup_error}", code="startup_failed")
         if not self._components.is_set():
             raise APIError(503, "the service is starting", code="not_ready",
-                           headers={"Retry-After": str(max(1, self.settings.server.retry_after_s))})
+                           headers=retry_after(self.settings))
 
     def refresh_document_gauge(self) -> None:
         if self.corpus is not None:

@@ -15,6 +15,7 @@ from kvfuse.service.api.responses import (
     Usage,
 )
 from kvfuse.service.rag.query import QueryOutcome, QueryRun, SourceChunk
+from kvfuse.service.wire.protocol import prompt_tokens
 
 
 def source(c: SourceChunk) -> Source:
@@ -36,15 +37,14 @@ def answer_of(run: QueryRun, outcome: QueryOutcome) -> QueryAnswer:
     """The answer from the worker's result: its token counts as the client reads them, and timings."""
     result, end = outcome.result, outcome.ended_at
     u, t = result["usage"], result["timings"]
-    prefix, context, question = u.get("prefix_tokens", 0), u.get("context_tokens", 0), u.get("question_tokens", 0)
     ms = lambda s: round(1000.0 * s, 2)  # noqa: E731
     job, arrived = run.job, run.plan.arrived
     return QueryAnswer(
         **dict(sources_of(run)),
         answer=result["text"],
         finish_reason=result["finish_reason"],
-        usage=Usage(prompt_tokens=prefix + context + question, completion_tokens=u.get("generated_tokens", 0),
-                    context_tokens=context, cached_tokens=outcome.cached_tokens,
+        usage=Usage(prompt_tokens=prompt_tokens(u), completion_tokens=u.get("generated_tokens", 0),
+                    context_tokens=u.get("context_tokens", 0), cached_tokens=outcome.cached_tokens,
                     recomputed_tokens=u.get("recomputed_tokens", 0)),
         timings=Timings(retrieval_ms=ms(run.plan.retrieval_s), queue_ms=ms((job.started_at or end) - job.enqueued_at),
                         kv_load_ms=ms(t.get("kv_load_s", 0.0)), assemble_ms=ms(t.get("assemble_s", 0.0)),

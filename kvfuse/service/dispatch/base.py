@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfuse.config import Settings
+from kvfuse.service.errors import APIError
 from kvfuse.service.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -77,8 +78,6 @@ def open_api_store(settings: Settings) -> KVStore:
 
 async def require_worker(dispatcher: Dispatcher, timeout_s: float) -> None:
     """Wait up to `timeout_s` for the dispatcher's worker(s); 503 if none is ready by then."""
-    from kvfuse.service.errors import APIError
-
     if not await dispatcher.wait_ready(timeout_s):
         raise APIError(503, f"the model worker is not ready: {dispatcher.last_error or 'starting'}",
                        code="worker_unavailable")

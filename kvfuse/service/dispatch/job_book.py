@@ -151,8 +151,7 @@ class JobBook:
         if isinstance(msg, P.Result):
             u = msg.usage
             self.metrics.generation_tokens.inc(u.get("generated_tokens", 0))
-            self.metrics.prompt_tokens.inc(u.get("prefix_tokens", 0) + u.get("context_tokens", 0)
-                                           + u.get("question_tokens", 0))
+            self.metrics.prompt_tokens.inc(P.prompt_tokens(u))
 
     def _finish(self, job: Job, msg: Any) -> None:
         """End the job with its final message (or Crashed / Cancelled)."""

@@ -25,7 +25,7 @@ from kvfuse.service.dispatch.job_book import (
     WorkerJobError,
     WorkerUnavailable,
 )
-from kvfuse.service.errors import APIError
+from kvfuse.service.errors import APIError, retry_after
 from kvfuse.service.rag.prompt_size import check_prompt_fits, context_limit
 from kvfuse.service.rag.retrieval import RetrievalOptions, retrieval_options, retrieve
 from kvfuse.service.wire.protocol import (
@@ -39,6 +39,7 @@ from kvfuse.service.wire.protocol import (
     Plan,
     QueryJob,
     Result,
+    prompt_tokens,
 )
 
 if TYPE_CHECKING:
@@ -84,7 +85,6 @@ class SourceChunk:
     keyword_rank: int | None = None
 
 
-
 @dataclass
 class QueryPlan:
     question: str
@@ -106,7 +106,6 @@ class QueryRun:
     events: AsyncIterator[tuple[str, dict]]
     sources: list[SourceChunk]
     dropped: list[SourceChunk]
-    plan_info: dict
 
     @property
     def warning(self) -> str | None:
@@ -114,7 +113,6 @@ class QueryRun:
             return None
         return (f"{len(self.dropped)} retrieved chunk(s) did not fit the model context beside the question and "
                 "max_tokens and were left out (lowest score first)")
-
 
 
 @dataclass
@@ -256,7 +254,7 @@ class QueryService:
         if job is not None:
             raise APIError(409, f"document {doc_id!r} is being ingested (job {job.id}) and is not ready yet; "
                            "retry later", code="document_not_ready", param="document_ids",
-                           headers={"Retry-After": str(max(1, self.settings.server.retry_after_s))})
+                           headers=retry_after(self.settings))
         if rec is None:
             raise APIError(404, f"document {doc_id!r} not found", code="document_not_found", param="document_ids")
         raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
@@ -306,8 +304,7 @@ class QueryService:
             raise APIError(500, f"unexpected worker message {type(first).__name__}", code="internal_error")
         kept = [plan.chunks[i] for i in first.kept]
         dropped = [plan.chunks[i] for i in first.dropped]
-        return QueryRun(plan=plan, job=job, events=events, sources=kept, dropped=dropped,
-                        plan_info=dataclasses.asdict(first))
+        return QueryRun(plan=plan, job=job, events=events, sources=kept, dropped=dropped)
 
     def api_error(self, err: BaseException) -> BaseException:
         """The HTTP error for a failure of a running query (other exceptions pass through)."""
@@ -320,16 +317,15 @@ class QueryService:
                 return APIError(422, err.message, code="invalid_value")
             if err.kind == ERR_INDEX_UNAVAILABLE:
                 return APIError(503, f"the document index is unavailable: {err.message}", code="index_unavailable",
-                                headers={"Retry-After": str(max(1, self.settings.server.retry_after_s))})
+                                headers=retry_after(self.settings))
             return APIError(500, f"generation failed: {err.message}", code="generation_failed")
-        retry_after = {"Retry-After": str(max(1, self.settings.server.retry_after_s))}
         if isinstance(err, NoLiveWorker):
             self.metrics.requests.labels("no_live_worker").inc()
             return APIError(503, f"{err}; retry once a worker has joined (GET /ready lists the live workers)",
-                            code="no_live_worker", headers=retry_after)
+                            code="no_live_worker", headers=retry_after(self.settings))
         if isinstance(err, WorkerCrashed):
             self.metrics.requests.labels("worker_crashed").inc()
-            return APIError(503, f"{err}; {self.dispatcher.crash_advice}", code="worker_crashed", headers=retry_after)
+            return APIError(503, f"{err}; {self.dispatcher.crash_advice}", code="worker_crashed", headers=retry_after(self.settings))
         if isinstance(err, TimeoutError):
             self.metrics.requests.labels("timeout").inc()
             return APIError(504, f"the query did not finish within {self.settings.server.request_timeout_s} s",
@@ -364,8 +360,7 @@ class QueryService:
                     m.e2e.observe(now - run.plan.arrived)
                     m.kv_load.observe(p["timings"].get("kv_load_s", 0.0))
                     m.hit_tokens.inc(outcome.cached_tokens)
-                    m.query_tokens.inc(u.get("prefix_tokens", 0) + u.get("context_tokens", 0)
-                                       + u.get("question_tokens", 0))
+                    m.query_tokens.inc(prompt_tokens(u))
                     m.rebuilt_chunks.inc(p.get("rebuilt_chunks", 0))
                     m.requests.labels(p["finish_reason"] if p["finish_reason"] == "cancelled" else "ok").inc()
                     yield "result", outcome

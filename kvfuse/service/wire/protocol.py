@@ -109,6 +109,11 @@ class Result:
     worker: str = ""  # the worker that served it (named in the answer)
 
 
+def prompt_tokens(usage: dict[str, int]) -> int:
+    """The prompt tokens of a Result's `usage`: system prefix, documents and question."""
+    return usage.get("prefix_tokens", 0) + usage.get("context_tokens", 0) + usage.get("question_tokens", 0)
+
+
 @dataclass
 class Done:
     job_id: int

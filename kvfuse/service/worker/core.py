@@ -57,7 +57,6 @@ class Worker:
         self.engine = FusionEngine.from_settings(settings)
         self.store = self.open_store(settings)
         self.kv = ChunkCache(self.engine, self.store, settings, share_rebuilt=self.SHARE_REBUILT)
-        self.kv_dtype = settings.store.kv_dtype
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
         self.scheduler = Scheduler(SchedulerLimits.from_settings(settings.server))
         self.step_no = 0
@@ -80,7 +79,7 @@ class Worker:
         e = self.engine
         return {"name": self.name, "pid": os.getpid(), "fingerprint": e.fingerprint, "max_context_tokens": self.max_context,
                 "num_layers": e.num_layers, "num_kv_heads": e.num_kv_heads, "head_dim": e.head_dim,
-                "methods": list(available_methods()), "kv_dtype": self.kv_dtype,
+                "methods": list(available_methods()), "kv_dtype": self.kv.kv_dtype,
                 "kv_budget_tokens": self.scheduler.limits.kv_budget_tokens,
                 "max_running_requests": self.scheduler.limits.max_running}
 
