@@ -20,38 +20,39 @@ serving under its key.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import warnings
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
+from kvfuse.blob_checksums import CorruptBlobError, block_checksum, bytes_view, check, checksum, copy_payload
+from kvfuse.chunk_keys import (  # noqa: F401 - the keys are part of this module's interface
+    DTYPES,
+    FORMAT_NAME,
+    KEY_VERSION,
+    chunk_key,
+    chunk_key_from_hash,
+    context_hash,
+    dtype_size,
+    token_hash,
+    torch_dtype,
+)
+
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-KEY_VERSION = 1  # part of the content key; the KV a key names did not change with version 2
 BLOCK_TOKENS = 64  # tokens per checksummed block in version 2 (the SamKV paper's block size)
 ARTIFACT_PREFIX = "a."
-FORMAT_NAME = "kvfuse-kv"
 POSITION_ROPE0 = "rope0"
 
-# dtype name -> (torch dtype, safetensors dtype code)
-DTYPES: dict[str, tuple[torch.dtype, str]] = {
-    "float16": (torch.float16, "F16"),
-    "bfloat16": (torch.bfloat16, "BF16"),
-    "float32": (torch.float32, "F32"),
-}
 _ARTIFACT_DTYPES: dict[torch.dtype, str] = {
     torch.int64: "I64", torch.int32: "I32", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
 }
 _ARTIFACT_CODES = {code: dt for dt, code in _ARTIFACT_DTYPES.items()}
 _MAX_HEADER_BYTES = 1 << 20  # a real header is < 1 KB; anything larger is garbage, not a blob
-_CHECKSUM_ALGO = "crc32"
-_COPY_BLOCK = 1 << 18  # decode(copy=True) checksums each 256 KB block while it is in cache from the copy
 
 if sys.byteorder != "little":  # safetensors is little-endian and decode maps bytes straight into tensors
     raise ImportError("kvfuse.kvblob needs a little-endian host")
@@ -63,12 +64,6 @@ if sys.byteorder != "little":  # safetensors is little-endian and decode maps by
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.frombuffer(b"\0", dtype=torch.uint8)
-
-
-class CorruptBlobError(Exception):
-    """The bytes are not a valid kvfuse KV blob (bad container, wrong format version, checksum mismatch).
-
-    The caller rebuilds the chunk's KV from the stored text."""
 
 
 @dataclass(frozen=True)
@@ -105,62 +100,6 @@ class KVHeader:
         return chunk_key_from_hash(self.model_fingerprint, self.dtype, self.token_hash, self.context_hash)
 
 
-def dtype_size(dtype: str) -> int:
-    return torch.empty((), dtype=_torch_dtype(dtype)).element_size()
-
-
-def _torch_dtype(dtype: str) -> torch.dtype:
-    try:
-        return DTYPES[dtype][0]
-    except KeyError:
-        raise ValueError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPES)}") from None
-
-
-def token_hash(token_ids: Sequence[int]) -> str:
-    """sha256 hex of the ids as int32 little-endian."""
-    return hashlib.sha256(torch.as_tensor(list(token_ids), dtype=torch.int32).numpy().tobytes()).hexdigest()
-
-
-def chunk_key_from_hash(model_fingerprint: str, kv_dtype: str, token_hash_hex: str, context_hash: str = "") -> str:
-    """Content key from an already computed token hash (what a stored header carries)."""
-    _torch_dtype(kv_dtype)
-    text = f"{FORMAT_NAME}/{KEY_VERSION}\n{model_fingerprint}\n{kv_dtype}\n{token_hash_hex}"
-    if context_hash:  # a chunk computed after a context is another cache; alone, the key is unchanged
-        text += f"\ncontext\n{context_hash}"
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def context_hash(context_ids: Sequence[int]) -> str:
-    """The identity of a precompute context ("" for none)."""
-    return token_hash(context_ids) if len(context_ids) else ""
-
-
-def chunk_key(model_fingerprint: str, kv_dtype: str, token_ids: Sequence[int], context_ids: Sequence[int] = ()) -> str:
-    """Identical chunk + context + model + dtype (+ format version) -> the same key, so it is stored
-    once; any difference -> a different key, so a stale or foreign cache is a miss, never a hit."""
-    return chunk_key_from_hash(model_fingerprint, kv_dtype, token_hash(token_ids), context_hash(context_ids))
-
-
-def _checksum(*parts: memoryview | bytes) -> str:
-    # CRC32 (zlib, ~7 GB/s here vs ~1.4 GB/s for blake2b) guards against bit rot and truncation, not
-    # tampering; it is on the cold-read path of every blob, so speed matters more than strength.
-    crc = 0
-    for p in parts:
-        crc = zlib.crc32(p, crc)
-    return f"{_CHECKSUM_ALGO}:{crc:08x}"
-
-
-def _as_bytes_view(t: Tensor) -> memoryview:
-    # uint8 view -> numpy works for bfloat16 too (numpy has no bfloat16); no copy.
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
-
-
-def block_checksum(k: Tensor, v: Tensor, start: int, stop: int) -> str:
-    """Checksum of tokens [start, stop) of k and v [L, Hkv, n, D]: k's then v's rows, layer by layer, head by
-    head (the bytes `read_blocks` copies for that block)."""
-    return _checksum(_as_bytes_view(k[:, :, start:stop].contiguous()), _as_bytes_view(v[:, :, start:stop].contiguous()))
-
-
 def artifact_order(artifacts: dict[str, Tensor]) -> list[str]:
     """Widest element first, then by name: every artifact then starts aligned to its element size with no
     padding between tensors (safetensors allows none), as k and v end on an 8-byte boundary."""
@@ -168,7 +107,7 @@ def artifact_order(artifacts: dict[str, Tensor]) -> list[str]:
 
 
 def _artifact_bytes(artifacts: dict[str, Tensor]) -> list[memoryview]:
-    return [_as_bytes_view(artifacts[name]) for name in artifact_order(artifacts)]
+    return [bytes_view(artifacts[name]) for name in artifact_order(artifacts)]
 
 
 def _prepare_artifacts(artifacts: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
@@ -187,7 +126,7 @@ def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[
     """Serialize one chunk's KV (cast to `dtype` at rest) as a version-2 safetensors blob, with per-block
     checksums and the optional `artifacts` (name -> tensor, stored as they are); `context_ids`: what it
     was computed after (recorded as its hash, part of the key)."""
-    tdt = _torch_dtype(dtype)
+    tdt = torch_dtype(dtype)
     if k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [L, Hkv, n, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
     num_layers, num_kv_heads, num_tokens, head_dim = (int(x) for x in k.shape)
@@ -206,11 +145,11 @@ def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[
         num_tokens=num_tokens,
         token_hash=token_hash(token_ids),
         position=POSITION_ROPE0,
-        checksum=_checksum(_as_bytes_view(k), _as_bytes_view(v)),
+        checksum=checksum(bytes_view(k), bytes_view(v)),
         block_tokens=BLOCK_TOKENS,
         block_checksums=tuple(block_checksum(k, v, a, min(a + BLOCK_TOKENS, num_tokens))
                               for a in range(0, num_tokens, BLOCK_TOKENS)),
-        artifacts_checksum=_checksum(*_artifact_bytes(arts)) if arts else "",
+        artifacts_checksum=checksum(*_artifact_bytes(arts)) if arts else "",
         artifacts=arts,
         context_hash=context_hash(context_ids),
     )
@@ -220,9 +159,9 @@ def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[
 def pack(k: Tensor, v: Tensor, header: KVHeader) -> bytes:
     """The blob of an already decoded chunk, byte for byte what `encode` wrote: a tier that stores bytes
     keeps what another tier decoded without recomputing the header (its checksum included)."""
-    if k.dtype != _torch_dtype(header.dtype) or v.dtype != k.dtype or k.shape != header.shape != v.shape:
+    if k.dtype != torch_dtype(header.dtype) or v.dtype != k.dtype or k.shape != header.shape != v.shape:
         raise ValueError(f"k {k.dtype} {tuple(k.shape)}, v {v.dtype} {tuple(v.shape)} disagree with {header}")
-    kb, vb = _as_bytes_view(k.contiguous()), _as_bytes_view(v.contiguous())
+    kb, vb = bytes_view(k.contiguous()), bytes_view(v.contiguous())
     nb = kb.nbytes
     meta = {
         "format": FORMAT_NAME,
@@ -253,7 +192,7 @@ def pack(k: Tensor, v: Tensor, header: KVHeader) -> bytes:
     arts = header.artifacts if header.format_version >= 2 else None
     off = 2 * nb
     for name in artifact_order(arts or {}):
-        mv = _as_bytes_view(arts[name])
+        mv = bytes_view(arts[name])
         table[ARTIFACT_PREFIX + name] = {"dtype": _ARTIFACT_DTYPES[arts[name].dtype], "shape": list(arts[name].shape),
                                          "data_offsets": [off, off + mv.nbytes]}
         parts.append(mv)
@@ -343,18 +282,13 @@ def read_header(buf: bytes | bytearray | memoryview) -> KVHeader:
     return _parse(_byte_view(buf))[0]
 
 
-def _check(stored: str, computed: str) -> None:
-    if computed != stored:
-        raise CorruptBlobError(f"blob checksum mismatch: stored {stored}, computed {computed}")
-
-
 def verify_blob(buf: bytes | bytearray | memoryview) -> KVHeader:
     """Parse and check the payload checksum; raises CorruptBlobError."""
     mv = _byte_view(buf)
     h, start, specs = _parse(mv)
-    _check(h.checksum, _checksum(mv[start : start + h.payload_bytes]))
+    check(h.checksum, checksum(mv[start : start + h.payload_bytes]))
     if specs:
-        _check(h.artifacts_checksum, _checksum(mv[start + h.payload_bytes :]))
+        check(h.artifacts_checksum, checksum(mv[start + h.payload_bytes :]))
     return h
 
 
@@ -368,17 +302,17 @@ def decode(
     mv = _byte_view(buf)
     h, start, specs = _parse(mv)
     arts = _artifacts(mv, start, h, specs, verify) if specs else None  # small: always copied
-    tdt = _torch_dtype(h.dtype)
+    tdt = torch_dtype(h.dtype)
     numel = h.payload_bytes // 2 // dtype_size(h.dtype)
     if copy and pin:
         owned = torch.empty(h.payload_bytes, dtype=torch.uint8, pin_memory=True)
-        _copy_payload(mv[start : start + h.payload_bytes], h.checksum if verify else None, into=owned.numpy())
+        copy_payload(mv[start : start + h.payload_bytes], h.checksum if verify else None, into=owned.numpy())
         k, v = (part.view(tdt).view(h.shape) for part in owned.chunk(2))
         return k, v, replace(h, artifacts=arts) if arts else h
     if copy:
-        mv, start = memoryview(_copy_payload(mv[start : start + h.payload_bytes], h.checksum if verify else None)), 0
+        mv, start = memoryview(copy_payload(mv[start : start + h.payload_bytes], h.checksum if verify else None)), 0
     elif verify:
-        _check(h.checksum, _checksum(mv[start : start + h.payload_bytes]))
+        check(h.checksum, checksum(mv[start : start + h.payload_bytes]))
     k = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start).view(h.shape)
     v = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start + h.payload_bytes // 2).view(h.shape)
     return k, v, replace(h, artifacts=arts) if arts else h
@@ -387,7 +321,7 @@ def decode(
 def _artifacts(mv: memoryview, start: int, h: KVHeader, specs: list[_ArtSpec], verify: bool) -> dict[str, Tensor]:
     raw = bytearray(mv[start + h.payload_bytes :])
     if verify:
-        _check(h.artifacts_checksum, _checksum(raw))
+        check(h.artifacts_checksum, checksum(raw))
     out = {}
     for name, dt, shape, a, stop in specs:
         count = (stop - a) // torch.empty((), dtype=dt).element_size()
@@ -414,7 +348,7 @@ def read_blocks(buf: bytes | bytearray | memoryview, blocks: Sequence[int], *, v
     h, start, _ = _parse(mv)
     if not h.block_tokens:
         raise CorruptBlobError(f"blob format version {h.format_version} has no blocks")
-    tdt = _torch_dtype(h.dtype)
+    tdt = torch_dtype(h.dtype)
     numel = h.payload_bytes // 2 // dtype_size(h.dtype)
     k = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start).view(h.shape)
     v = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start + h.payload_bytes // 2).view(h.shape)
@@ -424,27 +358,10 @@ def read_blocks(buf: bytes | bytearray | memoryview, blocks: Sequence[int], *, v
             raise ValueError(f"block {b} outside the blob's {len(h.block_checksums)} blocks")
         kb, vb = k[:, :, b * t : (b + 1) * t].contiguous(), v[:, :, b * t : (b + 1) * t].contiguous()
         if verify:
-            _check(h.block_checksums[b], _checksum(_as_bytes_view(kb), _as_bytes_view(vb)))
+            check(h.block_checksums[b], checksum(bytes_view(kb), bytes_view(vb)))
         ks.append(kb)
         vs.append(vb)
     if not ks:
         empty = torch.empty((h.num_layers, h.num_kv_heads, 0, h.head_dim), dtype=tdt)
         return empty, empty.clone(), h
     return torch.cat(ks, dim=2), torch.cat(vs, dim=2), h
-
-
-def _copy_payload(src: memoryview, checksum: str | None, into=None) -> bytearray:
-    """Copy with plain memcpy (bytearray slices: single-threaded; a torch clone runs on the intra-op pool,
-    measured ~10x slower on a busy 2-core host). With a checksum, each block is checksummed right after
-    it is copied, while still in cache: ~1.5x faster than a checksum pass then a copy pass. `into`: a
-    writable buffer of src's size to copy into instead of a new bytearray."""
-    dst = bytearray(src.nbytes) if into is None else memoryview(into).cast("B")
-    if checksum is None:
-        dst[:] = src
-        return dst
-    out, crc = memoryview(dst), 0
-    for off in range(0, src.nbytes, _COPY_BLOCK):
-        out[off : off + _COPY_BLOCK] = src[off : off + _COPY_BLOCK]
-        crc = zlib.crc32(out[off : off + _COPY_BLOCK], crc)
-    _check(checksum, f"{_CHECKSUM_ALGO}:{crc:08x}")
-    return dst

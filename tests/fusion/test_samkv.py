@@ -115,7 +115,7 @@ def test_store_reads_only_the_selected_blocks_and_old_blobs_still_serve(engine, 
     """Chunks in a real KVStore (LMDB, hot tier off): samkv reads only its kept blocks, and the bytes it
     reports are the bytes the store handed over; a version-1 blob (no blocks, no artifacts) still serves,
     read whole and its artifacts rebuilt, with the same answer."""
-    from kvfuse import kvblob
+    from kvfuse import blob_checksums, kvblob
     from kvfuse.fusion.sparse.source import StoreSource
     from kvfuse.store import KVStore
 
@@ -144,7 +144,7 @@ def test_store_reads_only_the_selected_blocks_and_old_blobs_still_serve(engine, 
         for key, c in zip(keys, long_prompt.chunks, strict=True):
             store.blobs.remove(key)
             k32, v32 = c.k.contiguous(), c.v.contiguous()
-            crc = kvblob._checksum(kvblob._as_bytes_view(k32), kvblob._as_bytes_view(v32))
+            crc = blob_checksums.checksum(blob_checksums.bytes_view(k32), blob_checksums.bytes_view(v32))
             old = kvblob.KVHeader(1, engine.fingerprint, "float32", *k32.shape[:2], k32.shape[3], k32.shape[2],
                                   kvblob.token_hash(c.token_ids), "rope0", crc)
             assert store.put_chunk(key, kvblob.pack(k32, v32, old))

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load as st_load
 from store_kvdata import FINGERPRINT, make_kv
 
-from kvfuse import kvblob
+from kvfuse import blob_checksums, kvblob
 from kvfuse.store.chunk_store import TieredStore
 from kvfuse.store.hot_tier import HotTier
 from kvfuse.store.lmdb_env import LmdbEnv
@@ -29,7 +29,7 @@ def _v1_blob(k: torch.Tensor, v: torch.Tensor, ids: list[int]) -> bytes:
     layout (k, v, no block checksums, no artifacts)."""
     k16, v16 = k.half().contiguous(), v.half().contiguous()
     header = kvblob.KVHeader(1, FINGERPRINT, "float16", *k.shape[:2], k.shape[3], k.shape[2], kvblob.token_hash(ids),
-                             "rope0", kvblob._checksum(kvblob._as_bytes_view(k16), kvblob._as_bytes_view(v16)))
+                             "rope0", blob_checksums.checksum(blob_checksums.bytes_view(k16), blob_checksums.bytes_view(v16)))
     return kvblob.pack(k16, v16, header)
 
 
