@@ -82,7 +82,7 @@ for task in tasks:
         for label, method, overrides, ratio in plan:
             opts = dataclasses.replace(be.options(method, ratio), **overrides)
             result = be.greedy(prefix, chunks, q, opts, ex.max_tokens)
-            ref = result[1] if ref is None else ref
+            ref = result.first_logits if ref is None else ref
             outcomes.append(outcome(ex, label, ratio, result, ref))
         print(ex.id, [(o.method, round(o.score, 2), round(o.kl_vs_vanilla, 4)) for o in outcomes[-len(plan):]],
               flush=True)

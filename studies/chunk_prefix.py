@@ -55,7 +55,8 @@ for task in tasks:
         prefix, alone, q = be.prepare(ex)
         after = precompute_after(prefix.token_ids, [c.token_ids for c in alone])
         budget = ex.max_tokens
-        vt, vlog, _, _ = be.greedy(prefix, alone, q, be.options("vanilla", None), budget)
+        ans = be.greedy(prefix, alone, q, be.options("vanilla", None), budget)
+        vt, vlog = ans.text, ans.first_logits
         vs = score_answer(ex.metric, vt, ex.answers)
         res.setdefault((task, "vanilla", "-"), []).append((vs, 0.0, True))
         for cname, ch in (("alone", alone), ("after", after)):
@@ -63,9 +64,11 @@ for task in tasks:
                 opts = be.options(m, 0.15)
                 if a is not None:
                     opts = dataclasses.replace(opts, anchor_tokens=a)
-                t, lg, _, _ = be.greedy(prefix, ch, q, opts, budget)
+                ans = be.greedy(prefix, ch, q, opts, budget)
+                t, lg = ans.text, ans.first_logits
                 res.setdefault((task, vname, cname), []).append((score_answer(ex.metric, t, ex.answers), kl_divergence(vlog, lg), t.strip() == vt.strip()))
-            t, lg, _, _ = be.greedy(prefix, ch, q, be.options("pie", None), budget)
+            ans = be.greedy(prefix, ch, q, be.options("pie", None), budget)
+            t, lg = ans.text, ans.first_logits
             res.setdefault((task, "pie", cname), []).append((score_answer(ex.metric, t, ex.answers), kl_divergence(vlog, lg), t.strip() == vt.strip()))
         print(f"{task} {ex.id} {time.time()-t0:.0f}s", flush=True)
     for key in sorted(k for k in res if k[0] == task):

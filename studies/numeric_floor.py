@@ -49,7 +49,7 @@ for task in tasks:
                 result = be.greedy(prefix, chunks, q, be.options("vanilla", None), ex.max_tokens)
             finally:
                 STATE["dtype"] = None
-            ref = result[1] if ref is None else ref
+            ref = result.first_logits if ref is None else ref
             outcomes.append(outcome(ex, name, 1.0, result, ref))
         print(ex.id, [(o.method, round(o.score, 3), round(o.kl_vs_vanilla, 5)) for o in outcomes[-3:]], flush=True)
 report_outcomes(outcomes, out_json)

@@ -19,5 +19,6 @@ for i in range(4):
         opts = b.options("samkv", 0.15)
         for k, v in kw.items():
             setattr(opts, k, v)
-        text, _, _, st = b.greedy(*prep, opts, ex.max_tokens)
+        ans = b.greedy(*prep, opts, ex.max_tokens)
+        text, st = ans.text, ans.stats
         print(i, name, repr(text.strip()[:30]), ex.answers, "loaded", round(st["kv_loaded_bytes"] / st["kv_total_bytes"], 3), flush=True)

@@ -103,13 +103,15 @@ for task in tasks:
         dv = ((vv - rv).norm(dim=-1) / vv.norm(dim=-1).clamp_min(1e-6)).mean(dim=(0, 1))
         dk = ((vk - rk).norm(dim=-1) / vk.norm(dim=-1).clamp_min(1e-6)).mean(dim=(0, 1))
         ORACLE["scores"] = (dv + dk).float()
-        vt, vlog, _, _ = be.greedy(prefix, ch, q, be.options("vanilla", None), budget)
+        ans = be.greedy(prefix, ch, q, be.options("vanilla", None), budget)
+        vt, vlog = ans.text, ans.first_logits
         res.setdefault((task, "vanilla"), []).append((score_answer(ex.metric, vt, ex.answers), 0.0, True))
         for label, m, a in variants:
             opts = be.options(m, 0.15)
             if a is not None:
                 opts = dataclasses.replace(opts, anchor_tokens=a)
-            t, lg, _, _ = be.greedy(prefix, ch, q, opts, budget)
+            ans = be.greedy(prefix, ch, q, opts, budget)
+            t, lg = ans.text, ans.first_logits
             res.setdefault((task, label), []).append((score_answer(ex.metric, t, ex.answers), kl_divergence(vlog, lg), t.strip() == vt.strip()))
         print(f"{task} {ex.id} {time.time()-t0:.0f}s", flush=True)
     for key in sorted(k for k in res if k[0] == task):

@@ -116,16 +116,19 @@ for task in tasks:
     for ex in build_examples(task, eng.tokenizer, DATA, cfg, Haystack(eng.tokenizer, DATA)):
         prefix, chunks, q = be.prepare(ex)
         STATE["variant"] = None
-        vt, vlog, _, _ = be.greedy(prefix, chunks, q, be.options("vanilla", None), ex.max_tokens)
+        ans = be.greedy(prefix, chunks, q, be.options("vanilla", None), ex.max_tokens)
+        vt, vlog = ans.text, ans.first_logits
         row = {"vanilla": (score_answer(ex.metric, vt, ex.answers), 0.0)}
         for name, bias in (("anchor, no scaling", 0.0), ("anchor, -0.25", -0.25), ("anchor, -0.5", -0.5),
                            ("anchor, -1", -1.0)):
             opts = dataclasses.replace(be.options("anchor", 0.15), stale_logit_bias=bias)
-            t, lg, _, _ = be.greedy(prefix, chunks, q, opts, ex.max_tokens)
+            ans = be.greedy(prefix, chunks, q, opts, ex.max_tokens)
+            t, lg = ans.text, ans.first_logits
             row[name] = (score_answer(ex.metric, t, ex.answers), kl_divergence(vlog, lg))
         for name in VARIANTS:
             STATE["variant"] = name
-            t, lg, _, _ = be.greedy(prefix, chunks, q, be.options("anchor_stale", 0.15), ex.max_tokens)
+            ans = be.greedy(prefix, chunks, q, be.options("anchor_stale", 0.15), ex.max_tokens)
+            t, lg = ans.text, ans.first_logits
             STATE["variant"] = None
             row[name] = (score_answer(ex.metric, t, ex.answers), kl_divergence(vlog, lg))
         rows.append(row)

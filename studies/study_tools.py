@@ -60,9 +60,9 @@ def task_args() -> tuple[list[str], int, int, int, int, Path | None]:
     return tasks, n, seed, docs, doc_tokens, out_json
 
 
-def outcome(ex, label: str, ratio: float | None, greedy_result, ref_logits) -> Outcome:
-    """An Outcome from `EngineBackend.greedy`'s (text, logits, ttft, stats), KL against `ref_logits`."""
-    text, logits, ttft, stats = greedy_result
+def outcome(ex, label: str, ratio: float | None, answer, ref_logits) -> Outcome:
+    """An Outcome from `EngineBackend.greedy`'s answer, first-token KL against `ref_logits`."""
+    text, logits, ttft, stats = answer.text, answer.first_logits, answer.ttft_s, answer.stats
     return Outcome(task=ex.task, example_id=ex.id, method=label, ratio=ratio, prediction=text.strip(),
                    score=score_answer(ex.metric, text, ex.answers), ttft_s=ttft,
                    context_tokens=int(stats["context_tokens"]), recomputed_tokens=int(stats["recomputed_tokens"]),

@@ -8,6 +8,7 @@ Shared by the fidelity, speed and eviction benchmarks and by the studies; the HT
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvfuse.bench import agreement
@@ -16,6 +17,26 @@ from kvfuse.bench.reference import Reference, ReferenceCache, reference_key
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Example
 
+
+@dataclass
+class GreedyAnswer:
+    """One greedy answer: its text, the tokens chosen (the stop token included), every step's
+    log-probabilities [tokens, vocab] when kept, TTFT, and the fused prefill it decoded from."""
+
+    text: str
+    tokens: list[int]
+    steps: Any
+    ttft_s: float
+    fused: Any
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.fused.stats
+
+    @property
+    def first_logits(self) -> Any:
+        """The first token's logits (fp32, CPU): what first-token KL compares."""
+        return self.fused.logits.detach().float().cpu()
 
 class EngineBackend:
     """The fusion engine in this process: load once, precompute each example once."""
@@ -131,9 +152,8 @@ class EngineBackend:
                 return out
         opts = self.options(method, ratio)
         self.ingest_artifacts(opts.method, chunks)  # the method itself (a study may run it under a label)
-        text, tokens, steps, ttft_s, fused = self.greedy(prefix, chunks, question_ids, opts, budget,
-                                                         keep_steps=method == "vanilla")
-        stats = fused.stats
+        ans = self.greedy(prefix, chunks, question_ids, opts, budget, keep_steps=method == "vanilla")
+        text, tokens, steps, ttft_s, fused, stats = ans.text, ans.tokens, ans.steps, ans.ttft_s, ans.fused, ans.stats
         out = self._outcome(ex, method, ratio, text, ttft_s, int(stats["context_tokens"]),
                             int(stats["recomputed_tokens"]))
         out.kv_loaded_share, out.fused_cache_tokens = loaded_share_and_cache(method, stats)
@@ -161,30 +181,32 @@ class EngineBackend:
                 artifacts_for(self.engine, MemorySource(c))
 
     def greedy(self, prefix: Any, chunks: Any, question_ids: list[int], opts: Any, max_tokens: int, *,
-               keep_steps: bool = False) -> tuple[str, list[int], Any, float, Any]:
-        """Greedy answer from one fused prefill: (text, tokens chosen (the stop token included), the
-        log-probabilities of every step [tokens, vocab] when keep_steps else None, TTFT, the
-        FusedPrefill). `engine.generate` would fuse a second time to get the same answer, so the loop is
-        repeated here with the engine's own `fuse`/`decode_step`/stop tokens; TTFT is measured as
-        generate measures it (start of fuse to the first token chosen)."""
+               keep_steps: bool = False) -> GreedyAnswer:
+        """The greedy answer from one fused prefill, decoded by the engine's own loop (`decode_from`, what
+        `generate` runs after fusing); TTFT as generate measures it (start of fuse to the first token
+        chosen). `keep_steps`: keep every step's log-probabilities (a reference answer's)."""
         import torch
+
+        from kvfuse.fusion.types import GenerationOptions, GenerationResult
 
         engine = self.engine
         t0 = time.perf_counter()
         fused = engine.fuse(prefix, chunks, question_ids, opts, max_tokens=max_tokens)
-        logits = fused.logits
-        token = int(torch.argmax(logits))
-        ttft_s = time.perf_counter() - t0
-        chosen, steps = [token], [torch.log_softmax(logits.float(), -1)] if keep_steps else []
-        while token not in engine.stop_token_ids and len(chosen) < max_tokens:
-            logits = engine.decode_step(fused.cache, token)
-            token = int(torch.argmax(logits))
+        chosen: list[int] = []
+        steps: list[Any] = []
+
+        def on_step(logits: Any, token: int) -> None:
             chosen.append(token)
             if keep_steps:
                 steps.append(torch.log_softmax(logits.float(), -1))
-        generated = chosen[:-1] if chosen[-1] in engine.stop_token_ids else chosen
-        text = engine.tokenizer.decode(generated, skip_special_tokens=True)
-        return text, chosen, torch.stack(steps) if keep_steps else None, ttft_s, fused
+
+        result = None
+        for item in engine.decode_from(fused, GenerationOptions(max_tokens=max_tokens, temperature=0.0),
+                                       started=t0, on_step=on_step):
+            if isinstance(item, GenerationResult):
+                result = item
+        text = engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return GreedyAnswer(text, chosen, torch.stack(steps) if keep_steps else None, result.timings["ttft_s"], fused)
 
     def finish(self, ex: Example, prepared: Any) -> None:
         return None

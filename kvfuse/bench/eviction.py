@@ -117,8 +117,8 @@ def run_fidelity(backend: Any, examples: list[Any], *, method: str, ratio: float
         budget = backend.max_tokens or ex.max_tokens
         ref = None
         for c in [0, *capacities]:
-            text, _logits, ttft_s, stats = backend.greedy(prefix, chunks, question_ids,
-                                                          _options(backend, method, ratio, c), budget)
+            ans = backend.greedy(prefix, chunks, question_ids, _options(backend, method, ratio, c), budget)
+            text, ttft_s, stats = ans.text, ans.ttft_s, ans.stats
             ref = text if c == 0 else ref
             prompt = stats["prefix_tokens"] + stats["context_tokens"] + stats["question_tokens"]
             out.append({"task": ex.task, "example_id": ex.id, "capacity": c, "context_tokens": stats["context_tokens"],
@@ -192,7 +192,8 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
     ax2.set(xlabel="C (cache tokens kept)", ylabel="decode tok/s / no eviction", title="decode speed")
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a fidelity-only or timing-only run leaves one side empty
+            ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -336,15 +336,25 @@ class FusionEngine:
             raise ValueError("max_tokens must be at least 1")
         start = time.perf_counter()
         fused = self.fuse(prefix, chunks, question_ids, fusion, max_tokens=gen.max_tokens)
+        yield from self.decode_from(fused, gen, cancel, started=start)
+
+    def decode_from(self, fused: FusedPrefill, gen: GenerationOptions, cancel: Callable[[], bool] | None = None,
+                    *, started: float, on_step: Callable[[torch.Tensor, int], None] | None = None
+                    ) -> Iterator[TokenDelta | GenerationResult]:
+        """The decode loop after a fused prefill (`generate` runs it; so does the fidelity benchmark, which
+        keeps every step). `started`: when the prefill began (perf_counter), for TTFT; `on_step(logits,
+        token)` sees each step's logits and the token chosen from them, the stop token included."""
         seq = Generation(self.tokenizer, self.stop_token_ids, gen, self.device)
         logits = fused.logits
         ttft = None
         while seq.finished is None:
             text = seq.cancel() if cancel is not None and cancel() else seq.accept(logits)
-            ttft = ttft if ttft is not None else time.perf_counter() - start
+            ttft = ttft if ttft is not None else time.perf_counter() - started
+            if on_step is not None and seq.finished != "cancelled":
+                on_step(logits, seq.last_token)
             if text:
                 yield TokenDelta(text)
             if seq.finished is None:
                 logits = self.decode_step(fused.cache, seq.last_token)
-        timings = dict(fused.timings, ttft_s=ttft, decode_s=time.perf_counter() - start - ttft)
+        timings = dict(fused.timings, ttft_s=ttft, decode_s=time.perf_counter() - started - ttft)
         yield seq.result(fused.stats, timings)

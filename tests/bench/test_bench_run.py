@@ -103,3 +103,19 @@ def test_speed_reports_samkv_loaded_share_and_cache_size(model_env, tmp_path: Pa
     assert 0 < sam["kv_loaded_share"] < 1 and 0 < sam["kv_loaded_mb"] < anchor["kv_loaded_mb"]
     assert sam["fused_cache_tokens"] < anchor["fused_cache_tokens"] == rows["vanilla"]["fused_cache_tokens"]
     assert sam["fused_cache_mb"] < anchor["fused_cache_mb"] and sam["kv_load_s"] > 0
+
+
+def test_evict_fidelity_fast_subset(model_env, tmp_path: Path):
+    """`kvfuse bench evict`'s fidelity half end to end: each example decoded without eviction (C = 0, the
+    reference) and with the cache cut to C after the first token, through the engine's own decode loop."""
+    out = tmp_path / "evict.json"
+    rc = main(["bench", "evict", "--contexts", "512", "--capacities", "256", "--n", "1", "--steps", "0",
+               "--task", "needle", "--doc-tokens", "128", "--max-tokens", "8", "--json", str(out)])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    outcomes = payload["outcomes"]
+    assert sorted(o["capacity"] for o in outcomes) == [0, 256]
+    full = next(o for o in outcomes if o["capacity"] == 0)
+    assert full["same_as_full"] and full["cache_tokens"] == full["prompt_tokens"] > 256
+    assert all(o["ttft_s"] > 0 and 0.0 <= o["score"] <= 1.0 for o in outcomes)
+    assert {r["capacity"] for r in payload["fidelity_rows"]} == {0, 256}
