@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfuse.bench import agreement
-from kvfuse.bench.fidelity import Outcome
+from kvfuse.bench.fidelity import Outcome, first_token_signals
 from kvfuse.bench.reference import Reference, ReferenceCache, reference_key
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Example
@@ -157,6 +157,8 @@ class EngineBackend:
         out = self._outcome(ex, method, ratio, text, ttft_s, int(stats["context_tokens"]),
                             int(stats["recomputed_tokens"]))
         out.kv_loaded_share, out.fused_cache_tokens = loaded_share_and_cache(method, stats)
+        out.first_margin, out.first_entropy = first_token_signals(fused.logits)
+        out.evidence_coverage = stats.get("evidence_coverage")
         if method == "vanilla":
             out.reference = Reference(text.strip(), tokens, steps.half(), ttft_s, out.context_tokens, int(stats["recomputed_tokens"]))
             if key is not None:

@@ -62,7 +62,21 @@ class Outcome:
     answer_kl_vs_vanilla: float | None = None  # mean over vanilla's answer, teacher-forced
     kv_loaded_share: float | None = None  # share of the chunks' KV bytes read (samkv: selected blocks only)
     fused_cache_tokens: int | None = None  # positions in the fused cache (samkv: the sparse cache)
+    # Signals known at query time, without vanilla (what a quality gate could act on): the fused first
+    # token's probability margin over the runner-up and its entropy (nats), and anchor's evidence coverage.
+    first_margin: float | None = None
+    first_entropy: float | None = None
+    evidence_coverage: float | None = None
     reference: Reference | None = None  # transient (in-process vanilla only): what the others compare with
+
+
+def first_token_signals(logits: Any) -> tuple[float, float]:
+    """(top-1 probability minus top-2, entropy in nats) of a first-token distribution."""
+    import torch
+
+    logp = torch.log_softmax(logits.double().flatten(), dim=-1)
+    top = torch.topk(logp.exp(), 2).values
+    return float(top[0] - top[1]), float(-(logp.exp() * logp).sum())
 
 
 def kl_divergence(ref_logits: Any, logits: Any) -> float:

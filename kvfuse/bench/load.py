@@ -198,7 +198,7 @@ class LocalServer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> LocalServer:
-        import httpx
+        from kvfuse.service.probe import wait_ready
 
         env = {**os.environ, "KVFUSE_DATA_DIR": str(Path(self.tmp.name) / "data"), "KVFUSE_SERVER__HOST": "127.0.0.1",
                "KVFUSE_SERVER__PORT": str(self.port), "KVFUSE_SERVER__API_KEYS": "", **self.env}
@@ -206,16 +206,10 @@ class LocalServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvfuse.cli", "serve"], env=env, stdout=log,
                                      stderr=subprocess.STDOUT)
         log.close()
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}: see {self.tmp.name}/server.log")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        if wait_ready(self.url, self.start_timeout_s, alive=lambda: self.proc.poll() is None):
+            return self
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {self.proc.returncode}: see {self.tmp.name}/server.log")
         self.__exit__()
         raise TimeoutError(f"the server was not ready after {self.start_timeout_s} s")
 

@@ -237,6 +237,7 @@ class FusionEngine:
         n, p = layout.context_len, layout.prefix_len
 
         t = self._clock()
+        signals: dict[str, float] = {}
         if method.full_prefill:
             rows = self.rows(torch.arange(layout.total, device=self.device))
             h = yield from self._layers(cache, self.tf.embed(ids), rows, range(self.num_layers))
@@ -267,12 +268,13 @@ class FusionEngine:
             h = yield from self._recompute(method, ctx, selected_ctx)
             timings["recompute_s"] = t_full + self._clock() - t
             timings["full_layers_s"] = t_full
+            signals = ctx.signals
         cache.length = layout.total
         timings.update(cache.finish_loading())
         logits = self.tf.logits(h[:, -1])[0]
         stats = {
             "prefix_tokens": p, "context_tokens": n, "question_tokens": layout.question_len,
-            "recomputed_tokens": int(selected_ctx.numel()), "full_layers": full_layers,
+            "recomputed_tokens": int(selected_ctx.numel()), "full_layers": full_layers, **signals,
         }
         fused = FusedPrefill(cache, logits, selected_ctx + p, stats, timings)
         return (yield from self.evict_after_prefill(fused, layout, ids[layout.question_start:], options))

@@ -47,6 +47,10 @@ class SelectionContext:
         self.hidden: torch.Tensor | None = None  # [1, N + Qn, hidden] at the check layer's input
         self._projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._probe: torch.Tensor | None = None  # [layers run, H, N]
+        # What a method measured while selecting that says how safe its fusion is (merged into the
+        # prefill's stats): anchor's `evidence_coverage`, the share of the question's evidence votes
+        # its selection recomputes.
+        self.signals: dict[str, float] = {}
 
     @property
     def num_context(self) -> int:

@@ -228,13 +228,12 @@ def local_server(timeout: float) -> Iterator[str]:
     """The service on a free loopback port in this process (API in a thread, the usual worker process)."""
     import socket
     import threading
-    import time
 
-    import httpx
     import uvicorn
 
     from kvfuse.config import get_settings
     from kvfuse.service.api.app import create_app
+    from kvfuse.service.probe import wait_ready
 
     s = get_settings()
     with socket.socket() as sock:
@@ -246,16 +245,8 @@ def local_server(timeout: float) -> Iterator[str]:
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the local service did not become ready")
-            time.sleep(0.5)
+        if not wait_ready(url, timeout, alive=thread.is_alive):
+            raise RuntimeError("the local service did not become ready")
         yield url
     finally:
         server.should_exit = True

@@ -113,3 +113,16 @@ def test_evidence_is_windowed_head_normalised_question_attention(engine, prompt,
     fused = engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids,
                         FusionOptions(method="anchor", recompute_ratio=ratio, anchor_tokens=anchor_tokens))
     assert fused.selected.tolist() == expected.tolist()
+    # Its evidence coverage: the share of the (unspread) votes on the tokens it recomputes.
+    votes = evidence_scores(head_attn, is_anchor)
+    chosen = (fused.selected - p)
+    assert fused.stats["evidence_coverage"] == pytest.approx(float(votes[chosen].sum()), abs=1e-4)
+
+
+@pytest_slow
+def test_evidence_coverage_grows_with_the_ratio_to_all_of_it(engine, prompt):
+    cover = [engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids,
+                         FusionOptions(method="anchor", recompute_ratio=r)).stats["evidence_coverage"]
+             for r in (0.05, 0.15, 0.5, 1.0)]
+    assert 0.0 <= cover[0] <= cover[1] <= cover[2] <= cover[3]
+    assert cover[3] == pytest.approx(1.0, abs=1e-5)

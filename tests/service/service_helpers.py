@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 from redis_server import free_port
 
+from kvfuse.service.probe import wait_ready
+
 REPO = Path(__file__).resolve().parents[2]
 # Same model cache as tests/conftest.py (a fresh cache would re-convert the GGUF per server).
 MODEL_CACHE = Path(os.environ.get("KVFUSE_TEST_MODEL_CACHE", REPO / "data" / "models"))
@@ -91,16 +93,10 @@ class ServerProcess(KvfuseProcess):
         self.proc.wait(30)
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        if wait_ready(self.url, timeout, alive=lambda: self.proc is None or self.proc.poll() is None):
+            return
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_tail()}")
 
 

@@ -86,9 +86,12 @@ class Anchor(FusionMethod):
         chosen[anchors] = True
         rest = budget - int(anchors.numel())
         if rest <= 0:
+            ctx.signals["evidence_coverage"] = 0.0  # the budget went to anchors: no evidence recomputed
             return anchors
         layers = layer_window(ctx.tf.num_layers, *self.window)
-        scores = spread(evidence_scores(ctx.question_probe(layers), chosen), self.neighbours)
-        scores = scores.masked_fill(chosen, float("-inf"))
+        votes = evidence_scores(ctx.question_probe(layers), chosen)
+        scores = spread(votes, self.neighbours).masked_fill(chosen, float("-inf"))
         chosen[torch.topk(scores, rest, sorted=False).indices] = True
+        # The votes sum to 1 over the non-anchor context: the share landing on recomputed tokens.
+        ctx.signals["evidence_coverage"] = float(votes[chosen].sum())
         return chosen.nonzero().view(-1)

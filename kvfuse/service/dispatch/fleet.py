@@ -163,7 +163,7 @@ class FleetDispatcher(JobBook):
 
     async def _read(self, job: Job, reply: str, ttl_ms: int) -> None:
         last, worker, tokens = "0-0", None, False
-        while not job.finished.is_set():
+        while not job.status.ended:
             got = await self._r.xread({reply: last}, count=256, block=_READ_BLOCK_MS)
             await self._r.pexpire(reply, ttl_ms)
             for _, entries in got or []:
@@ -187,7 +187,7 @@ class FleetDispatcher(JobBook):
                     msg.job_id = job.id
                     tokens = tokens or isinstance(msg, P.Delta)
                     self._on_message(job, msg)
-            if job.finished.is_set():
+            if job.status.ended:
                 return
             # Liveness: nothing waits for a worker that is not there (see the module docstring).
             if not self.workers:
@@ -199,13 +199,13 @@ class FleetDispatcher(JobBook):
             if worker is not None and worker not in self.workers and tokens:
                 self._finish(job, Crashed(f"the worker {worker} serving this request died"))
                 return
-            if job.cancelled and job.cancel_deadline is not None and time.monotonic() > job.cancel_deadline:
+            if job.cancel_requested and job.cancel_deadline is not None and time.monotonic() > job.cancel_deadline:
                 self._finish(job, Crashed("the cancelled job did not stop in time"))
                 return
 
     def _on_message(self, job: Job, msg: Any) -> None:
         if isinstance(msg, P.Plan):
-            if job.started_at is not None:
+            if job.status is not P.JobStatus.WAITING:
                 return  # the same plan again, from a worker that re-ran the job
             self._started(job)
         if isinstance(msg, P.FINAL):
@@ -226,15 +226,15 @@ class FleetDispatcher(JobBook):
         await pipe.execute()
 
     def cancel(self, job: Job) -> None:
-        if job.finished.is_set() or job.cancelled:
+        if job.status.ended or job.cancel_requested:
             return
-        job.cancelled = True
+        job.cancel_requested = True
         uid = self._uids.get(job.id)
         if uid is not None:
             task = asyncio.create_task(self._mark_cancelled([uid]))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        if job.started_at is None:
+        if job.status is P.JobStatus.WAITING:
             self._finish(job, Cancelled())
             return
         job.cancel_deadline = time.monotonic() + self.settings.server.worker_cancel_grace_s

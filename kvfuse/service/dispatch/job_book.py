@@ -64,11 +64,15 @@ class Cancelled:
 
 @dataclass(eq=False)
 class Job:
+    """A job on the API side of the seam: its message, where it stands (`status`, set by the JobBook
+    alone) and the queue its worker's messages arrive on."""
+
     id: int
     message: P.QueryJob | P.PrecomputeJob
+    status: P.JobStatus = P.JobStatus.WAITING
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
-    cancelled: bool = False
+    cancel_requested: bool = False  # cancel() was called; the status says whether it has ended yet
     worker: str | None = None  # the fleet worker that took it (fleet.py)
     cancel_deadline: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -133,8 +137,9 @@ class JobBook:
 
     def _started(self, job: Job) -> None:
         """The worker admitted the job (a query's Plan, a precompute's first step)."""
-        if job.started_at is not None:
+        if job.status is not P.JobStatus.WAITING:
             return
+        job.status = P.JobStatus.RUNNING
         job.started_at = time.monotonic()
         if job.kind == "query":
             self._waiting -= 1
@@ -155,15 +160,16 @@ class JobBook:
 
     def _finish(self, job: Job, msg: Any) -> None:
         """End the job with its final message (or Crashed / Cancelled)."""
-        if job.finished.is_set():
+        if job.status.ended:
             return
         self._jobs.pop(job.id, None)
         if job.kind == "query":
-            if job.started_at is None:
+            if job.status is P.JobStatus.WAITING:
                 self._waiting -= 1
             else:
                 self._running -= 1
             self._gauges()
+        job.status = _end_status(job, msg)
         job.events.put_nowait(msg)
         job.finished.set()
 
@@ -181,6 +187,18 @@ class JobBook:
             yield msg
             if isinstance(msg, (*P.FINAL, Cancelled)):
                 return
+
+
+def _end_status(job: Job, msg: Any) -> P.JobStatus:
+    """The status a job's final message gives it. A job cancelled while running ends with the tail of
+    its answer (a Result that says so) or, before its first token, with the worker's refusal."""
+    if isinstance(msg, Cancelled):
+        return P.JobStatus.CANCELLED
+    if isinstance(msg, P.Result):
+        return P.JobStatus.CANCELLED if msg.finish_reason == "cancelled" else P.JobStatus.FINISHED
+    if isinstance(msg, P.Done):
+        return P.JobStatus.FINISHED
+    return P.JobStatus.CANCELLED if isinstance(msg, P.Error) and job.cancel_requested else P.JobStatus.FAILED
 
 
 async def precompute(dispatcher: Any, message: P.PrecomputeJob, timeout: float | None = None) -> P.Done:

@@ -129,5 +129,5 @@ class LocalPool:
             async for msg in member.events(job, deadline):
                 yield msg
         finally:
-            if job.finished.is_set():
+            if job.status.ended:
                 self._owner.pop(job, None)

@@ -179,7 +179,7 @@ class WorkerSupervisor(JobBook):
         for job in list(self._jobs.values()):
             # A precompute the worker held may be what killed it: it is not resent here; its ingestion job
             # decides whether to try again (a bounded number of times, ingest_retry.py).
-            if job.started_at is not None or (job.kind == "precompute" and job.id in self._sent):
+            if job.status is not P.JobStatus.WAITING or (job.kind == "precompute" and job.id in self._sent):
                 self._finish(job, Crashed(f"the worker process died (exit code {exitcode})"))
         if not self.info or self.last_error:
             self._failures += 1
@@ -220,19 +220,19 @@ class WorkerSupervisor(JobBook):
 
     def cancel(self, job: Job) -> None:
         """Cancel a job: ended at once if not started, stopped within one engine step if running."""
-        if job.finished.is_set() or job.cancelled:
+        if job.status.ended or job.cancel_requested:
             return
-        job.cancelled = True
+        job.cancel_requested = True
         if job.id in self._sent and self._outbox is not None:
             self._outbox.put(P.Cancel(job.id))
-        if job.started_at is None:
+        if job.status is P.JobStatus.WAITING:
             self._finish(job, Cancelled())
             return
         assert self._loop is not None
         self._loop.call_later(self.settings.server.worker_cancel_grace_s, self._enforce_cancel, job)
 
     def _enforce_cancel(self, job: Job) -> None:
-        if job.id in self._jobs and not job.finished.is_set():
+        if job.id in self._jobs and not job.status.ended:
             log.error("job %d ignored its cancellation for %.0f s: killing the worker", job.id,
                       self.settings.server.worker_cancel_grace_s)
             self.kill_worker()

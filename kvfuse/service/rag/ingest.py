@@ -22,6 +22,7 @@ import uuid
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from kvfuse import kvblob
 from kvfuse.config import Settings
 from kvfuse.service.dispatch.base import require_worker
 from kvfuse.service.dispatch.job_book import WorkerCrashed, WorkerJobError, precompute
@@ -30,7 +31,9 @@ from kvfuse.service.rag.ingest_job import IngestJob, Submission, content_hash
 from kvfuse.service.rag.ingest_retry import INDEX_UNAVAILABLE, WORKER_CRASHED, RetryPolicy, cause_of
 from kvfuse.service.rag.precompute_context import contexts_for
 from kvfuse.service.wire.protocol import PrecomputeJob
+from kvfuse.store.errors import IndexUnavailableError
 from kvfuse.store.jobs import JobRecord, public_status
+from kvfuse.store.records import KV_LOST, DocumentRecord
 
 if TYPE_CHECKING:
     from kvfuse.service.metrics import Metrics
@@ -166,8 +169,6 @@ class IngestManager:
     def stale_documents(self, fingerprint: str) -> list[tuple[str, str]]:
         """(doc id, why) of every document whose KV is from another model (its first blob's header says
         so) or was found lost (`kv_lost`). Reads the store: call it in a thread."""
-        from kvfuse.store.records import KV_LOST
-
         out = []
         for rec in self.corpus.all_documents():
             if rec.status == "ready" and rec.chunk_keys:
@@ -241,9 +242,6 @@ class IngestManager:
 
     async def _attempt(self, job: IngestJob) -> None:
         """One try of the job, from where its record says it is."""
-        from kvfuse import kvblob
-        from kvfuse.store.records import DocumentRecord
-
         corpus, rec, jobs = self.corpus, job.rec, self.corpus.store.jobs
         t0 = time.perf_counter()
         doc_id = job.document_id
@@ -345,9 +343,6 @@ class IngestManager:
         stored one stays. A failed document with no good version (new, or failed before) gets a `failed`
         record that says why, with the text a retry can use. LMDB is read and written first, so the end is
         recorded also while a Redis index does not answer (the index catches up when it does)."""
-        from kvfuse.store.errors import IndexUnavailableError
-        from kvfuse.store.records import DocumentRecord
-
         store, rec = self.corpus.store, job.rec
         try:
             failed = None

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from kvfuse.chunk_keys import chunk_key_from_hash, token_hash
 from kvfuse.service.dispatch.job_book import (
     NoLiveWorker,
     QueueFull,
@@ -218,13 +219,11 @@ class QueryService:
         record), never the key recorded at ingest: KV stored for
         another model (weights, tokenizer, dtypes) is a miss, rebuilt from the tokens. A document built
         for another model is counted, logged once, and rebuilt for this one in the background."""
-        from kvfuse import kvblob
-
         fp = self.dispatcher.info.get("fingerprint")
         if not fp:  # no worker yet: the query waits for one, which will have this model
             return rec.chunk_keys[i]
         context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
-        key = kvblob.chunk_key_from_hash(fp, self.settings.store.kv_dtype, kvblob.token_hash(token_ids), context)
+        key = chunk_key_from_hash(fp, self.settings.store.kv_dtype, token_hash(token_ids), context)
         if key != rec.chunk_keys[i]:
             self.metrics.fingerprint_misses.inc()
             if rec.id not in self._stale_logged:

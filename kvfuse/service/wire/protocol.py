@@ -15,6 +15,7 @@ clocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 # Error kinds the API maps to HTTP statuses (see query.QueryService.api_error).
@@ -25,6 +26,27 @@ ERR_INVALID = "invalid_request"             # the engine refused the options -> 
 ERR_INTERNAL = "internal"                   # anything else -> 500
 ERR_WORKER_LOST = "worker_lost"             # a fleet worker died after the answer had started -> 503
 ERR_INDEX_UNAVAILABLE = "index_unavailable"  # the worker's store could not reach its index (Redis) -> 503
+
+
+
+class JobStatus(StrEnum):
+    """Where a job stands in its life, one vocabulary for both sides of the seam. The API's `Job`
+    (dispatch/job_book.py) sees WAITING -> RUNNING -> an end; the worker's `Request`
+    (worker/scheduler.py) sees the running part finer: PREFILLING -> DECODING for a query, INGESTING for
+    a precompute. FINISHED, CANCELLED and FAILED are ends."""
+
+    WAITING = "waiting"  # submitted, not admitted yet
+    RUNNING = "running"  # admitted by the worker (the API's view: its Plan or first step came)
+    PREFILLING = "prefilling"  # worker: admitted, its fused prefill not complete
+    DECODING = "decoding"  # worker: its first token is out; it decodes with the batch
+    INGESTING = "ingesting"  # worker: a precompute, run a piece at a time between query steps
+    FINISHED = "finished"  # its final message came (Result or Done)
+    CANCELLED = "cancelled"  # cancelled by the client (or the service) before its end
+    FAILED = "failed"  # refused or failed (Error), or its worker died
+
+    @property
+    def ended(self) -> bool:
+        return self in (JobStatus.FINISHED, JobStatus.CANCELLED, JobStatus.FAILED)
 
 
 # -- API -> worker ---------------------------------------------------------------------------------------

@@ -122,11 +122,10 @@ class Worker:
         return True
 
     def cancel(self, job_id: int) -> None:
-        found = self.scheduler.remove(job_id)
-        if found is None:
+        req = self.scheduler.remove(job_id)
+        if req is None:
             return  # already ended
-        where, req = found
-        if where == "running" and req.prefilled:
+        if req.status is P.JobStatus.DECODING:
             seq: QuerySequence = req.data
             tail = seq.gen.cancel()
             if tail:

@@ -28,6 +28,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfuse.service.wire.protocol import JobStatus
+
 
 @dataclass(frozen=True)
 class SchedulerLimits:
@@ -53,7 +55,7 @@ class Request:
     kv_tokens: int = 0  # cache tokens held while running: prompt + max_tokens
     prefill_tokens: int = 0  # prefill work on admission (an estimate in tokens)
     data: Any = None
-    prefilled: bool = False  # its prefill is complete: it decodes with the batch
+    status: JobStatus = JobStatus.WAITING  # WAITING -> PREFILLING -> DECODING; INGESTING for ingestion
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def add_ingest(self, req: Request) -> None:
+        req.status = JobStatus.INGESTING
         self.ingest.append(req)
 
     def retire(self, job_id: int) -> Request | None:
@@ -105,7 +108,7 @@ class Scheduler:
         req = self.running.pop(job_id, None)
         if req is not None:
             self.kv_used -= req.kv_tokens
-            if not req.prefilled:
+            if req.status is JobStatus.PREFILLING:
                 self.prefill_pending -= req.prefill_tokens
         return req
 
@@ -114,8 +117,8 @@ class Scheduler:
         the cache it holds from now on, when smaller than admitted (eviction after the first token,
         fusion/eviction.py); the difference is free for admissions at once."""
         req = self.running[job_id]
-        if not req.prefilled:
-            req.prefilled = True
+        if req.status is JobStatus.PREFILLING:
+            req.status = JobStatus.DECODING
             self.prefill_pending -= req.prefill_tokens
         if kv_tokens is not None and kv_tokens < req.kv_tokens:
             self.kv_used -= req.kv_tokens - kv_tokens
@@ -124,18 +127,18 @@ class Scheduler:
     def ingest_done(self, job_id: int) -> None:
         self.ingest = deque(r for r in self.ingest if r.job_id != job_id)
 
-    def remove(self, job_id: int) -> tuple[str, Request] | None:
-        """Take a request out wherever it is (cancellation): ("waiting" | "running" | "ingest", request)."""
+    def remove(self, job_id: int) -> Request | None:
+        """Take a request out wherever it is (cancellation); its `status` says where it was."""
         for r in self.waiting:
             if r.job_id == job_id:
                 self.waiting.remove(r)
-                return "waiting", r
+                return r
         if job_id in self.running:
-            return "running", self.retire(job_id)
+            return self.retire(job_id)
         for r in self.ingest:
             if r.job_id == job_id:
                 self.ingest_done(job_id)
-                return "ingest", r
+                return r
         return None
 
     # -- the policy -------------------------------------------------------------------------------------
@@ -150,6 +153,7 @@ class Scheduler:
             if self.prefill_pending and self.prefill_pending + head.prefill_tokens > lim.prefill_tokens_per_step:
                 break
             self.waiting.popleft()
+            head.status = JobStatus.PREFILLING
             self.running[head.job_id] = head
             self.kv_used += head.kv_tokens
             self.prefill_pending += head.prefill_tokens
@@ -170,8 +174,8 @@ class Scheduler:
     def prefilling(self) -> list[Request]:
         """Running requests whose prefill is not complete, in admission order (the first gets the
         step's prefill budget first)."""
-        return [r for r in self.running.values() if not r.prefilled]
+        return [r for r in self.running.values() if r.status is JobStatus.PREFILLING]
 
     def decode_batch(self) -> list[Request]:
         """Every running request past its prefill, in admission order: one batched decode step covers them."""
-        return [r for r in self.running.values() if r.prefilled]
+        return [r for r in self.running.values() if r.status is JobStatus.DECODING]

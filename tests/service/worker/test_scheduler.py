@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvfuse.config import ServerSettings
+from kvfuse.service.wire.protocol import JobStatus
 from kvfuse.service.worker.scheduler import Request, Scheduler, SchedulerLimits
 
 
@@ -101,10 +102,21 @@ def test_cancel_removes_a_request_wherever_it_is() -> None:
     s.schedule()
     s.add(Request(2, kv_tokens=100))
     s.add_ingest(Request(3))
-    assert s.remove(2)[0] == "waiting"
-    assert s.remove(1)[0] == "running" and s.kv_used == 0
-    assert s.remove(3)[0] == "ingest"
+    assert s.remove(2).status is JobStatus.WAITING
+    assert s.remove(1).status is JobStatus.PREFILLING and s.kv_used == 0
+    assert s.remove(3).status is JobStatus.INGESTING
     assert s.remove(4) is None and not s.has_work
+
+
+def test_a_request_moves_from_waiting_through_prefilling_to_decoding() -> None:
+    s = sched()
+    r = Request(1, kv_tokens=100, prefill_tokens=100)
+    s.add(r)
+    assert r.status is JobStatus.WAITING and s.prefilling() == [] and s.decode_batch() == []
+    s.schedule()
+    assert r.status is JobStatus.PREFILLING and s.prefilling() == [r] and s.prefill_pending == 100
+    s.prefilled(1)
+    assert r.status is JobStatus.DECODING and s.decode_batch() == [r] and s.prefill_pending == 0
 
 
 def test_ingestion_gets_its_share_of_busy_steps_and_every_idle_step() -> None:

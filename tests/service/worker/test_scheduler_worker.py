@@ -37,6 +37,7 @@ class Outcome:
     plan: P.Plan | None
     deltas: list[P.Delta]
     result: P.Result
+    status: P.JobStatus  # the API-side job's, once its result was read
 
     @property
     def text(self) -> str:
@@ -77,7 +78,7 @@ class Harness:
                 if on_delta is not None:
                     on_delta(job, len(deltas))
             elif isinstance(msg, P.Result):
-                return Outcome(plan, deltas, msg)
+                return Outcome(plan, deltas, msg, job.status)
         raise AssertionError("no result")
 
     def run_all(self, jobs: list, on_delta=None) -> list:
@@ -163,7 +164,8 @@ def test_cancelled_request_is_gone_within_a_step_and_the_others_are_unchanged(ha
     target = jobs[2]
     out = harness.run_all(jobs, on_delta)
     cancelled = out[2]
-    assert cancelled.result.finish_reason == "cancelled"
+    assert cancelled.result.finish_reason == "cancelled" and cancelled.status is P.JobStatus.CANCELLED
+    assert [o.status for o in (out[0], out[1], out[3])] == [P.JobStatus.FINISHED] * 3
     (job_id, step_seen), = seen_at.items()
     # The API had seen step `step_seen`; the Cancel reaches the worker during the next step at the latest
     # (give it one more for the pipe) and takes effect at the top of the following one.
@@ -246,12 +248,16 @@ def test_worker_killed_with_four_running_ends_each_cleanly_and_restarts(harness:
     jobs = [query(chunks, [i], method="pie", max_tokens=400, system_prompt=LONG_SYSTEM, question=LONG_QUESTION)
             for i in range(4)]
     waiting = query(chunks, [4], max_tokens=4)
+    crashed: list = []
 
     async def go():
         handles = [harness.sup.submit(j) for j in jobs]
         while harness.sup.running < 4:
             await asyncio.sleep(0.05)
+        assert all(h.status is P.JobStatus.RUNNING for h in handles)
+        crashed.extend(handles)
         late = harness.sup.submit(waiting)  # waits in the worker: it was never started
+        assert late.status is P.JobStatus.WAITING
         os.kill(harness.sup.pid, signal.SIGKILL)
         outs = await asyncio.gather(*(harness.collect(h) for h in handles), return_exceptions=True)
         return outs, await harness.collect(late)
@@ -259,6 +265,7 @@ def test_worker_killed_with_four_running_ends_each_cleanly_and_restarts(harness:
     restarts = harness.sup.restarts
     outs, late = harness.call(go())
     assert all(isinstance(o, WorkerCrashed) for o in outs), outs
+    assert all(j.status is P.JobStatus.FAILED for j in crashed)
     assert harness.sup.restarts == restarts + 1
     assert late.result.finish_reason in ("stop", "length") and late.result.text  # re-sent to the new worker
     nxt = harness.run_all([query(chunks, [5], max_tokens=4)])[0]
