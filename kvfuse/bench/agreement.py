@@ -52,7 +52,17 @@ def teacher_forced_logits(engine: Any, fused: Any, answer_tokens: Sequence[int])
     if not feed:
         return first[: len(answer_tokens)]
     tf, cache = engine.tf, fused.cache
-    start = int(sum(fused.stats[k] for k in ("prefix_tokens", "context_tokens", "question_tokens")))
+    # The prompt's positions in the cache: fewer when the method compacts it (samkv's sparse cache).
+    start = int(fused.stats.get("fused_cache_tokens") or sum(
+        fused.stats[k] for k in ("prefix_tokens", "context_tokens", "question_tokens")))
+    if cache.position_offset:
+        # A cache whose slots are not positions (samkv's sparse cache, eviction): the answer goes in by
+        # decode steps from the end of the prompt's slots, each at its true position.
+        cache.length = start - cache.position_offset
+        if cache.length + len(feed) > cache.capacity:
+            raise ValueError(f"the fused cache holds {cache.capacity} rows; the answer needs {cache.length + len(feed)}")
+        rest = torch.stack([engine.decode_step(cache, t).float() for t in feed])
+        return torch.cat([first, rest])
     if start + len(feed) > cache.capacity:
         raise ValueError(f"the fused cache holds {cache.capacity} rows; the answer needs {start + len(feed)}")
     with torch.inference_mode():

@@ -6,6 +6,7 @@ vanilla back from disk instead of computing it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -71,14 +72,18 @@ def test_answer_kl_and_reference_reuse(default_llm_path: str, shared_data: Path,
         assert by[(ex.id, "full_reuse")].answer_kl_vs_vanilla > by[(ex.id, "a3")].answer_kl_vs_vanilla
     assert len(list(refs.rglob("*.pt"))) == 2
 
-    # vanilla teacher-forced on its own cache along its own greedy answer: the decode steps' distributions
+    # A method teacher-forced on its own cache along its own greedy answer gives its decode steps'
+    # distributions: vanilla, samkv's compacted sparse cache, and a cache evicted after the prefill (its
+    # slots are not its positions).
     prefix, chunks, question_ids = backend.prepare(examples[0])
-    opts = backend.options("vanilla", 1.0)
-    _, tokens, steps, _, fused = backend.greedy(prefix, chunks, question_ids, opts, 8, keep_steps=True)
-    assert len(tokens) > 1
-    forced = teacher_forced_logits(backend.engine, fused, tokens)
-    assert forced.shape == steps.shape
-    assert max(token_kls(steps, forced)) < 1e-6
+    for method, ratio, evict in (("vanilla", 1.0, 0), ("samkv", 0.15, 0), ("a3", 0.15, 64)):
+        opts = dataclasses.replace(backend.options(method, ratio), evict_capacity=evict)
+        backend.ingest_artifacts(method, chunks)
+        ans = backend.greedy(prefix, chunks, question_ids, opts, 8, keep_steps=True)
+        assert len(ans.tokens) > 1, method
+        forced = teacher_forced_logits(backend.engine, ans.fused, ans.tokens)
+        assert forced.shape == ans.steps.shape, method
+        assert max(token_kls(ans.steps, forced)) < 1e-5, method
 
     again = EngineBackend(settings, max_tokens=8, reference_dir=refs)
     second = run_examples(again, examples, plan)

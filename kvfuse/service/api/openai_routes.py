@@ -35,21 +35,21 @@ from kvfuse.service.api.responses import (
 from kvfuse.service.api.schemas import ChatIn, documented_body, parse_json, validate
 from kvfuse.service.errors import APIError
 from kvfuse.service.rag.query import ClientGone, QueryRun, QueryService
-from kvfuse.service.state import ServiceState
 
 router = APIRouter(responses=ERROR_RESPONSES)
 SERVICE_MODEL_ALIAS = "kvfuse"  # always accepted as `model`, whatever LLM is configured
 
 
-def model_name(state: ServiceState) -> str:
-    llm = state.settings.model.llm
+def model_name(llm: str) -> str:
+    """The served model's name in OpenAI's `model` field, from the `model.llm` setting."""
     return "SmolLM2-135M-Instruct" if llm == "default" else Path(llm).name or llm
 
 
 @router.get("/v1/models")
 async def models(state: State) -> ModelList:
     created = int(state.started_at)
-    return ModelList(data=[ModelCard(id=name, created=created) for name in (model_name(state), SERVICE_MODEL_ALIAS)])
+    names = (model_name(state.settings.model.llm), SERVICE_MODEL_ALIAS)
+    return ModelList(data=[ModelCard(id=name, created=created) for name in names])
 
 
 def _finish(reason: str) -> Literal["stop", "length"]:
@@ -61,7 +61,7 @@ async def chat_completions(request: Request, state: State, queries: Queries) -> 
     """The body is read by hand, as for /v1/query; its schema is `ChatIn`."""
     arrived = time.monotonic()
     body = validate(ChatIn, parse_json(await request.body()))
-    name = model_name(state)
+    name = model_name(state.settings.model.llm)
     if body.model not in (name, SERVICE_MODEL_ALIAS):
         raise APIError(404, f"model {body.model!r} does not exist; this service serves {name!r}",
                        code="model_not_found", param="model")
