@@ -150,7 +150,29 @@ def main(argv: list[str]) -> None:
               + "; random: the expected value of re-answering f of the requests at random."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     out.with_suffix(".json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    plot(report, out.with_suffix(".png"))
     print("\n".join(lines))
+
+
+def plot(report: dict, path: Path) -> None:
+    """Agreement against cost: the uniform ratios as a line, each gate that falls back to vanilla as points
+    per signal (one per fraction)."""
+    from kvfuse.bench.plots import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    uni = sorted((float(r), v["agreement"]) for r, v in report["uniform"].items())
+    ax.plot([r for r, _ in uni], [a for _, a in uni], "k-o", label="uniform ratio")
+    for s, marker in zip(["margin", "entropy", "coverage", "random", "oracle"], "s^Dxo", strict=True):
+        pts = [(g["cost"], g["agreement"]) for g in report["gates"] if g["signal"] == s and g["r1"] == 1.0]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker, ls=":", label=f"fall back to vanilla by {s}")
+    ax.set(xlabel="cost: mean recomputed ratio (vanilla = 1)", ylabel="same answer as vanilla",
+           title=f"{report['method']}: gate at r = {report['base']}, n = {report['n']}", ylim=(0, 1.02))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
