@@ -6,7 +6,8 @@ at several ratios (and vanilla).
                                     [--calibrate FILE]
 
 For each query-time signal recorded at the base ratio (the fused first token's margin and entropy,
-anchor's evidence coverage) it reports:
+anchor's evidence coverage) and, where the run has a lower ratio too, self-consistency (the answer at
+the next lower ratio differs: that second fusion is paid on every request), it reports:
 - its AUROC for "the answer differs from vanilla's at the base ratio" (0.5: chance);
 - gates: fuse at the base ratio, and re-answer a fraction f of the requests, those whose signal is
   worst, at a higher ratio r1 or with vanilla (the first fusion is spent: cost base + f * r1 in mean
@@ -67,7 +68,9 @@ def paired_diff_ci(a: list[float], b: list[float]) -> tuple[float, float]:
     return diffs[int(0.025 * (RESAMPLES - 1))], diffs[int(0.975 * (RESAMPLES - 1))]
 
 
-def risk_of(o: Outcome, signal: str) -> float:
+def risk_of(o: Outcome, signal: str, consistent: dict[str, float] | None = None) -> float:
+    if signal == "consistency":  # 1 when the cheaper fusion's answer differs from this one
+        return 1.0 - consistent[o.example_id]
     field, high_is_safe = SIGNALS[signal]
     v = getattr(o, field)
     return -v if high_is_safe else v
@@ -89,6 +92,14 @@ def main(argv: list[str]) -> None:
     kl_at = {r: [by_ratio[r][i].answer_kl_vs_vanilla for i in ids] for r in ratios}
     changed = [1.0 - a for a in agree_at[r0]]
     present = [s for s in SIGNALS if all(getattr(base[i], SIGNALS[s][0]) is not None for i in ids)]
+    lower = [r for r in ratios if r < r0]
+    probe_cost: dict[str, float] = {}
+    consistent: dict[str, float] = {}
+    if lower:  # self-consistency: the answer at the next lower ratio differs (costs that fusion too)
+        low = by_ratio[lower[-1]]
+        consistent.update({i: same(low[i], base[i]) for i in ids})
+        present.append("consistency")
+        probe_cost["consistency"] = lower[-1]
     report: dict = {"file": path, "method": method, "n": n, "base": r0, "auroc": {}, "gates": [],
                     "uniform": {r: {"agreement": sum(agree_at[r]) / n, "answer_kl": sum(kl_at[r]) / n}
                                 for r in ratios}}
@@ -99,7 +110,7 @@ def main(argv: list[str]) -> None:
              + ".", "", "## How well each signal at the base ratio finds the changed answers", "",
              "| signal | AUROC |", "|---|---|"]
     for s in present:
-        a = auroc([risk_of(base[i], s) for i in ids], changed)
+        a = auroc([risk_of(base[i], s, consistent) for i in ids], changed)
         report["auroc"][s] = a
         lines.append(f"| {s} | {a:.2f} |" if a is not None else f"| {s} | – |")
     calib = None
@@ -118,11 +129,15 @@ def main(argv: list[str]) -> None:
                     chosen = set(sorted(range(n), key=lambda j: -changed[j])[:k])
                 elif s == "random":
                     chosen = None
+                elif s == "consistency":  # a flag, not a score: every flagged request, once per r1
+                    if f != fractions[0]:
+                        continue
+                    chosen = {j for j in range(n) if not consistent[ids[j]]}
                 elif calib is not None:
-                    q = sorted((risk_of(o, s) for o in calib), reverse=True)[max(0, round(f * len(calib)) - 1)]
-                    chosen = {j for j in range(n) if risk_of(base[ids[j]], s) >= q}
+                    q = sorted((risk_of(o, s, consistent) for o in calib), reverse=True)[max(0, round(f * len(calib)) - 1)]
+                    chosen = {j for j in range(n) if risk_of(base[ids[j]], s, consistent) >= q}
                 else:
-                    chosen = set(sorted(range(n), key=lambda j: -risk_of(base[ids[j]], s))[:k])
+                    chosen = set(sorted(range(n), key=lambda j: -risk_of(base[ids[j]], s, consistent))[:k])
                 hi_agree = [1.0] * n if top is None else agree_at[r1]
                 hi_kl = [0.0] * n if top is None else kl_at[r1]
                 if chosen is None:  # expected value of a random choice of k
@@ -133,7 +148,7 @@ def main(argv: list[str]) -> None:
                     agree = [hi_agree[j] if j in chosen else agree_at[r0][j] for j in range(n)]
                     kls = [hi_kl[j] if j in chosen else kl_at[r0][j] for j in range(n)]
                     m = len(chosen)
-                cost = r0 + m / n * r1
+                cost = r0 + m / n * r1 + probe_cost.get(s, 0.0)
                 ur = min(ratios, key=lambda r: abs(r - cost))
                 da, dk = paired_diff_ci(agree, agree_at[ur]), paired_diff_ci(kls, kl_at[ur])
                 row = {"r1": r1, "f": f, "signal": s, "re_answered": m, "cost": cost, "agreement": sum(agree) / n,
@@ -163,7 +178,7 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     uni = sorted((float(r), v["agreement"]) for r, v in report["uniform"].items())
     ax.plot([r for r, _ in uni], [a for _, a in uni], "k-o", label="uniform ratio")
-    for s, marker in zip(["margin", "entropy", "coverage", "random", "oracle"], "s^Dxo", strict=True):
+    for s, marker in zip(["margin", "entropy", "coverage", "consistency", "random", "oracle"], "s^Dvxo", strict=True):
         pts = [(g["cost"], g["agreement"]) for g in report["gates"] if g["signal"] == s and g["r1"] == 1.0]
         if pts:
             ax.plot(*zip(*pts, strict=True), marker, ls=":", label=f"fall back to vanilla by {s}")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvfuse.chunk_keys import chunk_key_from_hash, token_hash
 from kvfuse.service.dispatch.job_book import (
+    Job,
     NoLiveWorker,
     QueueFull,
     WorkerCrashed,
@@ -102,8 +103,11 @@ class QueryPlan:
 
 @dataclass
 class QueryRun:
+    """A submitted query: its plan, its job on the API side of the seam (`job.status` says where it
+    stands) and the events its answer arrives as."""
+
     plan: QueryPlan
-    job: Any
+    job: Job
     events: AsyncIterator[tuple[str, dict]]
     sources: list[SourceChunk]
     dropped: list[SourceChunk]
