@@ -2,7 +2,7 @@
 those requests better than spreading it evenly? Offline, over `kvfuse bench fidelity` runs of one method
 at several ratios (and vanilla).
 
-    python studies/multidoc_gate.py OUT FILE [--method anchor] [--base 0.15] [--fractions 0.1,0.2,0.3]
+    python studies/multidoc_gate.py OUT FILE[,FILE...] [--method anchor] [--base 0.15] [--fractions 0.1,0.2,0.3]
                                     [--calibrate FILE]
 
 For each query-time signal recorded at the base ratio (the fused first token's margin and entropy,
@@ -37,7 +37,9 @@ RESAMPLES = 2000
 
 
 def load(path: str, method: str) -> tuple[dict[str, Outcome], dict[float, dict[str, Outcome]]]:
-    outs = [Outcome(**o) for o in json.loads(Path(path).read_text(encoding="utf-8"))["outcomes"]]
+    """Vanilla's outcome and the method's per ratio, by example, from one file or several joined by
+    commas (pooled: example ids name their seed and order, so they stay unique)."""
+    outs = [Outcome(**o) for f in path.split(",") for o in json.loads(Path(f).read_text(encoding="utf-8"))["outcomes"]]
     vanilla = {o.example_id: o for o in outs if o.method == "vanilla"}
     by_ratio: dict[float, dict[str, Outcome]] = {}
     for o in outs:
@@ -58,6 +60,22 @@ def auroc(risk: list[float], bad: list[float]) -> float | None:
         return None
     wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
     return wins / (len(pos) * len(neg))
+
+
+def auroc_ci(risk: list[float], bad: list[float]) -> tuple[float, float] | None:
+    """95 % bootstrap interval of the AUROC over examples."""
+    rng = random.Random(0)
+    n = len(risk)
+    vals = []
+    for _ in range(RESAMPLES // 4):
+        idx = [rng.randrange(n) for _ in range(n)]
+        a = auroc([risk[i] for i in idx], [bad[i] for i in idx])
+        if a is not None:
+            vals.append(a)
+    if len(vals) < 10:
+        return None
+    vals.sort()
+    return vals[int(0.025 * (len(vals) - 1))], vals[int(0.975 * (len(vals) - 1))]
 
 
 def paired_diff_ci(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -103,16 +121,17 @@ def main(argv: list[str]) -> None:
     report: dict = {"file": path, "method": method, "n": n, "base": r0, "auroc": {}, "gates": [],
                     "uniform": {r: {"agreement": sum(agree_at[r]) / n, "answer_kl": sum(kl_at[r]) / n}
                                 for r in ratios}}
-    lines = [f"# Gating by a query-time signal: {method}, {Path(path).name}", "",
+    lines = [f"# Gating by a query-time signal: {method}, {', '.join(Path(f).name for f in path.split(','))}", "",
              f"{n} examples; base ratio {r0}; at the base, {int(sum(changed))} of {n} answers differ from "
              "vanilla's. Uniform ratios of the same run: " + ", ".join(
                  f"r = {r}: agreement {sum(agree_at[r]) / n:.2f}, answer KL {sum(kl_at[r]) / n:.3f}" for r in ratios)
              + ".", "", "## How well each signal at the base ratio finds the changed answers", "",
-             "| signal | AUROC |", "|---|---|"]
+             "| signal | AUROC [95 %] |", "|---|---|"]
     for s in present:
-        a = auroc([risk_of(base[i], s, consistent) for i in ids], changed)
-        report["auroc"][s] = a
-        lines.append(f"| {s} | {a:.2f} |" if a is not None else f"| {s} | – |")
+        risk = [risk_of(base[i], s, consistent) for i in ids]
+        a, ci = auroc(risk, changed), auroc_ci(risk, changed)
+        report["auroc"][s] = {"auroc": a, "ci": ci}
+        lines.append(f"| {s} | {a:.2f} [{ci[0]:.2f}–{ci[1]:.2f}] |" if a is not None and ci else f"| {s} | – |")
     calib = None
     if "--calibrate" in opts:
         cv, cr = load(opts["--calibrate"], method)
