@@ -106,8 +106,8 @@ def main(argv: list[str]) -> int:
                 if sets:
                     opts = dataclasses.replace(opts, **{k: _number(v) for k, v in (x.split("=") for x in sets.split(";"))})
                 budget = be.max_tokens or placed.max_tokens
-                a = be.greedy(prefix, prepared[1], question_ids, opts, budget)
-                text, ttft, fused = a.text, a.ttft_s, a.fused
+                ans = be.greedy(prefix, prepared[1], question_ids, opts, budget)
+                text, ttft, fused = ans.text, ans.ttft_s, ans.fused
                 logits = agreement.teacher_forced_logits(be.engine, fused, ref.tokens)
                 kls = agreement.token_kls(ref.logprobs, logits)
                 o = Outcome(task=placed.task, example_id=placed.id, method=m, ratio=RATIO, prediction=text.strip(),

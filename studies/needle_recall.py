@@ -30,8 +30,8 @@ for ex in build_examples("needle", eng.tokenizer, DATA, cfg, Haystack(eng.tokeni
     prefix, chunks, q = be.prepare(ex)
     FACT["mask"] = fact_mask(eng.tokenizer, ex.chunks, ex.facts)
     assert len(FACT["mask"]) == sum(len(c) for c in chunks)
-    a = be.greedy(prefix, chunks, q, be.options("vanilla", None), ex.max_tokens)
-    vt, vlog = a.text, a.first_logits
+    ans = be.greedy(prefix, chunks, q, be.options("vanilla", None), ex.max_tokens)
+    vt, vlog = ans.text, ans.first_logits
     fused = eng.fuse(prefix, chunks, q, be.options("anchor", 0.15), max_tokens=1)
     picked = torch.zeros_like(FACT["mask"])
     picked[fused.selected - len(prefix)] = True
@@ -39,8 +39,8 @@ for ex in build_examples("needle", eng.tokenizer, DATA, cfg, Haystack(eng.tokeni
     row = {"id": ex.id, "fact_tokens": int(FACT["mask"].sum()), "recall": recall,
            "vanilla": score_answer(ex.metric, vt, ex.answers)}
     for m in ("anchor", "anchor_fact"):
-        a = be.greedy(prefix, chunks, q, be.options(m, 0.15), ex.max_tokens)
-        t, lg = a.text, a.first_logits
+        ans = be.greedy(prefix, chunks, q, be.options(m, 0.15), ex.max_tokens)
+        t, lg = ans.text, ans.first_logits
         row[m] = score_answer(ex.metric, t, ex.answers)
         row[m + "_kl"] = kl_divergence(vlog, lg)
     rows.append(row)

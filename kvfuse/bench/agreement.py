@@ -40,6 +40,13 @@ def answer_kl(ref_logprobs: Any, logits: Any) -> float:
     return sum(kls) / len(kls) if kls else 0.0
 
 
+def prompt_cache_positions(stats: dict) -> int:
+    """The prompt's positions in a prefill's fused cache, from its stats: the whole prompt, or fewer where
+    the method compacts it and says so (samkv's sparse cache, `fused_cache_tokens`)."""
+    return int(stats.get("fused_cache_tokens",
+                         stats["prefix_tokens"] + stats["context_tokens"] + stats["question_tokens"]))
+
+
 def teacher_forced_logits(engine: Any, fused: Any, answer_tokens: Sequence[int]) -> Any:
     """The method's next-token logits at every position of `answer_tokens` ([m, vocab], fp32): the first
     row is the fused prefill's own, the rest from one forward of answer_tokens[:-1] appended after the
@@ -52,9 +59,7 @@ def teacher_forced_logits(engine: Any, fused: Any, answer_tokens: Sequence[int])
     if not feed:
         return first[: len(answer_tokens)]
     tf, cache = engine.tf, fused.cache
-    # The prompt's positions in the cache: fewer when the method compacts it (samkv's sparse cache).
-    start = int(fused.stats.get("fused_cache_tokens") or sum(
-        fused.stats[k] for k in ("prefix_tokens", "context_tokens", "question_tokens")))
+    start = prompt_cache_positions(fused.stats)
     if cache.position_offset:
         # A cache whose slots are not positions (samkv's sparse cache, eviction): the answer goes in by
         # decode steps from the end of the prompt's slots, each at its true position.

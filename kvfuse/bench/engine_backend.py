@@ -153,19 +153,20 @@ class EngineBackend:
         opts = self.options(method, ratio)
         self.ingest_artifacts(opts.method, chunks)  # the method itself (a study may run it under a label)
         ans = self.greedy(prefix, chunks, question_ids, opts, budget, keep_steps=method == "vanilla")
-        text, tokens, steps, ttft_s, fused, stats = ans.text, ans.tokens, ans.steps, ans.ttft_s, ans.fused, ans.stats
-        out = self._outcome(ex, method, ratio, text, ttft_s, int(stats["context_tokens"]),
+        stats = ans.stats
+        out = self._outcome(ex, method, ratio, ans.text, ans.ttft_s, int(stats["context_tokens"]),
                             int(stats["recomputed_tokens"]))
         out.kv_loaded_share, out.fused_cache_tokens = loaded_share_and_cache(method, stats)
-        out.first_margin, out.first_entropy = first_token_signals(fused.logits)
+        out.first_margin, out.first_entropy = first_token_signals(ans.fused.logits)
         out.evidence_coverage = stats.get("evidence_coverage")
         if method == "vanilla":
-            out.reference = Reference(text.strip(), tokens, steps.half(), ttft_s, out.context_tokens, int(stats["recomputed_tokens"]))
+            out.reference = Reference(ans.text.strip(), ans.tokens, ans.steps.half(), ans.ttft_s, out.context_tokens,
+                                      int(stats["recomputed_tokens"]))
             if key is not None:
                 self.references.save(key, out.reference)
             out.kl_vs_vanilla = out.answer_kl_vs_vanilla = 0.0  # the reference itself
         elif reference is not None and reference.tokens:
-            logits = agreement.teacher_forced_logits(self.engine, fused, reference.tokens)
+            logits = agreement.teacher_forced_logits(self.engine, ans.fused, reference.tokens)
             kls = agreement.token_kls(reference.logprobs, logits)
             out.kl_vs_vanilla, out.answer_kl_vs_vanilla = kls[0], sum(kls) / len(kls)
         return out
@@ -226,8 +227,8 @@ def loaded_share_and_cache(method: str, stats: dict) -> tuple[float, int]:
     """(share of the chunks' stored KV bytes the prefill read, fused cache positions) from a prefill's
     stats: a method that reports them (samkv) is taken at its word; vanilla reads no KV; every other
     method reads all of it into a cache of the whole prompt."""
-    cache = stats.get("fused_cache_tokens", stats["prefix_tokens"] + stats["context_tokens"] + stats["question_tokens"])
+    cache = agreement.prompt_cache_positions(stats)
     if "kv_loaded_bytes" in stats:
         total = stats["kv_total_bytes"]
-        return (stats["kv_loaded_bytes"] / total if total else 0.0), int(cache)
-    return (0.0 if method == "vanilla" else 1.0), int(cache)
+        return (stats["kv_loaded_bytes"] / total if total else 0.0), cache
+    return (0.0 if method == "vanilla" else 1.0), cache

@@ -16,13 +16,12 @@ import httpx
 POLL_S = 0.5
 
 
-def wait_ready(url: str, timeout: float, alive: Callable[[], bool] = lambda: True,
-               headers: dict[str, str] | None = None) -> bool:
+def wait_ready(url: str, timeout: float, alive: Callable[[], bool] = lambda: True) -> bool:
     """True once `url`/ready answers 200; False when `alive()` turns false or `timeout` seconds pass."""
     deadline = time.monotonic() + timeout
     while alive():
         try:
-            if httpx.get(f"{url}/ready", timeout=5, headers=headers).status_code == 200:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
                 return True
         except httpx.TransportError:
             pass

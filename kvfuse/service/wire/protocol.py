@@ -28,7 +28,6 @@ ERR_WORKER_LOST = "worker_lost"             # a fleet worker died after the answ
 ERR_INDEX_UNAVAILABLE = "index_unavailable"  # the worker's store could not reach its index (Redis) -> 503
 
 
-
 class JobStatus(StrEnum):
     """Where a job stands in its life, one vocabulary for both sides of the seam. The API's `Job`
     (dispatch/job_book.py) sees WAITING -> RUNNING -> an end; the worker's `Request`
