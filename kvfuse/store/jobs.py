@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import lmdb
 
@@ -154,22 +154,26 @@ class JobStore:
         """End the job without swapping: release its staged refs, record `status` and `error`, and write
         `failed_doc` (a document that had no good version records why) in the same transaction."""
         owner, staged, text = staging_owner(job.id), list(job.staged_keys), job.text
-        job.status, job.error, job.staged_keys, job.text = status, error, [], ""
-        job.updated_at = time.time()
+        ended = replace(job, status=status, error=error, staged_keys=[], text="", updated_at=time.time())
 
         def also(txn: lmdb.Transaction) -> list[str]:
-            txn.put(job.id.encode(), job.to_json(), db=self._jobs)
+            txn.put(ended.id.encode(), ended.to_json(), db=self._jobs)
             return self.catalog.release_refs(txn, owner, staged)
 
-        if failed_doc is not None:
-            self.catalog.put_document(failed_doc, text or None, also=also)
-        else:
-            self.catalog.write_releasing(also)
+        try:  # the job reads as ended only once its end (and the failed document) is durable
+            if failed_doc is not None:
+                self.catalog.put_document(failed_doc, text or None, also=also)
+            else:
+                self.catalog.write_releasing(also)
+        finally:  # (also when the index's copy failed after the LMDB write: the job has ended either way)
+            job.status, job.error, job.staged_keys, job.text, job.updated_at = (
+                status, error, [], "", ended.updated_at)
 
     def finish(self, job: JobRecord, status: str = "ready") -> None:
         """The last step of a committed job: its status, and its text (now the document's) dropped."""
-        job.status, job.text = status, ""
-        self.put(job)
+        ended = replace(job, status=status, text="")
+        self.put(ended)  # durable before the job reads as finished
+        job.status, job.text, job.updated_at = status, "", ended.updated_at
 
     def purge(self, older_than_s: float) -> int:
         """Delete finished jobs last updated more than `older_than_s` ago; returns how many."""

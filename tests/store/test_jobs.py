@@ -71,6 +71,26 @@ def test_an_abandoned_build_leaves_the_old_version_and_no_orphans(store_settings
         assert check_store(store).problems == 0
 
 
+def test_a_job_reads_as_ended_only_once_its_end_and_failed_document_are_stored(store_settings) -> None:
+    """A status poll runs beside the end's write (the API reads the in-memory job): it must not see
+    `failed` while the document's `failed` record is not yet there to read."""
+    with KVStore.open(store_settings()) as store:
+        job = JobRecord(id="job-1", document_id="new", text="t")
+        store.jobs.put(job)
+        seen: list[tuple[str, str | None]] = []
+        write = store.catalog.put_document
+
+        def watched(*args, **kwargs):  # the real write, with what a poll would read before and after it
+            seen.append((job.status, getattr(store.get_document("new"), "status", None)))
+            write(*args, **kwargs)
+            seen.append((job.status, store.get_document("new").status))
+
+        store.catalog.put_document = watched
+        store.jobs.abandon(job, "failed", "why", DocumentRecord(id="new", status="failed", error="why"))
+        assert seen == [("pending", None), ("pending", "failed")]
+        assert job.status == "failed" and job.text == "" and store.jobs.get("job-1").status == "failed"
+
+
 def test_check_reports_and_repairs_blobs_of_another_model(store_settings) -> None:
     with KVStore.open(store_settings(store={"orphan_grace_s": 0})) as store:
         old = _doc(store, "d", [1], fingerprint="old-model")

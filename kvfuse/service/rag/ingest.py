@@ -96,8 +96,9 @@ class IngestManager:
         return job if job is not None else self.corpus.store.jobs.get(job_id)
 
     def unfinished(self, doc_id: str) -> IngestJob | None:
-        """The document's job while it runs. A job whose end is being recorded (its status already final,
-        written from a thread) has ended: it neither blocks a new version nor shows as running."""
+        """The document's job while it runs. Its status turns final only once its end is stored (so a
+        poll never reads `failed` before the document's `failed` record); from then it neither blocks a
+        new version nor shows as running, though it leaves `active` a moment later."""
         job = self.active.get(doc_id)
         return job if job is not None and not job.finished else None
 
