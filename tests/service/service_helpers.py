@@ -218,6 +218,25 @@ def store_check(data_dir: Path, *args: str) -> dict:
     return json.loads(out.stdout)
 
 
+def retuned_default_model(dest: Path) -> Path:
+    """A copy of the default LLM with its final norm's weights scaled by 1.001: another model of the
+    same shape, config and vocabulary (what a fine-tune looks like to the store), in float32 (a bfloat16
+    copy would serve as slowly as CPUs without bfloat16 units run it)."""
+    from safetensors.torch import load_file, save_file
+
+    from kvfuse.model_files import DEFAULT, resolve_llm
+
+    src = Path(resolve_llm(DEFAULT, MODEL_CACHE))
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dest / f.name).write_bytes(f.read_bytes())
+    weights = load_file(src / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.001
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
 def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 

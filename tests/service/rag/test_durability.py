@@ -19,6 +19,7 @@ from service_helpers import (
     ServerProcess,
     make_client,
     metric,
+    retuned_default_model,
     serving,
     store_check,
     wait_job,
@@ -146,12 +147,15 @@ def test_queued_ingests_survive_a_restart(holder: Holder, big: str, essays3: dic
             _answers(c, doc_id)
 
 
-def test_a_model_change_never_reuses_the_old_models_kv(holder: Holder) -> None:
+def test_a_model_change_never_reuses_the_old_models_kv(holder: Holder, tmp_path) -> None:
+    """The server restarts on another model of the same shape (retuned weights): every document is
+    rebuilt from its stored text, and no answer ever uses the old model's KV."""
     holder.server.stop()
     assert store_check(holder.server.data_dir)["problems"] == 0
     old = ServerProcess(holder.server.data_dir, holder.server.log_path, **SERVER_ENV)
+    model = retuned_default_model(tmp_path / "retuned")
     holder.server = ServerProcess(holder.server.data_dir, holder.server.log_path,
-                                  **SERVER_ENV, KVFUSE_MODEL__DTYPE="bfloat16").start()
+                                  **SERVER_ENV, KVFUSE_MODEL__LLM=str(model)).start()
     with make_client(holder.server) as c:
         docs = c.get("/v1/documents").json()["documents"]
         assert docs and all(d["status"] == "ready" for d in docs)
@@ -166,6 +170,6 @@ def test_a_model_change_never_reuses_the_old_models_kv(holder: Holder) -> None:
         assert rekeyed > 0, "the documents were not rebuilt for the new model"
         assert stale_used > 0 or rekeyed >= sum(d["chunks"] for d in docs)
     holder.server.stop()
-    rep = store_check(holder.server.data_dir)  # every blob is now the bfloat16 model's
+    rep = store_check(holder.server.data_dir)  # every blob is now the retuned model's
     assert rep["problems"] == 0 and rep["foreign"] == [] and rep["young_orphans"] == [], rep
     holder.server = old  # stopped; the fixture's stop() is a no-op
