@@ -70,6 +70,15 @@ class JobRecord:
         return cls(**{k: v for k, v in json.loads(bytes(raw)).items() if k in names})
 
 
+def _take(job: JobRecord, written: JobRecord) -> None:
+    """The in-memory job takes its record as just written. The API reads the in-memory job while a
+    thread writes its next state, so each change is written first (`written`, a copy) and taken after:
+    a poll never reads a state LMDB does not hold yet (a job `failed` before its document's `failed`
+    record)."""
+    for f in fields(JobRecord):
+        setattr(job, f.name, getattr(written, f.name))
+
+
 class JobStore:
     """The `jobs` database and the staged chunk refs of each unfinished job."""
 
@@ -141,13 +150,16 @@ class JobStore:
         """Swap the staged version in: the document (record, text, refs), the release of the staged
         refs and the job's status, in one transaction."""
         owner, staged = staging_owner(job.id), list(job.staged_keys)
-        job.status, job.error, job.staged_keys, job.updated_at = status, None, [], time.time()
+        swapped = replace(job, status=status, error=None, staged_keys=[], updated_at=time.time())
 
         def also(txn: lmdb.Transaction) -> list[str]:
-            txn.put(job.id.encode(), job.to_json(), db=self._jobs)
+            txn.put(swapped.id.encode(), swapped.to_json(), db=self._jobs)
             return self.catalog.release_refs(txn, owner, staged)
 
-        self.catalog.put_document(doc, text, also=also)
+        try:
+            self.catalog.put_document(doc, text, also=also)
+        finally:  # (also when the index's copy failed after the LMDB write)
+            _take(job, swapped)
 
     def abandon(self, job: JobRecord, status: str, error: str | None,
                 failed_doc: DocumentRecord | None = None) -> None:
@@ -160,20 +172,19 @@ class JobStore:
             txn.put(ended.id.encode(), ended.to_json(), db=self._jobs)
             return self.catalog.release_refs(txn, owner, staged)
 
-        try:  # the job reads as ended only once its end (and the failed document) is durable
+        try:
             if failed_doc is not None:
                 self.catalog.put_document(failed_doc, text or None, also=also)
             else:
                 self.catalog.write_releasing(also)
         finally:  # (also when the index's copy failed after the LMDB write: the job has ended either way)
-            job.status, job.error, job.staged_keys, job.text, job.updated_at = (
-                status, error, [], "", ended.updated_at)
+            _take(job, ended)
 
     def finish(self, job: JobRecord, status: str = "ready") -> None:
         """The last step of a committed job: its status, and its text (now the document's) dropped."""
         ended = replace(job, status=status, text="")
-        self.put(ended)  # durable before the job reads as finished
-        job.status, job.text, job.updated_at = status, "", ended.updated_at
+        self.put(ended)
+        _take(job, ended)
 
     def purge(self, older_than_s: float) -> int:
         """Delete finished jobs last updated more than `older_than_s` ago; returns how many."""
