@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import re
-import string
 from collections import Counter
 from collections.abc import Sequence
 
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = set(string.punctuation)
+from kvfuse.answer_match import normalize_answer
 
-
-def normalize_answer(text: str) -> str:
-    """LongBench/SQuAD normalization: lower case, drop punctuation and articles, squeeze whitespace."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in _PUNCT)
-    text = _ARTICLES.sub(" ", text)
-    return " ".join(text.split())
+__all__ = ["best_f1", "contains", "match_share", "normalize_answer", "score", "token_f1"]
 
 
 def token_f1(prediction: str, reference: str) -> float:
