@@ -32,6 +32,7 @@ from kvfuse.config.sections import (  # the sections are part of this module's i
     FusionSettings,
     GenerationSettings,
     ModelSettings,
+    RedisSettings,
     RetrievalRequestSettings,
     RetrieverSettings,
     ServerSettings,
@@ -41,9 +42,9 @@ from kvfuse.config.sections import (  # the sections are part of this module's i
 
 __all__ = [
     "DEFAULT_COLLECTION", "REPO_CONFIG", "BenchSettings", "ConfigError", "FleetSettings", "FusionMethodName",
-    "FusionRequestSettings", "FusionSettings", "GenerationSettings", "ModelSettings", "RetrievalRequestSettings",
-    "RetrieverSettings", "ServerSettings", "Settings", "StoreSettings", "config_path", "get_settings",
-    "load_settings", "setting_error", "string_list",
+    "FusionRequestSettings", "FusionSettings", "GenerationSettings", "ModelSettings", "RedisSettings",
+    "RetrievalRequestSettings", "RetrieverSettings", "ServerSettings", "Settings", "StoreSettings", "config_path",
+    "get_settings", "load_settings", "setting_error", "string_list",
 ]
 
 REPO_CONFIG = Path(__file__).resolve().parents[2] / "config.yaml"
@@ -58,7 +59,12 @@ class Settings(BaseSettings):
         "LMDB store, FAISS index and the local model cache live here"))
     model_cache_dir: Path | None = Field(None, description="prepared model copies; empty = <data_dir>/models")
     redis_url: str = Field("", description=(
-        "redis://host:6379/0 for the Redis index; empty = index embedded in LMDB"))
+        "redis://[user:password@]host:6379/0 (rediss:// for TLS) for the Redis index; empty = index embedded "
+        "in LMDB"))
+    api_key: str = Field("", description=(
+        "one API key with full access, beside server.api_keys; the variable clients send their key from"))
+    api_key_file: str = Field("", description=(
+        "a file holding one API key with full access (a docker or Kubernetes secret)"))
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description=(
         "debug | info | warning | error"))
     server: ServerSettings = ServerSettings()
@@ -69,6 +75,7 @@ class Settings(BaseSettings):
     generation: GenerationSettings = GenerationSettings()
     bench: BenchSettings = BenchSettings()
     fleet: FleetSettings = FleetSettings()
+    redis: RedisSettings = RedisSettings()
 
     @field_validator("model_cache_dir", mode="before")
     @classmethod

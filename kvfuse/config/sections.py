@@ -42,17 +42,32 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class KeyScope(_Section):
+    """What one API key may do (server.api_keys as a mapping, or server.api_keys_file)."""
+
+    collections: list[str] | None = Field(None, min_length=1, description=(
+        "the collections the key sees (absent = every collection)"))
+    access: Literal["read", "write"] = Field("write", description=(
+        "read: list, read, query and search; write: also ingest and delete"))
+
+
 class ServerSettings(_Section):
     """The HTTP server: address, API keys, request limits, the query queue and batch, the worker
     processes, and ingestion jobs and their retries."""
 
     host: str = Field("127.0.0.1", description="bind address (`kvfuse serve --host` overrides)")
     port: int = Field(8000, ge=1, le=65535, description="bind port (`kvfuse serve --port` overrides)")
-    api_keys: Annotated[list[str], NoDecode] = Field([], description=(
-        'accepted API keys; env: comma-separated (k1,k2) or a JSON list (["k1", "k2"]); empty = no auth '
+    api_keys: Annotated[list[str] | dict[str, KeyScope], NoDecode] = Field([], description=(
+        'accepted API keys; env: comma-separated (k1,k2) or a JSON list (["k1", "k2"]), each with full access, '
+        'or a JSON object of scoped keys ({"k1": {"collections": ["a"], "access": "read"}}); empty = no auth '
         '(loopback only unless allowed below)'))
+    api_keys_file: str = Field("", description=(
+        "a JSON or YAML file of API keys, each key -> {collections: [names], access: read | write}; "
+        "collections left out = every one, access left out = write (docs/deploy.md, \"Exposing kvfuse\")"))
     allow_unauthenticated_public: bool = Field(False, description=(
         "allow binding a non-loopback address with no API key"))
+    metrics_public: bool = Field(False, description=(
+        "serve /metrics without an API key (for a Prometheus scrape; the metrics name no document)"))
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, description="larger request bodies get 413")
     max_document_chars: int = Field(2_000_000, gt=0, description="larger documents get 413")
     max_batch_documents: int = Field(256, gt=0, description="documents per batch ingest request")
@@ -109,7 +124,30 @@ class ServerSettings(_Section):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().startswith("{"):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"starts with '{{' but is not a JSON object ({err})") from None
         return string_list(v)
+
+
+class RedisSettings(_Section):
+    """How kvfuse authenticates to Redis (`redis_url`): every client (the document index, the fleet's job
+    streams and heartbeats, the shared chunk KV tier) is built from these by kvfuse/store/redis_access.py.
+    A user and password in `redis_url` itself are used as well; giving a password both there and here is
+    refused."""
+
+    username: str = Field("", description="ACL user (empty = the URL's, else Redis's `default` user)")
+    password: str = Field("", description="password (empty = the URL's or password_file's)")
+    password_file: str = Field("", description=(
+        "a file holding the password (a docker or Kubernetes secret); surrounding whitespace is dropped"))
+    tls_ca_file: str = Field("", description=(
+        "CA certificate(s) that sign the server's certificate, for a rediss:// URL (empty = the system's)"))
+    tls_cert_file: str = Field("", description="client certificate, when Redis requires one (tls-auth-clients)")
+    tls_key_file: str = Field("", description="the client certificate's private key")
+    tls_check_hostname: bool = Field(True, description=(
+        "require the server certificate to name the URL's host"))
 
 
 class ModelSettings(_Section):

@@ -94,7 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvfuse.config import get_settings
-    from kvfuse.service.api.auth import check_bind
+    from kvfuse.service.api.auth import KeyRing, check_bind
 
     s = get_settings()
     server = s.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port),
@@ -102,18 +102,33 @@ def _serve(args: argparse.Namespace) -> int:
     if server.workers == 0 and not s.redis_url:
         print("kvfuse serve: --workers 0 dispatches to `kvfuse worker`s through Redis: set redis_url", file=sys.stderr)
         return 2
+    settings = s.model_copy(update={"server": server})
     try:
-        check_bind(server.host, server)
+        check_bind(server.host, KeyRing.of(settings), server)
         check_listen(server.host, server.port)
-    except OSError as err:  # check_bind's PermissionError is one too
+    except (OSError, ValueError) as err:  # check_bind's PermissionError is an OSError; a bad key file ValueError
         print(f"kvfuse serve: {err}", file=sys.stderr)
+        return 2
+    if s.redis_url and not redis_accepts("serve", s):
         return 2
     from kvfuse.service.api.app import create_app  # after the checks: it imports the index libraries
 
-    settings = s.model_copy(update={"server": server})
     uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=s.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def redis_accepts(name: str, settings: Any) -> bool:
+    """Whether Redis takes kvfuse's credentials and TLS settings; else one line saying which, on stderr.
+    A Redis that does not answer yet passes: the service and the workers wait for it."""
+    from kvfuse.store.redis_access import RedisAccess, RedisAccessDenied
+
+    try:
+        RedisAccess.of(settings).check()
+    except (ValueError, RedisAccessDenied) as err:
+        print(f"kvfuse {name}: {err}", file=sys.stderr)
+        return False
+    return True
 
 
 def check_listen(host: str, port: int) -> None:
@@ -167,31 +182,43 @@ def _worker(args: argparse.Namespace) -> int:
     if not s.redis_url:
         print("kvfuse worker: set redis_url (KVFUSE_REDIS_URL): workers join the fleet through Redis", file=sys.stderr)
         return 2
+    if not redis_accepts("worker", s):
+        return 2
     if args.health:
         import socket
 
-        import redis
-
         from kvfuse.service.wire.fleet_keys import FleetKeys, read_heartbeats
+        from kvfuse.store.redis_access import RedisAccess
 
-        beats = read_heartbeats(redis.Redis.from_url(s.redis_url, decode_responses=True), FleetKeys(s.fleet.namespace))
+        beats = read_heartbeats(RedisAccess.of(s).client(decode_responses=True), FleetKeys(s.fleet.namespace))
         return 0 if any(b.get("host") == socket.gethostname() for b in beats.values()) else 1
     if args.name:
         s = s.model_copy(update={"fleet": s.fleet.model_copy(update={"worker_name": args.name})})
     return worker_command(s)
 
 
+def client_key(s: Any) -> str | None:
+    """The key a client sends by default: `api_key` (KVFUSE_API_KEY), else `api_key_file`'s, else the
+    first full-access key of server.api_keys."""
+    from kvfuse.store.redis_access import read_secret
+
+    if s.api_key:
+        return s.api_key
+    if s.api_key_file:
+        return read_secret(s.api_key_file, "api_key_file")
+    keys = s.server.api_keys
+    return keys[0] if isinstance(keys, list) and keys else None
+
+
 def _client(args: argparse.Namespace) -> Any:
     import logging
-    import os
 
     import httpx
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the output
     from kvfuse.config import get_settings
 
-    s = get_settings().server
-    key = args.api_key or os.environ.get("KVFUSE_API_KEY") or (s.api_keys[0] if s.api_keys else None)
+    key = args.api_key or client_key(get_settings())
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.Client(base_url=_server_url(args), headers=headers,
                         timeout=httpx.Timeout(args.timeout, connect=10.0))

@@ -73,3 +73,12 @@ class APIError(Exception):
 def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     detail = ErrorDetail(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
     return ErrorBody(error=detail).model_dump()
+
+
+# Not found, worded once: a scoped API key meets the same answer for what it may not see (api/auth.py).
+def collection_not_found(collection: str, *, param: str = "collection") -> APIError:
+    return APIError(404, f"collection {collection!r} has no documents", code="collection_not_found", param=param)
+
+
+def document_not_found(doc_id: str, *, param: str | None = None) -> APIError:
+    return APIError(404, f"document {doc_id!r} not found", code="document_not_found", param=param)

@@ -61,9 +61,10 @@ class KVStore:
                       readonly=readonly)
         try:
             if settings.redis_url:
+                from kvfuse.store.redis_access import RedisAccess
                 from kvfuse.store.redis_index import RedisIndex
 
-                index: DocumentIndex = RedisIndex(settings.redis_url, s.redis_namespace, timeout_s=s.redis_timeout_s)
+                index: DocumentIndex = RedisIndex(RedisAccess.of(settings), s.redis_namespace)
             else:
                 index = EmbeddedIndex(env)
             return cls(settings, env, index, require_index=require_index, shared=shared, keep_blobs=keep_blobs)

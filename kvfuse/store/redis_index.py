@@ -20,23 +20,15 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
-from urllib.parse import urlsplit, urlunsplit
 
 from kvfuse.store.errors import IndexUnavailableError, StoreError
 from kvfuse.store.index import IndexMirror, IndexSnapshot
 from kvfuse.store.records import ChunkInfo, DocumentRecord
+from kvfuse.store.redis_access import RedisAccess
 
 REDIS_LAYOUT = "2"  # bump when the key layout changes: a mismatch triggers a rebuild
 _BATCH = 500  # commands per pipeline round trip during a rebuild
 
-
-def redact_url(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 _DOC_FIELDS = [f.name for f in fields(DocumentRecord)]
@@ -45,15 +37,14 @@ _DOC_FIELDS = [f.name for f in fields(DocumentRecord)]
 class RedisIndex(IndexMirror):
     kind = "redis"
 
-    def __init__(self, url: str, namespace: str, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, where: RedisAccess | str, namespace: str, *, timeout_s: float = 5.0) -> None:
         import redis
 
         self._redis = redis
-        self.url = redact_url(url)
+        self._access = RedisAccess.coerce(where, timeout_s)
+        self.url = self._access.where
         self.ns = namespace
-        self._client = redis.Redis.from_url(
-            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, decode_responses=True
-        )
+        self._client = self._access.client(decode_responses=True)
 
     # --- keys
     def _k(self, *parts: str) -> str:
@@ -63,12 +54,15 @@ class RedisIndex(IndexMirror):
     def _guard(self, what: str) -> Iterator[None]:
         try:
             yield
-        except (self._redis.ConnectionError, self._redis.TimeoutError) as err:
-            raise IndexUnavailableError(
-                f"the Redis index at {self.url} is unavailable ({what}): {err}; the store cannot answer "
-                "document queries until it is back"
-            ) from None
         except self._redis.RedisError as err:
+            denied = self._access.denied(err)  # a wrong password or certificate: a setting, not an outage
+            if denied is not None:
+                raise denied from None
+            if isinstance(err, (self._redis.ConnectionError, self._redis.TimeoutError)):
+                raise IndexUnavailableError(
+                    f"the Redis index at {self.url} is unavailable ({what}): {err}; the store cannot answer "
+                    "document queries until it is back"
+                ) from None
             raise StoreError(f"Redis index at {self.url} failed ({what}): {err}") from err
 
     @staticmethod

@@ -32,6 +32,7 @@ import time
 from kvfuse.kvblob import CorruptBlobError, decode, pack
 from kvfuse.store.chunk_store import ChunkStore, Entry
 from kvfuse.store.errors import IndexUnavailableError
+from kvfuse.store.redis_access import RedisAccess
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,13 @@ return 1
 class RedisTier(ChunkStore):
     name = "shared"
 
-    def __init__(self, url: str, prefix: str, cap_bytes: int, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, where: RedisAccess | str, prefix: str, cap_bytes: int, *, timeout_s: float = 5.0) -> None:
         import redis
 
         self._redis = redis
         self.prefix = prefix
         self.cap_bytes = cap_bytes
-        self._r = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        self._r = RedisAccess.coerce(where, timeout_s).client()
         self._put = self._r.register_script(_PUT)
         self._remove = self._r.register_script(_REMOVE)
         self._lock = threading.Lock()

@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfuse import __version__
-from kvfuse.config import Settings, setting_error
+from kvfuse.config import ConfigError, Settings, setting_error
 from kvfuse.service.api import document_routes, openai_routes, query_routes
-from kvfuse.service.api.auth import key_is_valid, presented_key
+from kvfuse.service.api.auth import KeyRing, presented_key
 from kvfuse.service.api.dependencies import State
 from kvfuse.service.api.errors import install_error_handlers
 from kvfuse.service.api.middleware import GuardMiddleware
@@ -42,6 +42,10 @@ def check_settings(settings: Settings) -> None:
 
 def create_app(settings: Settings) -> FastAPI:
     check_settings(settings)
+    try:
+        keys = KeyRing.of(settings)
+    except ValueError as err:
+        raise ConfigError(f"invalid kvfuse configuration: {err}") from None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,7 +59,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="kvfuse", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, server=settings.server)
+    app.add_middleware(GuardMiddleware, server=settings.server, keys=keys)
     app.include_router(document_routes.router)
     app.include_router(query_routes.router)
     app.include_router(openai_routes.router)
@@ -70,8 +74,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     def authorized(request: Request) -> bool:
         """Whether the open probes may show details (no keys set, or a valid key presented)."""
-        keys = settings.server.api_keys
-        return not keys or key_is_valid(presented_key(request), keys)
+        return not keys.enabled or keys.principal(presented_key(request)) is not None
 
     @app.get("/health")
     async def health(state: State, request: Request) -> Health:

@@ -1,4 +1,4 @@
-"""What a route may ask FastAPI for: the service's state and its query pipeline.
+"""What a route may ask FastAPI for: the service's state, its query pipeline and the caller's key.
 
 Routes declare a parameter of one of these types instead of reaching into `request.app.state`, so what a
 route depends on is in its signature (and a test app could override it with `dependency_overrides`).
@@ -12,6 +12,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from kvfuse.service.api.auth import Principal, request_principal
 from kvfuse.service.rag.query import QueryService
 from kvfuse.service.state import ServiceState
 
@@ -34,3 +35,7 @@ def query_service(state: Annotated[ServiceState, Depends(ready_state)]) -> Query
 State = Annotated[ServiceState, Depends(service_state)]
 ReadyState = Annotated[ServiceState, Depends(ready_state)]
 Queries = Annotated[QueryService, Depends(query_service)]
+# The caller's API key: what it may see and change (auth.py). A route takes `caller: Caller` and applies it
+# where it picks collections or documents: caller.check_document(id, rec.collection), caller.check_write(coll),
+# caller.visible(names), or `visible=caller.allowed_collections` for a search.
+Caller = Annotated[Principal, Depends(request_principal)]

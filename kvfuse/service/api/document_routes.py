@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Query, Request, Response
 
 from kvfuse.config import DEFAULT_COLLECTION
-from kvfuse.service.api.dependencies import ReadyState, State
+from kvfuse.service.api.auth import Principal
+from kvfuse.service.api.dependencies import Caller, ReadyState, State
 from kvfuse.service.api.errors import ERROR_RESPONSES
 from kvfuse.service.api.responses import (
     CollectionDeleted,
@@ -33,7 +34,7 @@ from kvfuse.service.api.schemas import (
     parse_json,
     validate,
 )
-from kvfuse.service.errors import APIError
+from kvfuse.service.errors import APIError, collection_not_found, document_not_found
 from kvfuse.service.rag.ingest_job import IngestJob, default_doc_id
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ def _parse_documents(request: Request, raw: bytes, doc_id: str | None, on_confli
 
 @router.post("/v1/documents", status_code=202, response_model=JobOut | Submitted | SubmittedBatch,
              openapi_extra=documented_body(DocumentIn, DocumentBatchIn, text=True))
-async def create_documents(request: Request, response: Response, state: ReadyState, wait: bool = False,
+async def create_documents(request: Request, response: Response, state: ReadyState, caller: Caller,
+                           wait: bool = False,
                            id: str | None = None, on_conflict: OnConflict | None = None,
                            collection: str | None = Query(None, pattern=COLLECTION_PATTERN)
                            ) -> JobOut | Submitted | SubmittedBatch:
@@ -96,7 +98,9 @@ async def create_documents(request: Request, response: Response, state: ReadySta
                            param="documents")
         seen.add(doc_id)
         items.append((doc_id, d, d.on_conflict or default_conflict, coll))
-    for doc_id, _, policy, _ in items:
+    for doc_id, _, policy, coll in items:
+        caller.check_write(coll)
+        await _check_id_free(state, caller, doc_id)
         state.ingest.check_conflict(doc_id, policy)
     results = state.ingest.submit_all([(doc_id, d.text, dict(d.metadata), policy, coll)
                                        for doc_id, d, policy, coll in items])
@@ -122,6 +126,21 @@ async def create_documents(request: Request, response: Response, state: ReadySta
     return SubmittedBatch(documents=out)
 
 
+async def _check_id_free(state: ServiceState, caller: Principal, doc_id: str) -> None:
+    """Ids are global: a scoped key must not overwrite (or skip onto) a document of a collection it does
+    not see. It learns that the id is taken, nothing of the document."""
+    if caller.scoped and (owner := await _owner(state, doc_id)) is not None and not caller.sees(owner):
+        raise APIError(409, f"document id {doc_id!r} is taken: choose another", code="id_taken", param="id")
+
+
+async def _owner(state: ServiceState, doc_id: str) -> str | None:
+    """The collection of the document (stored, or still being ingested); None when there is none."""
+    if (job := state.ingest.unfinished(doc_id)) is not None:
+        return job.rec.collection
+    rec = await asyncio.to_thread(state.corpus.store.get_document, doc_id)
+    return None if rec is None else rec.collection
+
+
 def _waited(request: Request, state: ServiceState, job: IngestJob) -> JobOut:
     """A job after ?wait=true: one still running says so, and where to follow it."""
     out = JobOut.of(job)
@@ -136,21 +155,43 @@ def _waited(request: Request, state: ServiceState, job: IngestJob) -> JobOut:
 
 
 @router.get("/v1/documents")
-async def list_documents(state: ReadyState, offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=1000),
+async def list_documents(state: ReadyState, caller: Caller, offset: int = Query(0, ge=0),
+                         limit: int = Query(50, ge=1, le=1000),
                          collection: str | None = Query(None, pattern=COLLECTION_PATTERN)) -> DocumentPage:
-    """A page of documents in creation order; of one collection with ?collection= (404 if it has none)."""
-    page, total = await asyncio.to_thread(state.corpus.store.list_documents, offset=offset, limit=limit,
-                                          collection=collection)
+    """A page of documents in creation order; of one collection with ?collection= (404 if it has none).
+    A key limited to collections lists only theirs."""
+    if collection is not None:
+        caller.check_collection(collection)
+    if collection is None and caller.allowed_collections is not None:
+        page, total = await asyncio.to_thread(_list_of, state, sorted(caller.allowed_collections), offset, limit)
+    else:
+        page, total = await asyncio.to_thread(state.corpus.store.list_documents, offset=offset, limit=limit,
+                                              collection=collection)
     if collection is not None and total == 0:
-        raise _no_collection(collection)
+        raise collection_not_found(collection)
     return DocumentPage(documents=[DocumentOut.of(r, state.ingest.unfinished(r.id)) for r in page], total=total,
                         offset=offset, limit=limit)
 
 
+def _list_of(state: ServiceState, collections: list[str], offset: int, limit: int) -> tuple[list, int]:
+    """One page over several collections in creation order: each collection's first offset + limit
+    documents, merged (a scoped key's listing; a key holds few collections)."""
+    recs: list = []
+    total = 0
+    for name in collections:
+        page, n = state.corpus.store.list_documents(offset=0, limit=offset + limit, collection=name)
+        recs.extend(page)
+        total += n
+    recs.sort(key=lambda r: r.created_at)
+    return recs[offset:offset + limit], total
+
+
 @router.delete("/v1/documents")
-async def delete_collection(state: ReadyState,
+async def delete_collection(state: ReadyState, caller: Caller,
                             collection: str = Query(..., pattern=COLLECTION_PATTERN)) -> CollectionDeleted:
     """Delete every document of a collection (?collection= is required: no call deletes everything)."""
+    caller.check_write()
+    caller.check_collection(collection)
     ids: list[str] = []
     while True:  # listed anew each round: a page from a shrinking listing would skip documents
         page, _ = await asyncio.to_thread(state.corpus.store.list_documents, offset=len(ids), limit=500,
@@ -160,32 +201,29 @@ async def delete_collection(state: ReadyState,
         ids.extend(r.id for r in page)
     ids.extend(d for d, job in state.ingest.active.items() if job.rec.collection == collection and d not in ids)
     if not ids:
-        raise _no_collection(collection)
+        raise collection_not_found(collection)
     for doc_id in ids:
         await _delete(state, doc_id)
     return CollectionDeleted(collection=collection, deleted=len(ids), ids=ids)
 
 
 @router.get("/v1/collections")
-async def list_collections(state: ReadyState) -> CollectionList:
-    """Collections that have ready documents (what queries can search), with their counts."""
+async def list_collections(state: ReadyState, caller: Caller) -> CollectionList:
+    """Collections that have ready documents (what queries can search), with their counts; those the
+    key sees."""
     counts = await asyncio.to_thread(state.corpus.index.collections)
-    return CollectionList(collections=[CollectionOut(name=n, documents=c) for n, c in counts.items()])
-
-
-def _no_collection(collection: str) -> APIError:
-    return APIError(404, f"collection {collection!r} has no documents", code="collection_not_found",
-                    param="collection")
+    return CollectionList(collections=[CollectionOut(name=n, documents=counts[n]) for n in caller.visible(counts)])
 
 
 @router.get("/v1/documents/{doc_id}")
-async def get_document(state: ReadyState, doc_id: str, include_text: bool = False) -> DocumentOut:
+async def get_document(state: ReadyState, caller: Caller, doc_id: str, include_text: bool = False) -> DocumentOut:
     rec = await asyncio.to_thread(state.corpus.store.get_document, doc_id)
     job = state.ingest.unfinished(doc_id)
+    caller.check_document(doc_id, job.rec.collection if job is not None else rec.collection if rec else "")
     if rec is None:
         if job is not None:  # queued, not written yet
             return DocumentOut.queued(job)
-        raise APIError(404, f"document {doc_id!r} not found", code="document_not_found")
+        raise document_not_found(doc_id)
     out = DocumentOut.of(rec, job)
     if include_text:
         out.text = await asyncio.to_thread(state.corpus.store.get_text, doc_id)
@@ -193,7 +231,9 @@ async def get_document(state: ReadyState, doc_id: str, include_text: bool = Fals
 
 
 @router.delete("/v1/documents/{doc_id}")
-async def delete_document(state: ReadyState, doc_id: str) -> Deleted:
+async def delete_document(state: ReadyState, caller: Caller, doc_id: str) -> Deleted:
+    caller.check_write()
+    caller.check_document(doc_id, await _owner(state, doc_id) or "")
     return Deleted(id=doc_id, deleted=await _delete(state, doc_id))
 
 
@@ -207,7 +247,7 @@ async def _delete(state: ServiceState, doc_id: str) -> bool:
     else:
         existed = await asyncio.to_thread(state.corpus.store.get_document, doc_id) is not None
         if not existed:
-            raise APIError(404, f"document {doc_id!r} not found", code="document_not_found")
+            raise document_not_found(doc_id)
     await asyncio.to_thread(state.corpus.index_remove, doc_id)
     await asyncio.to_thread(state.corpus.store.delete_document, doc_id)
     state.refresh_document_gauge()
@@ -215,9 +255,9 @@ async def _delete(state: ServiceState, doc_id: str) -> bool:
 
 
 @router.get("/v1/jobs/{job_id}")
-async def get_job(state: State, job_id: str) -> JobOut:
+async def get_job(state: State, caller: Caller, job_id: str) -> JobOut:
     job = await asyncio.to_thread(state.ingest.get, job_id)
-    if job is None:
+    if job is None or not caller.sees(job.collection):
         raise APIError(404, f"job {job_id!r} not found (finished jobs are kept for server.job_history_s = "
                        f"{state.settings.server.job_history_s:g} s)", code="job_not_found")
     return JobOut.of(job)

@@ -7,15 +7,16 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfuse.config import ServerSettings
-from kvfuse.service.api.auth import check_request
+from kvfuse.service.api.auth import KeyRing, check_request
 from kvfuse.service.api.errors import error_response
 from kvfuse.service.errors import APIError
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, server: ServerSettings) -> None:
+    def __init__(self, app: ASGIApp, server: ServerSettings, keys: KeyRing) -> None:
         self.app = app
         self.server = server
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -24,7 +25,7 @@ class GuardMiddleware:
         request = Request(scope)
         limit = self.server.max_body_bytes
         try:
-            check_request(request, self.server)
+            check_request(request, self.keys, self.server)
             check_encoding(request)
             declared = request.headers.get("content-length")
             if declared is not None and (not declared.isdigit() or int(declared) > limit):

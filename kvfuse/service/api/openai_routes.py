@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvfuse.service.api import sse
 from kvfuse.service.api.answers import answer_of, sources_of
-from kvfuse.service.api.dependencies import Queries, State
+from kvfuse.service.api.dependencies import Caller, Queries, State
 from kvfuse.service.api.errors import ERROR_RESPONSES
 from kvfuse.service.api.query_routes import CLIENT_CLOSED, collect_answer, start_query
 from kvfuse.service.api.responses import (
@@ -57,7 +57,8 @@ def _finish(reason: str) -> Literal["stop", "length"]:
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, openapi_extra=documented_body(ChatIn))
-async def chat_completions(request: Request, state: State, queries: Queries) -> ChatCompletion | Response:
+async def chat_completions(request: Request, state: State, queries: Queries, caller: Caller
+                           ) -> ChatCompletion | Response:
     """The body is read by hand, as for /v1/query; its schema is `ChatIn`."""
     arrived = time.monotonic()
     body = validate(ChatIn, parse_json(await request.body()))
@@ -73,7 +74,7 @@ async def chat_completions(request: Request, state: State, queries: Queries) -> 
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     try:
-        run = await start_query(queries, request, body, question=users[-1].text(), system_prompt=system,
+        run = await start_query(queries, request, body, caller, question=users[-1].text(), system_prompt=system,
                                 arrived=arrived)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)

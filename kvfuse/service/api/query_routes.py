@@ -12,7 +12,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvfuse.service.api import sse
 from kvfuse.service.api.answers import answer_of, sources_of
-from kvfuse.service.api.dependencies import Queries
+from kvfuse.service.api.auth import Principal
+from kvfuse.service.api.dependencies import Caller, Queries
 from kvfuse.service.api.errors import ERROR_RESPONSES
 from kvfuse.service.api.responses import QueryAnswer
 from kvfuse.service.api.schemas import QueryIn, documented_body, parse_json, validate
@@ -35,23 +36,24 @@ async def watch_disconnect(agen: AsyncIterator[Any], request: Request) -> AsyncI
         yield item
 
 
-async def start_query(queries: QueryService, request: Request, body: Any, *, question: str,
+async def start_query(queries: QueryService, request: Request, body: Any, caller: Principal, *, question: str,
                       system_prompt: str | None, arrived: float) -> QueryRun:
+    """Plan and queue a query, retrieving only from what the caller's key sees."""
     plan = await queries.prepare(question=question, system_prompt=system_prompt, top_k=body.top_k,
                                  document_ids=body.document_ids, filters=body.filters, retrieval=body.retrieval,
-                                 fusion=body.fusion,
-                                 gen=body, arrived=arrived)
+                                 fusion=body.fusion, gen=body, arrived=arrived,
+                                 visible=caller.allowed_collections)
     return await queries.start(plan, request.is_disconnected)
 
 
 @router.post("/v1/query", response_model=QueryAnswer, responses=_STREAM_DOC, openapi_extra=documented_body(QueryIn))
-async def query(request: Request, queries: Queries) -> QueryAnswer | Response:
+async def query(request: Request, queries: Queries, caller: Caller) -> QueryAnswer | Response:
     """The body is read by hand (not declared) so that malformed JSON, bad UTF-8 and wrong types get this
     service's error codes; its schema is `QueryIn`."""
     arrived = time.monotonic()
     body = validate(QueryIn, parse_json(await request.body()))
     try:
-        run = await start_query(queries, request, body, question=body.query, system_prompt=body.system_prompt,
+        run = await start_query(queries, request, body, caller, question=body.query, system_prompt=body.system_prompt,
                                 arrived=arrived)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)

@@ -64,10 +64,10 @@ class FleetDispatcher(JobBook):
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     async def start(self) -> None:
-        import redis.asyncio as aioredis
+        from kvfuse.store.redis_access import RedisAccess
 
-        self._r = aioredis.Redis.from_url(self.settings.redis_url, decode_responses=True,
-                                          socket_connect_timeout=self.settings.store.redis_timeout_s)
+        self._access = RedisAccess.of(self.settings)
+        self._r = self._access.async_client(decode_responses=True, read_timeout=False)
         self._monitor = asyncio.create_task(self._watch(), name="kvfuse-fleet-monitor")
 
     async def _watch(self) -> None:
@@ -87,7 +87,8 @@ class FleetDispatcher(JobBook):
             except Exception as err:  # noqa: BLE001 - Redis down: no worker counts as live
                 self.workers = {}
                 self._ready.clear()
-                self.last_error = f"the fleet's Redis is unavailable: {err}"
+                denied = self._access.denied(err)
+                self.last_error = str(denied) if denied else f"the fleet's Redis is unavailable: {err}"
             await asyncio.sleep(min(0.5, self.fleet.heartbeat_s))
 
     async def stop(self) -> None:

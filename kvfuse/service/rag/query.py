@@ -27,7 +27,7 @@ from kvfuse.service.dispatch.job_book import (
     WorkerJobError,
     WorkerUnavailable,
 )
-from kvfuse.service.errors import APIError, retry_after
+from kvfuse.service.errors import APIError, document_not_found, retry_after
 from kvfuse.service.rag.prompt_size import check_prompt_fits, context_limit
 from kvfuse.service.rag.retrieval import RetrievalOptions, retrieval_options, retrieve
 from kvfuse.service.wire.protocol import (
@@ -156,9 +156,11 @@ class QueryService:
     # -- preparation ---------------------------------------------------------------------------------------
     async def prepare(self, *, question: str, system_prompt: str | None, top_k: int | None,
                       document_ids: list[str] | None, filters: dict | None, retrieval: Any | None,
-                      fusion: Any | None, gen: Any, arrived: float) -> QueryPlan:
+                      fusion: Any | None, gen: Any, arrived: float,
+                      visible: frozenset[str] | None = None) -> QueryPlan:
         """`fusion` and `gen` are the request's knobs (pydantic models: api/schemas.py FusionIn and
-        GenerationIn); unset ones take the configured defaults. The corpus must be loaded."""
+        GenerationIn); unset ones take the configured defaults. `visible`: the collections the caller's key
+        sees (None = every one); others answer as absent. The corpus must be loaded."""
         s = self.settings
         if not question.strip():
             raise APIError(422, "the question is empty or whitespace only", code="empty_query", param="query")
@@ -170,10 +172,10 @@ class QueryService:
         system_prompt = system_prompt if system_prompt is not None else s.model.system_prompt
         await check_prompt_fits(self.corpus.chunker, context_limit(self.dispatcher.info, s), question,
                                 system_prompt, gen_opts["max_tokens"])  # before the embedding
-        retrieval_opts = retrieval_options(s, retrieval)
+        retrieval_opts = retrieval_options(s, retrieval, visible)
         t0 = time.perf_counter()
         if document_ids is not None:
-            chunks = await asyncio.to_thread(self._explicit_chunks, document_ids)
+            chunks = await asyncio.to_thread(self._explicit_chunks, document_ids, visible)
         else:
             hits = await asyncio.to_thread(retrieve, self.corpus, question, top_k or s.retriever.top_k, retrieval_opts, filters)
             chunks = await asyncio.to_thread(self._hits_to_chunks, hits)
@@ -237,12 +239,16 @@ class QueryService:
                 self.ingest.resubmit_soon(rec.id, "its KV is from another model")
         return key
 
-    def _explicit_chunks(self, document_ids: list[str]) -> list[SourceChunk]:
+    def _explicit_chunks(self, document_ids: list[str], visible: frozenset[str] | None) -> list[SourceChunk]:
         if len(set(document_ids)) != len(document_ids):
             raise APIError(422, "document_ids contains duplicates", code="invalid_value", param="document_ids")
         chunks: list[SourceChunk] = []
         for doc_id in document_ids:
             rec = self.corpus.store.get_document(doc_id)
+            job = self.ingest.unfinished(doc_id)
+            owner = job.rec.collection if job is not None else rec.collection if rec is not None else None
+            if visible is not None and owner not in visible:
+                raise document_not_found(doc_id, param="document_ids")
             if rec is None or rec.status != "ready":
                 self._not_ready(doc_id, rec)
             for i, ids in enumerate(self.corpus.chunk_token_ids(rec)):
@@ -259,7 +265,7 @@ class QueryService:
                            "retry later", code="document_not_ready", param="document_ids",
                            headers=retry_after(self.settings))
         if rec is None:
-            raise APIError(404, f"document {doc_id!r} not found", code="document_not_found", param="document_ids")
+            raise document_not_found(doc_id, param="document_ids")
         raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
                        param="document_ids")
 

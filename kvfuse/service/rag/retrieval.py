@@ -26,18 +26,26 @@ class RetrievalOptions:
     collections: list[str] | None  # None: the default collection, not named by the client
     rrf_k: int
     candidates: int
+    # The collections the caller's API key sees (api/auth.py); None = every one. Others answer as absent.
+    visible: frozenset[str] | None = None
 
     @property
     def searched(self) -> list[str]:
-        return self.collections or [DEFAULT_COLLECTION]
+        """The named collections; else the default one, or for a key limited to collections, its own."""
+        if self.collections:
+            return self.collections
+        return [DEFAULT_COLLECTION] if self.visible is None else sorted(self.visible)
 
 
-def retrieval_options(settings: Settings, retrieval: Any | None) -> RetrievalOptions:
-    """The request's `retrieval` object over the configured defaults (`retriever.mode`, ...)."""
+def retrieval_options(settings: Settings, retrieval: Any | None,
+                      visible: frozenset[str] | None = None) -> RetrievalOptions:
+    """The request's `retrieval` object over the configured defaults (`retriever.mode`, ...), confined to
+    the `visible` collections (a search route passes its caller's `allowed_collections`)."""
     r = settings.retriever
     given = retrieval.model_dump(exclude_none=True) if retrieval is not None else {}
     return RetrievalOptions(mode=given.get("mode", r.mode), collections=given.get("collections"),
-                            rrf_k=given.get("rrf_k", r.rrf_k), candidates=given.get("candidates", r.candidates))
+                            rrf_k=given.get("rrf_k", r.rrf_k), candidates=given.get("candidates", r.candidates),
+                            visible=visible)
 
 
 def retrieve(corpus: Corpus, question: str, top_k: int, opts: RetrievalOptions,
@@ -55,13 +63,14 @@ def retrieve(corpus: Corpus, question: str, top_k: int, opts: RetrievalOptions,
 
 def _selection(corpus: Corpus, opts: RetrievalOptions, filters: dict | None) -> list[str] | None:
     """The documents a search may return; None when that is every indexed one (no scan needed)."""
-    present = corpus.index.collections()
+    everything = corpus.index.collections()
+    present = [c for c in everything if opts.visible is None or c in opts.visible]  # all the caller may know of
     unknown = [c for c in opts.collections or [] if c not in present]
     if unknown:
         raise APIError(404, f"no ready document in collection(s) {', '.join(map(repr, unknown))}; collections "
                             f"with documents: {', '.join(present) or 'none'}", code="collection_not_found",
                        param="retrieval.collections")
-    if not filters and set(opts.searched) >= set(present):
+    if not filters and set(opts.searched) >= set(everything):
         return None
     try:
         return corpus.index.select(filters=filters, collections=opts.searched)

@@ -64,13 +64,13 @@ class FleetKeys:
 def shared_tier(settings: Any) -> Any:
     """The fleet's shared chunk KV tier in Redis (kvfuse.store.shared_tier), as the API and every worker
     open it; None when `fleet.shared_tier_mb` is 0."""
+    from kvfuse.store.redis_access import RedisAccess
     from kvfuse.store.shared_tier import RedisTier
 
     f = settings.fleet
     if not f.shared_tier_mb:
         return None
-    return RedisTier(settings.redis_url, FleetKeys(f.namespace).shared_kv, f.shared_tier_mb << 20,
-                     timeout_s=settings.store.redis_timeout_s)
+    return RedisTier(RedisAccess.of(settings), FleetKeys(f.namespace).shared_kv, f.shared_tier_mb << 20)
 
 
 class FingerprintMismatch(RuntimeError):

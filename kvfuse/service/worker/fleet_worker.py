@@ -40,6 +40,7 @@ from kvfuse.service.wire import protocol as P
 from kvfuse.service.wire.codec import CodecError, decode, encode
 from kvfuse.service.wire.fleet_keys import GROUP, FingerprintMismatch, FleetKeys, read_heartbeats, shared_tier
 from kvfuse.service.worker.core import Worker
+from kvfuse.store.redis_access import RedisAccess
 
 log = logging.getLogger("kvfuse.worker")
 
@@ -70,8 +71,8 @@ class FleetWorker(Worker):
         self._redis = redis
         self.fleet = settings.fleet
         self.keys = FleetKeys(settings.fleet.namespace)
-        self.r = redis.Redis.from_url(settings.redis_url, decode_responses=True,
-                                      socket_connect_timeout=settings.store.redis_timeout_s)
+        self.access = RedisAccess.of(settings)
+        self.r = self.access.client(decode_responses=True, read_timeout=False)
         self.routes: dict[int, Route] = {}
         self._next_id = 0
         self._out: list[tuple[str, dict]] = []
@@ -146,9 +147,7 @@ class FleetWorker(Worker):
             log.error("the fleet's model fingerprint is now %s, not this worker's %s", res[3], fp[:16])
 
     def _heartbeat(self) -> None:
-        r = self._redis.Redis.from_url(self.settings.redis_url, decode_responses=True,
-                                       socket_connect_timeout=self.settings.store.redis_timeout_s,
-                                       socket_timeout=self.settings.store.redis_timeout_s)
+        r = self.access.client(decode_responses=True)
         while not self._stop.wait(self.fleet.heartbeat_s):
             try:
                 self._beat_once(r)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from service_helpers import REPO
 
-from kvfuse.config import ServerSettings
+from kvfuse.config import ServerSettings, Settings
 from kvfuse.service.api import sse
-from kvfuse.service.api.auth import check_bind, is_loopback, key_is_valid
+from kvfuse.service.api.auth import FULL_ACCESS, KeyRing, check_bind, is_loopback
 from kvfuse.service.api.schemas import (
     DOC_ID_PATTERN,
     SEED_MAX,
@@ -32,15 +32,15 @@ from kvfuse.service.errors import APIError
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.5"])
 def test_loopback_hosts_need_no_key(host: str) -> None:
     assert is_loopback(host)
-    check_bind(host, ServerSettings())
+    check_bind(host, KeyRing({}), ServerSettings())
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "example.com"])
 def test_public_hosts_need_a_key_or_an_explicit_allowance(host: str) -> None:
     with pytest.raises(PermissionError, match="api_keys"):
-        check_bind(host, ServerSettings())
-    check_bind(host, ServerSettings(api_keys=["k"]))
-    check_bind(host, ServerSettings(allow_unauthenticated_public=True))
+        check_bind(host, KeyRing({}), ServerSettings())
+    check_bind(host, KeyRing({"k": FULL_ACCESS}), ServerSettings())
+    check_bind(host, KeyRing({}), ServerSettings(allow_unauthenticated_public=True))
 
 
 def test_serve_refuses_a_public_bind_without_a_key(tmp_path: Path) -> None:
@@ -52,10 +52,10 @@ def test_serve_refuses_a_public_bind_without_a_key(tmp_path: Path) -> None:
 
 
 def test_api_keys_compare_exactly() -> None:
-    keys = ["alpha-key", "beta-key"]
-    assert key_is_valid("beta-key", keys)
-    assert not key_is_valid("beta-ke", keys) and not key_is_valid("beta-key ", keys)
-    assert not key_is_valid(None, keys) and not key_is_valid("x", [])
+    keys = KeyRing.of(Settings(server=ServerSettings(api_keys=["alpha-key", "beta-key"])))
+    assert keys.principal("beta-key") is FULL_ACCESS
+    assert keys.principal("beta-ke") is None and keys.principal("beta-key ") is None
+    assert keys.principal(None) is None and KeyRing({}).principal("x") is None
     assert ServerSettings(api_keys="a, b,,c").api_keys == ["a", "b", "c"]  # env style: comma separated
 
 
