@@ -38,6 +38,18 @@ COPY pyproject.toml README.md config.yaml ./
 COPY kvfuse ./kvfuse
 RUN pip install --no-deps . && kvfuse models prepare
 
+# The service runs as an unprivileged user: it owns /data (LMDB, FAISS) and reads the prepared models.
+RUN useradd --system --uid 10001 --user-group --create-home --shell /usr/sbin/nologin kvfuse \
+    && mkdir -p /data && chown kvfuse:kvfuse /data
+USER kvfuse
 VOLUME ["/data"]
 EXPOSE 8000
-CMD ["kvfuse", "serve", "--host", "0.0.0.0", "--port", "8000"]
+# Liveness, not readiness: /health answers while the API process runs; /ready turns 503 during a short
+# Redis outage, and an orchestrator would restart a server that is only waiting. A `kvfuse worker`
+# container replaces this with `kvfuse worker --health` (docker-compose.fleet.yml).
+HEALTHCHECK --interval=10s --timeout=6s --start-period=300s --retries=5 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=5)"]
+# `docker run kvfuse --help`, `docker run kvfuse serve --workers 0`, `docker run kvfuse worker`: the
+# arguments are kvfuse's.
+ENTRYPOINT ["kvfuse"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
