@@ -1,10 +1,14 @@
-"""The compose deployment, checked statically (no Docker engine runs here): it parses, every env var it
-sets is a real setting, every command is a real CLI command, the healthcheck path is a real route."""
+"""The image and the compose deployments, checked statically (no Docker engine runs here) and, for Redis,
+by running the compose file's own Redis command: the Dockerfile runs as a non-root user, probes /health
+and takes kvfuse's arguments (ENTRYPOINT); in every compose file each service has a healthcheck, Redis
+has no user without a password, the single-host file publishes no Redis port, every env var is a real
+setting, every command a real CLI command and the healthcheck path a real route."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,11 +18,23 @@ from kvfuse.cli import build_parser
 from kvfuse.config import Settings
 
 REPO = Path(__file__).resolve().parent.parent
+COMPOSE_FILES = ("docker-compose.yml", "docker-compose.fleet.yml")
+KVFUSE_SERVICES = {"docker-compose.yml": ("kvfuse",), "docker-compose.fleet.yml": ("api", "worker")}
+SECRETS_DIR = "/run/secrets/"
+
+
+def load_compose(name: str) -> dict:
+    return yaml.safe_load((REPO / name).read_text())
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    return load_compose("docker-compose.yml")
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> str:
+    return (REPO / "Dockerfile").read_text()
 
 
 def _is_setting(env_name: str) -> bool:
@@ -37,13 +53,16 @@ def _is_setting(env_name: str) -> bool:
     return True
 
 
+def _instruction(dockerfile: str, name: str) -> str:
+    """The last `NAME ...` instruction of the Dockerfile, continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", dockerfile)
+    found = re.findall(rf"^{name} (.+)$", joined, re.M)
+    assert found, f"the Dockerfile has no {name}"
+    return found[-1].strip()
+
+
 def test_compose_services(compose: dict):
     assert set(compose["services"]) == {"redis", "kvfuse"}
-    redis = compose["services"]["redis"]
-    cmd = " ".join(redis["command"])
-    assert "--appendonly yes" in cmd and "--maxmemory-policy noeviction" in cmd
-    assert redis["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
-    assert any(v.endswith(":/data") for v in redis["volumes"])
     kv = compose["services"]["kvfuse"]
     assert kv["depends_on"]["redis"]["condition"] == "service_healthy"
     devices = kv["deploy"]["resources"]["reservations"]["devices"]
@@ -55,26 +74,83 @@ def test_compose_services(compose: dict):
     assert int(re.fullmatch(r"(\d+)s", start).group(1)) >= 120, "model load needs a long start period"
 
 
-def test_compose_env_vars_are_real_settings(compose: dict):
-    for service in compose["services"].values():
-        for name in (service.get("environment") or {}):
-            if name.startswith("KVFUSE_"):
-                assert _is_setting(name), f"{name} is not a kvfuse setting"
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_every_service_has_a_healthcheck_and_kvfuse_probes_health(name: str):
+    services = load_compose(name)["services"]
+    assert all("healthcheck" in svc for svc in services.values())
+    for svc_name in KVFUSE_SERVICES[name]:
+        test = services[svc_name]["healthcheck"]["test"]
+        # /health, not /ready: a short Redis outage turns /ready 503, and a restart would not mend it
+        assert "/ready" not in " ".join(test)
+        if svc_name != "worker":
+            assert "http://127.0.0.1:8000/health" in " ".join(test)
 
 
-def test_compose_and_dockerfile_commands_are_real_cli_commands(compose: dict):
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_no_redis_without_a_password(name: str):
+    c = load_compose(name)
+    redis = c["services"]["redis"]
+    script = " ".join(redis["command"])
+    assert "user default off" in script and "--aclfile" in script and "nopass" not in script
+    assert "redis_password" in redis["secrets"]
+    assert "REDISCLI_AUTH" in " ".join(redis["healthcheck"]["test"])  # the healthcheck authenticates too
+    for svc_name in KVFUSE_SERVICES[name]:
+        env = c["services"][svc_name]["environment"]
+        assert env["KVFUSE_REDIS__USERNAME"] == "kvfuse"
+        assert env["KVFUSE_REDIS__PASSWORD_FILE"] == SECRETS_DIR + "redis_password"
+        assert "redis_password" in c["services"][svc_name]["secrets"]
+    for svc in c["services"].values():  # every secret used is declared, from an environment variable
+        for secret in svc.get("secrets", []):
+            assert c["secrets"][secret]["environment"].startswith("KVFUSE_")
+
+
+def test_the_single_host_file_publishes_no_redis_port(compose: dict):
+    assert "ports" not in compose["services"]["redis"]
+
+
+def test_the_fleet_file_publishes_redis_on_loopback_unless_told(compose: dict):
+    ports = load_compose("docker-compose.fleet.yml")["services"]["redis"]["ports"]
+    assert ports == ["${KVFUSE_REDIS_PUBLISH:-127.0.0.1}:6379:6379"]
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_the_api_key_reaches_the_server_as_a_file(name: str):
+    c = load_compose(name)
+    api = c["services"][KVFUSE_SERVICES[name][0]]
+    assert api["environment"]["KVFUSE_API_KEY_FILE"] == SECRETS_DIR + "api_key"
+    assert c["secrets"]["api_key"]["environment"] == "KVFUSE_API_KEY"
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_compose_env_vars_are_real_settings(name: str):
+    for service in load_compose(name)["services"].values():
+        for env in (service.get("environment") or {}):
+            if env.startswith("KVFUSE_"):
+                assert _is_setting(env), f"{env} is not a kvfuse setting"
+
+
+def test_the_image_runs_as_a_user_probes_health_and_takes_kvfuse_arguments(dockerfile: str):
+    user = _instruction(dockerfile, "USER")
+    assert user not in ("root", "0") and not user.startswith(("root:", "0:"))
+    assert dockerfile.index("USER ") > dockerfile.index("kvfuse models prepare")  # models prepared as root
+    health = _instruction(dockerfile, "HEALTHCHECK")
+    assert "http://127.0.0.1:8000/health" in health and "--start-period=" in health
+    assert yaml.safe_load(_instruction(dockerfile, "ENTRYPOINT")) == ["kvfuse"]
+    assert yaml.safe_load(_instruction(dockerfile, "CMD"))[0] == "serve"
+
+
+def test_compose_and_dockerfile_commands_are_real_cli_commands(compose: dict, dockerfile: str):
     parser = build_parser()
-    commands = [compose["services"]["kvfuse"]["command"]]
-    dockerfile = (REPO / "Dockerfile").read_text()
-    cmd_line = re.search(r"^CMD (\[.*\])$", dockerfile, re.M).group(1)
-    commands.append(yaml.safe_load(cmd_line))
-    for run in re.findall(r"&& (kvfuse [^\\\n&]+)", dockerfile):
+    fleet = load_compose("docker-compose.fleet.yml")["services"]
+    # The image's ENTRYPOINT is kvfuse: a compose command and the CMD are its arguments.
+    commands = [compose["services"]["kvfuse"]["command"], fleet["api"]["command"], fleet["worker"]["command"],
+                fleet["worker"]["healthcheck"]["test"][2:], yaml.safe_load(_instruction(dockerfile, "CMD"))]
+    for run in re.findall(r"&& kvfuse ([^\\\n&]+)", dockerfile):
         commands.append(shlex.split(run))
-    assert len(commands) >= 3
+    assert len(commands) >= 6
     for argv in commands:
-        assert argv[0] == "kvfuse"
-        args = parser.parse_args(argv[1:])
-        assert getattr(args, "func", None), f"{argv} is not a runnable command"
+        args = parser.parse_args(argv)
+        assert getattr(args, "func", None), f"kvfuse {argv} is not a runnable command"
 
 
 def test_healthcheck_path_is_a_route(compose: dict):
@@ -85,4 +161,74 @@ def test_healthcheck_path_is_a_route(compose: dict):
     path = re.search(r"http://127\.0\.0\.1:8000(/[a-z]+)", test).group(1)
     app = create_app(load_settings())
     assert path in app.openapi()["paths"]
-    assert path == "/ready"
+    assert path == "/health"
+
+
+# -- the compose file's Redis, run ------------------------------------------------------------------------
+def compose_redis_script(name: str, secret: Path, acl: Path, *extra: str) -> str:
+    """The compose file's Redis command as a shell script for this machine: its secret and ACL file where
+    given, `extra` redis-server arguments appended (port, bind, dir, TLS)."""
+    script = load_compose(name)["services"]["redis"]["command"][2].replace("$$", "$")
+    script = script.replace(SECRETS_DIR + "redis_password", str(secret)).replace("/tmp/users.acl", str(acl))
+    return script + " " + " ".join(shlex.quote(a) for a in extra)
+
+
+def start_compose_redis(name: str, root: Path, port: int, password: str, *extra: str) -> subprocess.Popen:
+    """A redis-server started by the compose file's own command on `port`, once its user `kvfuse` answers."""
+    import time
+
+    import redis
+
+    secret = root / "redis_password"
+    secret.write_text(password + "\n")
+    script = compose_redis_script(name, secret, root / "users.acl", "--port", str(port), "--bind", "127.0.0.1",
+                                  "--dir", str(root), "--appendonly", "no", "--save", "", *extra)
+    proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, username="kvfuse", password=password, socket_connect_timeout=0.5)
+    for _ in range(100):
+        try:
+            client.ping()
+            return proc
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"the compose file's redis-server did not start on {port}")
+
+
+def test_the_compose_redis_refuses_anyone_but_its_user_and_admin_commands(tmp_path: Path):
+    import shutil
+
+    import redis
+    from redis_server import free_port
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    port, password = free_port(), "pw-from-a-secret"
+    proc = start_compose_redis("docker-compose.yml", tmp_path, port, password)
+    try:
+        assert (tmp_path / "users.acl").stat().st_mode & 0o077 == 0  # the written ACL file is private
+        for who in ({}, {"password": password}, {"username": "kvfuse", "password": "wrong"}):
+            with pytest.raises(redis.AuthenticationError):
+                redis.Redis(port=port, **who).ping()  # no default user, no wrong password
+        ok = redis.Redis(port=port, username="kvfuse", password=password)
+        ok.set("kvfuse:probe", "1")
+        for denied in (lambda: ok.set("other:probe", "1"), ok.flushall, lambda: ok.config_get("*"),
+                       lambda: ok.keys("*")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                denied()
+        check = load_compose("docker-compose.yml")["services"]["redis"]["healthcheck"]["test"][1]
+        check = check.replace("$$", "$").replace(SECRETS_DIR + "redis_password", str(tmp_path / "redis_password"))
+        assert subprocess.run(["sh", "-c", check.replace("redis-cli", f"redis-cli -p {port}")]).returncode == 0
+        (tmp_path / "redis_password").write_text("wrong")
+        assert subprocess.run(["sh", "-c", check.replace("redis-cli", f"redis-cli -p {port}")],
+                              capture_output=True).returncode != 0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_the_compose_redis_refuses_to_start_without_a_password(tmp_path: Path):
+    (tmp_path / "redis_password").write_text("")
+    script = compose_redis_script("docker-compose.yml", tmp_path / "redis_password", tmp_path / "users.acl")
+    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "set KVFUSE_REDIS_PASSWORD" in out.stderr

@@ -99,6 +99,7 @@ class ServiceState:
         """Open the store, waiting for its index: a Redis that is not up yet is retried with a growing
         pause (`/ready` says what it waits for), so the service becomes ready when Redis comes."""
         from kvfuse.store import IndexUnavailableError
+        from kvfuse.store.redis_access import RedisAccessDenied
 
         pause, attempt = _INDEX_RETRY_FIRST_S, 0
         while True:
@@ -108,7 +109,8 @@ class ServiceState:
                 return store
             except IndexUnavailableError as err:
                 attempt += 1
-                self.waiting_for = f"the document index (Redis): attempt {attempt} failed, next in {pause:g} s"
+                denied = f" ({err})" if isinstance(err, RedisAccessDenied) else ""  # a setting to fix: say which
+                self.waiting_for = f"the document index (Redis): attempt {attempt} failed{denied}, next in {pause:g} s"
                 log.warning("waiting for %s: %s", self.waiting_for, err)
                 if self._stopping.wait(pause):
                     raise RuntimeError("the service stopped while waiting for the document index") from None

@@ -3,10 +3,10 @@ index (redis_index.py), the shared chunk KV tier (shared_tier.py), the fleet's j
 (service/dispatch/fleet.py, service/worker/fleet_worker.py). One place, so a password or a TLS option
 reaches all of them or none.
 
-A refusal that waiting cannot mend (a wrong password, an ACL user without the rights, a certificate that
-does not verify) is `RedisAccessDenied`, told apart from an outage (`IndexUnavailableError`, retried):
-`kvfuse serve` and `kvfuse worker` check it once before anything loads and exit with one line
-(docs/deploy.md, "Exposing kvfuse").
+A refusal (a wrong password, an ACL user without the rights, a certificate that does not verify) is
+`RedisAccessDenied`, a kind of `IndexUnavailableError` that says which setting to check: `kvfuse serve`
+and `kvfuse worker` check for it once before anything loads and exit with one line, where an outage
+(nothing listening yet) lets them start and wait (docs/deploy.md, "Exposing kvfuse").
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kvfuse.store.errors import StoreError
+from kvfuse.store.errors import IndexUnavailableError
 
 if TYPE_CHECKING:
     from kvfuse.config import Settings
 
 
-class RedisAccessDenied(StoreError):
-    """Redis refused kvfuse's credentials or its TLS handshake: a setting to fix, not an outage to wait out."""
+class RedisAccessDenied(IndexUnavailableError):
+    """Redis refused kvfuse's credentials or its TLS handshake: a setting to fix. To the store it is an
+    unavailable index like any other (a write it missed is caught up once Redis accepts again); the CLI
+    refuses to start on it, and /ready names it."""
 
 
 def redact_url(url: str) -> str:

@@ -118,7 +118,7 @@ def test_a_refused_password_is_access_denied_not_an_outage(secured: Secured, tmp
         access.check()
     assert "redis.password" in str(err.value) and "\n" not in str(err.value)
     assert PASSWORD not in str(err.value) and "wrong" not in str(err.value).split("(")[0]
-    with pytest.raises(RedisAccessDenied):  # the index says the same: it is not retried as an outage
+    with pytest.raises(RedisAccessDenied, match="refused kvfuse's credentials"):  # the index says the same
         RedisIndex(access, "denied").ping()
 
 
@@ -132,8 +132,9 @@ def test_a_password_given_twice_is_refused(tmp_path: Path) -> None:
 def test_an_outage_is_not_access_denied(tmp_path: Path) -> None:
     access = RedisAccess.of(_settings(tmp_path, f"redis://127.0.0.1:{free_port()}/0", password="x"))
     access.check()  # nothing listens: kvfuse waits for Redis rather than refusing to start
-    with pytest.raises(IndexUnavailableError):
+    with pytest.raises(IndexUnavailableError) as err:
         RedisIndex(access, "down").ping()
+    assert not isinstance(err.value, RedisAccessDenied)
 
 
 def test_tls_with_the_ca_and_a_client_certificate(secured: Secured, tmp_path: Path) -> None:

@@ -92,7 +92,9 @@ def create_app(settings: Settings) -> FastAPI:
             parts.ready = True
             return parts
         missing = ", ".join(k for k, ok in parts.components.items() if not ok)
+        index_error = state.corpus.index_error if state.corpus is not None else None
         reason = (state.startup_error or state.dispatcher.last_error
+                  or (f"the document index: {index_error}" if index_error else None)
                   or (f"waiting for {state.waiting_for}" if state.waiting_for else f"waiting for: {missing}"))
         if not authorized(request):  # errors may name hosts and ports: only for a valid key
             reason = f"waiting for: {missing}" if missing else "the service failed to start"

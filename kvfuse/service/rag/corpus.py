@@ -40,6 +40,7 @@ class Corpus:
         self.embedder: Embedder | None = None
         self.index: VectorIndex | None = None
         self.keyword: KeywordIndex | None = None
+        self.index_error: str | None = None  # why the document index last failed to answer (for /ready)
         self._doc_tokens: OrderedDict[tuple[str, str], list[list[int]]] = OrderedDict()
 
     # -- loading -------------------------------------------------------------------------------------------
@@ -171,8 +172,11 @@ class Corpus:
     async def document_index_available(self) -> bool:
         """Whether the store's document index (Redis, when configured) answers now."""
         try:
-            return await asyncio.to_thread(self.store.catalog.index_available)
-        except Exception:  # noqa: BLE001 - any failure means not available
+            available = await asyncio.to_thread(self.store.catalog.index_available)
+            self.index_error = None
+            return available
+        except Exception as err:  # noqa: BLE001 - any failure means not available
+            self.index_error = str(err)  # a refused password reads here as what to fix
             return False
 
     def refresh_gauges(self, metrics: Metrics) -> None:
