@@ -239,3 +239,60 @@ def test_ingest_retry_policy_bounds_each_passing_cause_and_backs_off() -> None:
     # The document's own failures are final.
     assert cause_of(WorkerJobError(P.ERR_INTERNAL, "RuntimeError: boom")) is None
     assert cause_of(ValueError("bad text")) is None
+
+
+def test_keys_come_from_kvfuse_api_key_its_file_a_key_file_and_a_json_object(tmp_path: Path) -> None:
+    from kvfuse.service.api.auth import Principal
+
+    (tmp_path / "api_key").write_text("from-a-secret\n")
+    (tmp_path / "keys.yaml").write_text("team-a: {collections: [alpha], access: read}\nops: {}\nnull-scope:\n")
+    (tmp_path / "keys.json").write_text('{"team-b": {"collections": ["beta"]}}')
+    server = ServerSettings(api_keys='{"env-scoped": {"collections": ["gamma"], "access": "read"}}',
+                            api_keys_file=str(tmp_path / "keys.yaml"))
+    keys = KeyRing.of(Settings(api_key="from-env", api_key_file=str(tmp_path / "api_key"), server=server))
+    assert keys.principal("from-env") is FULL_ACCESS and keys.principal("from-a-secret") is FULL_ACCESS
+    assert keys.principal("team-a") == Principal(frozenset({"alpha"}), can_write=False)
+    assert keys.principal("ops") == keys.principal("null-scope") == FULL_ACCESS
+    assert keys.principal("env-scoped") == Principal(frozenset({"gamma"}), can_write=False)
+    json_keys = KeyRing.of(Settings(server=ServerSettings(api_keys_file=str(tmp_path / "keys.json"))))
+    assert json_keys.principal("team-b") == Principal(frozenset({"beta"}), can_write=True)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("- just\n- a list\n", "must map each key"),
+    ("k: {access: admin}\n", "access"),
+    ("k: {collections: []}\n", "collections"),
+    ("k: {collections: [a], extra: 1}\n", "extra"),
+    ("k: [unclosed\n", "not valid JSON or YAML"),
+])
+def test_a_bad_key_file_is_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as err:
+        KeyRing.of(Settings(server=ServerSettings(api_keys_file=str(path))))
+    assert str(err.value).startswith(f"server.api_keys_file {path}")
+
+
+def test_a_principal_hides_what_it_may_not_see_and_refuses_writes() -> None:
+    from kvfuse.service.api.auth import Principal
+
+    reader = Principal(frozenset({"a", "b"}), can_write=False)
+    assert reader.sees("a") and not reader.sees("c") and reader.visible(["c", "b", "a"]) == ["b", "a"]
+    for check, status, code in ((lambda: reader.check_collection("c"), 404, "collection_not_found"),
+                                (lambda: reader.check_document("d", "c"), 404, "document_not_found"),
+                                (reader.check_write, 403, "read_only_key"),
+                                (lambda: Principal(frozenset({"a"})).check_write("c"), 403, "collection_forbidden")):
+        with pytest.raises(APIError) as err:
+            check()
+        assert (err.value.status, err.value.code) == (status, code)
+    reader.check_collection("a")
+    FULL_ACCESS.check_write("anything")
+
+
+def test_serve_exits_with_one_line_on_an_unreadable_key_file(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "KVFUSE_DATA_DIR": str(tmp_path),
+           "KVFUSE_SERVER__API_KEYS_FILE": str(tmp_path / "absent.yaml")}
+    out = subprocess.run([sys.executable, "-m", "kvfuse.cli", "serve"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert out.stderr.startswith(f"kvfuse serve: server.api_keys_file {tmp_path / 'absent.yaml'}: cannot read it")
