@@ -85,7 +85,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="server URL (default: server.url, else http://server.host:server.port)")
-    p.add_argument("--api-key", help="API key (default: $KVFUSE_API_KEY, else the first of server.api_keys)")
+    p.add_argument("--api-key", help="API key (default: $KVFUSE_API_KEY or the file $KVFUSE_API_KEY_FILE names, "
+                                     "else the first of server.api_keys)")
     p.add_argument("--timeout", type=bounded(float, 0, above=True), default=600.0,
                    help="seconds to wait for the server (default: 600)")
 
