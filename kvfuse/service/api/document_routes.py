@@ -219,11 +219,12 @@ async def list_collections(state: ReadyState, caller: Caller) -> CollectionList:
 async def get_document(state: ReadyState, caller: Caller, doc_id: str, include_text: bool = False) -> DocumentOut:
     rec = await asyncio.to_thread(state.corpus.store.get_document, doc_id)
     job = state.ingest.unfinished(doc_id)
-    caller.check_document(doc_id, job.rec.collection if job is not None else rec.collection if rec else "")
-    if rec is None:
-        if job is not None:  # queued, not written yet
-            return DocumentOut.queued(job)
+    owner = job.rec.collection if job is not None else rec.collection if rec is not None else None
+    if owner is None:
         raise document_not_found(doc_id)
+    caller.check_document(doc_id, owner)
+    if rec is None:  # queued, not written yet
+        return DocumentOut.queued(job)
     out = DocumentOut.of(rec, job)
     if include_text:
         out.text = await asyncio.to_thread(state.corpus.store.get_text, doc_id)
@@ -233,7 +234,8 @@ async def get_document(state: ReadyState, caller: Caller, doc_id: str, include_t
 @router.delete("/v1/documents/{doc_id}")
 async def delete_document(state: ReadyState, caller: Caller, doc_id: str) -> Deleted:
     caller.check_write()
-    caller.check_document(doc_id, await _owner(state, doc_id) or "")
+    if (owner := await _owner(state, doc_id)) is not None:  # none: _delete answers 404
+        caller.check_document(doc_id, owner)
     return Deleted(id=doc_id, deleted=await _delete(state, doc_id))
 
 
