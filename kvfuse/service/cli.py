@@ -96,6 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from kvfuse.config import get_settings
     from kvfuse.service.api.auth import KeyRing, check_bind
+    from kvfuse.store.redis_access import redis_refusal
 
     s = get_settings()
     server = s.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port),
@@ -110,26 +111,14 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:  # check_bind's PermissionError is an OSError; a bad key file ValueError
         print(f"kvfuse serve: {err}", file=sys.stderr)
         return 2
-    if s.redis_url and not redis_accepts("serve", s):
+    if s.redis_url and (why := redis_refusal(s)):
+        print(f"kvfuse serve: {why}", file=sys.stderr)
         return 2
     from kvfuse.service.api.app import create_app  # after the checks: it imports the index libraries
 
     uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=s.log_level,
                 timeout_graceful_shutdown=5)
     return 0
-
-
-def redis_accepts(name: str, settings: Any) -> bool:
-    """Whether Redis takes kvfuse's credentials and TLS settings; else one line saying which, on stderr.
-    A Redis that does not answer yet passes: the service and the workers wait for it."""
-    from kvfuse.store.redis_access import RedisAccess, RedisAccessDenied
-
-    try:
-        RedisAccess.of(settings).check()
-    except (ValueError, RedisAccessDenied) as err:
-        print(f"kvfuse {name}: {err}", file=sys.stderr)
-        return False
-    return True
 
 
 def check_listen(host: str, port: int) -> None:
@@ -178,12 +167,14 @@ def _unreachable_is_one_line(name: str, command: Any) -> Any:
 def _worker(args: argparse.Namespace) -> int:
     from kvfuse.config import get_settings
     from kvfuse.service.worker.fleet_worker import worker_command
+    from kvfuse.store.redis_access import redis_refusal
 
     s = get_settings()
     if not s.redis_url:
         print("kvfuse worker: set redis_url (KVFUSE_REDIS_URL): workers join the fleet through Redis", file=sys.stderr)
         return 2
-    if not redis_accepts("worker", s):
+    if why := redis_refusal(s):
+        print(f"kvfuse worker: {why}", file=sys.stderr)
         return 2
     if args.health:
         import socket

@@ -148,6 +148,16 @@ class RedisAccess:
             client.close()
 
 
+def redis_refusal(settings: Settings) -> str | None:
+    """Why Redis will not take kvfuse's credentials or TLS settings (one line), else None. A Redis that
+    does not answer yet passes: `kvfuse serve` and `kvfuse worker` start and wait for it."""
+    try:
+        RedisAccess.of(settings).check()
+    except (ValueError, RedisAccessDenied) as err:
+        return str(err)
+    return None
+
+
 def _is_tls_failure(err: Exception) -> bool:
     seen: BaseException | None = err
     while seen is not None:
