@@ -1,4 +1,5 @@
-"""Document and job endpoints: POST/GET/DELETE /v1/documents, GET/DELETE /v1/documents/{id},
+"""Document and job endpoints: POST/GET/DELETE /v1/documents, GET/DELETE /v1/documents/{id}, POST
+/v1/documents/delete (by filter),
 GET /v1/collections, GET /v1/jobs/{id}."""
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from kvfuse.service.api.responses import (
     Deleted,
     DocumentOut,
     DocumentPage,
+    FilterDeleted,
     JobOut,
     Submitted,
     SubmittedBatch,
 )
 from kvfuse.service.api.schemas import (
     COLLECTION_PATTERN,
+    DeleteByFilterIn,
     DocumentBatchIn,
     DocumentIn,
     OnConflict,
@@ -35,6 +38,7 @@ from kvfuse.service.api.schemas import (
 )
 from kvfuse.service.errors import APIError
 from kvfuse.service.rag.ingest_job import IngestJob, default_doc_id
+from kvfuse.service.rag.retrieval import select
 
 if TYPE_CHECKING:
     from kvfuse.service.state import ServiceState
@@ -164,6 +168,18 @@ async def delete_collection(state: ReadyState,
     for doc_id in ids:
         await _delete(state, doc_id)
     return CollectionDeleted(collection=collection, deleted=len(ids), ids=ids)
+
+
+@router.post("/v1/documents/delete", openapi_extra=documented_body(DeleteByFilterIn))
+async def delete_by_filter(request: Request, state: ReadyState) -> FilterDeleted:
+    """Delete the ready documents whose metadata passes `filters` (within `collections`, default all).
+    A dry run unless `dry_run: false`: first see which ids would go, then send the same body with it."""
+    body = validate(DeleteByFilterIn, parse_json(await request.body()))
+    ids = await asyncio.to_thread(select, state.corpus, filters=body.filters, collections=body.collections)
+    if not body.dry_run:
+        for doc_id in ids:
+            await _delete(state, doc_id)
+    return FilterDeleted(dry_run=body.dry_run, matched=len(ids), deleted=0 if body.dry_run else len(ids), ids=ids)
 
 
 @router.get("/v1/collections")

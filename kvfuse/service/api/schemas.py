@@ -94,10 +94,29 @@ class GenerationIn(Strict):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
 
 
+class SearchIn(Strict):
+    """`POST /v1/search`: retrieval alone, with the same knobs as /v1/query."""
+
+    query: str = Field(min_length=1)
+    top_k: int | None = Field(None, ge=1)
+    # Chroma's / MongoDB's operators ($eq $ne $in $nin $gt $gte $lt $lte, $and $or): checked by
+    # retriever/filters.py, which names the place of a malformed one (422 invalid_filter).
+    filters: dict[str, Any] | None = None
+    retrieval: RetrievalOptionsIn | None = None
+
+
+class DeleteByFilterIn(Strict):
+    """`POST /v1/documents/delete`: the documents to delete, by metadata filter (as SearchIn's)."""
+
+    filters: dict[str, Any] = Field(min_length=1)  # required and not empty: no call deletes everything
+    collections: list[CollectionName] | None = Field(None, min_length=1)  # None: every collection
+    dry_run: bool = True  # list what would go; delete only when false
+
+
 class RetrievalIn(Strict):
     top_k: int | None = Field(None, ge=1)
     document_ids: list[str] | None = Field(None, min_length=1)
-    filters: dict[str, MetaValue] | None = None
+    filters: dict[str, Any] | None = None  # as SearchIn's
     retrieval: RetrievalOptionsIn | None = None
     fusion: FusionIn | None = None
 
@@ -137,7 +156,7 @@ class ChatIn(GenerationIn, RetrievalIn):
 
 
 # Bodies read by hand (see `documented_body`), listed in /openapi.json all the same.
-BODY_MODELS: tuple[type[BaseModel], ...] = (DocumentIn, DocumentBatchIn, QueryIn, ChatIn)
+BODY_MODELS: tuple[type[BaseModel], ...] = (DocumentIn, DocumentBatchIn, QueryIn, ChatIn, SearchIn, DeleteByFilterIn)
 
 
 def documented_body(*models: type[BaseModel], text: bool = False) -> dict[str, Any]:

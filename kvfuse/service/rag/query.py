@@ -28,6 +28,7 @@ from kvfuse.service.dispatch.job_book import (
     WorkerUnavailable,
 )
 from kvfuse.service.errors import APIError, retry_after
+from kvfuse.service.rag.chunks import FoundChunk, document_chunks, found_chunks
 from kvfuse.service.rag.prompt_size import check_prompt_fits, context_limit
 from kvfuse.service.rag.retrieval import RetrievalOptions, retrieval_options, retrieve
 from kvfuse.service.wire.protocol import (
@@ -85,6 +86,9 @@ class SourceChunk:
     token_ids: list[int]
     dense_rank: int | None = None
     keyword_rank: int | None = None
+    text: str = ""  # what the chunk covers of its document (rag/chunks.py), for citations
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # its document's
+    location: dict[str, Any] = dataclasses.field(default_factory=dict)  # its page or section, from a file
 
 
 @dataclass
@@ -160,11 +164,7 @@ class QueryService:
         """`fusion` and `gen` are the request's knobs (pydantic models: api/schemas.py FusionIn and
         GenerationIn); unset ones take the configured defaults. The corpus must be loaded."""
         s = self.settings
-        if not question.strip():
-            raise APIError(422, "the question is empty or whitespace only", code="empty_query", param="query")
-        if top_k is not None and top_k > s.retriever.max_top_k:
-            raise APIError(422, f"top_k {top_k} exceeds the limit of {s.retriever.max_top_k}", code="invalid_value",
-                           param="top_k")
+        self._check_question(question, top_k)
         fusion_opts = self.fusion_options(fusion)
         gen_opts = self.generation_options(gen)
         system_prompt = system_prompt if system_prompt is not None else s.model.system_prompt
@@ -184,6 +184,27 @@ class QueryService:
                          explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
                          generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
                          deadline=arrived + s.server.request_timeout_s)
+
+    def _check_question(self, question: str, top_k: int | None) -> None:
+        if not question.strip():
+            raise APIError(422, "the question is empty or whitespace only", code="empty_query", param="query")
+        limit = self.settings.retriever.max_top_k
+        if top_k is not None and top_k > limit:
+            raise APIError(422, f"top_k {top_k} exceeds the limit of {limit}", code="invalid_value", param="top_k")
+
+    async def search(self, *, question: str, top_k: int | None, filters: dict | None,
+                     retrieval: Any | None) -> tuple[list[FoundChunk], RetrievalOptions, float]:
+        """Retrieval alone (`POST /v1/search`): the chunks /v1/query would put in the prompt for the same
+        knobs, with their text and metadata, and the seconds it took. No model, no worker."""
+        self._check_question(question, top_k)
+        opts = retrieval_options(self.settings, retrieval)
+        t0 = time.perf_counter()
+        hits = await asyncio.to_thread(retrieve, self.corpus, question, top_k or self.settings.retriever.top_k,
+                                       opts, filters)
+        found = await asyncio.to_thread(found_chunks, self.corpus, hits)
+        elapsed = time.perf_counter() - t0
+        self.metrics.retrieval.observe(elapsed)
+        return found, opts, elapsed
 
     def fusion_options(self, fusion: Any | None) -> dict[str, Any]:
         from kvfuse.fusion import available_methods
@@ -245,8 +266,11 @@ class QueryService:
             rec = self.corpus.store.get_document(doc_id)
             if rec is None or rec.status != "ready":
                 self._not_ready(doc_id, rec)
+            found = document_chunks(self.corpus, rec)
             for i, ids in enumerate(self.corpus.chunk_token_ids(rec)):
-                chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids))
+                c = found[i]
+                chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids, text=c.text,
+                                          metadata=c.metadata, location=c.location))
         return chunks
 
     def _not_ready(self, doc_id: str, rec: Any) -> NoReturn:
@@ -266,15 +290,15 @@ class QueryService:
     def _hits_to_chunks(self, hits: list[Any]) -> list[SourceChunk]:
         chunks = []
         records: dict[str, Any] = {}
-        for h in hits:
-            if h.document_id not in records:
-                records[h.document_id] = self.corpus.store.get_document(h.document_id)
-            rec = records[h.document_id]
-            if rec is None or rec.status != "ready" or h.chunk_index >= len(rec.chunk_keys):
-                continue  # deleted or re-ingested since the search
-            ids = self.corpus.chunk_token_ids(rec)[h.chunk_index]
-            chunks.append(SourceChunk(h.document_id, h.chunk_index, h.score, self._key(rec, h.chunk_index, ids), ids,
-                                      h.dense_rank, h.keyword_rank))
+        for c in found_chunks(self.corpus, hits):  # those deleted or re-ingested since the search left out
+            if c.document_id not in records:
+                records[c.document_id] = self.corpus.store.get_document(c.document_id)
+            rec = records[c.document_id]
+            if rec is None or c.chunk_index >= len(rec.chunk_keys):
+                continue
+            ids = self.corpus.chunk_token_ids(rec)[c.chunk_index]
+            chunks.append(SourceChunk(c.document_id, c.chunk_index, c.score, self._key(rec, c.chunk_index, ids), ids,
+                                      c.dense_rank, c.keyword_rank, c.text, c.metadata, c.location))
         if not chunks:
             raise APIError(404, "no ready document matches the query (ingest documents first, or relax filters)",
                            code="no_documents")

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.config import DEFAULT_COLLECTION
-from kvfuse.retriever.errors import FilterTypeError
+from kvfuse.retriever.errors import FilterSyntaxError, FilterTypeError
+from kvfuse.retriever.filters import parse as parse_filter
 from kvfuse.retriever.hybrid import RankedHit, search
 from kvfuse.service.errors import APIError
 
@@ -44,6 +45,8 @@ def retrieve(corpus: Corpus, question: str, top_k: int, opts: RetrievalOptions,
              filters: dict | None) -> list[RankedHit]:
     """The top_k chunks for `question`, best first, each with its rank in the lists it came from. Reads
     the indexes and embeds the question: call it in a thread."""
+    if filters:  # a malformed filter is refused before the question is embedded
+        check_filter(filters)
     if opts.mode == "keyword" and not corpus.keyword.terms(question):
         raise APIError(422, "the query has no searchable keywords (only stopwords, punctuation or one-character "
                             "words): keyword retrieval needs one; use retrieval.mode dense or hybrid",
@@ -51,6 +54,14 @@ def retrieve(corpus: Corpus, question: str, top_k: int, opts: RetrievalOptions,
     return search(opts.mode, question, top_k, embed=lambda q: corpus.embedder.embed([q])[0], dense=corpus.index,
                   keyword=corpus.keyword, document_ids=_selection(corpus, opts, filters), rrf_k=opts.rrf_k,
                   candidates=opts.candidates)
+
+
+def check_filter(filters: dict) -> None:
+    """422 `invalid_filter` naming the place, for a filter that is not one (retriever/filters.py)."""
+    try:
+        parse_filter(filters)
+    except FilterSyntaxError as err:
+        raise APIError(422, f"malformed filter: {err}", code="invalid_filter", param=err.path) from None
 
 
 def _selection(corpus: Corpus, opts: RetrievalOptions, filters: dict | None) -> list[str] | None:
@@ -63,7 +74,15 @@ def _selection(corpus: Corpus, opts: RetrievalOptions, filters: dict | None) -> 
                        param="retrieval.collections")
     if not filters and set(opts.searched) >= set(present):
         return None
+    return select(corpus, filters=filters, collections=opts.searched)
+
+
+def select(corpus: Corpus, *, filters: dict | None, collections: list[str] | None) -> list[str]:
+    """The indexed documents of `collections` (None: all) that pass `filters`, with the filter errors a
+    client can act on (422 `invalid_filter`, 422 `filter_type_mismatch`)."""
+    if filters:
+        check_filter(filters)
     try:
-        return corpus.index.select(filters=filters, collections=opts.searched)
+        return corpus.index.select(filters=filters, collections=collections)
     except FilterTypeError as err:
         raise APIError(422, str(err), code="filter_type_mismatch", param=f"filters.{err.field}") from None
