@@ -112,11 +112,11 @@ def parse(spec: Any, path: str = "filters") -> Filter:
                 raise FilterSyntaxError(f"{path}.{key}", f"{path}.{key} has no operator")
             parts.extend(_condition(key, op, operand, f"{path}.{key}") for op, operand in value.items())
         else:
-            parts.append(_condition(key, "$eq", value, f"{path}.{key}"))
+            parts.append(_condition(key, "$eq", value, f"{path}.{key}", implicit=True))
     return Filter(tuple(parts))
 
 
-def _condition(field: str, op: str, operand: Any, path: str) -> Condition:
+def _condition(field: str, op: str, operand: Any, path: str, implicit: bool = False) -> Condition:
     if op in LIST_OPS:
         if not isinstance(operand, list) or not operand:
             raise FilterSyntaxError(path, f"{path}.{op} must be a non-empty list of values")
@@ -126,7 +126,7 @@ def _condition(field: str, op: str, operand: Any, path: str) -> Condition:
     if op not in SCALAR_OPS:
         raise FilterSyntaxError(path, f"unknown operator {op!r} at {path}; one of "
                                 f"{', '.join(SCALAR_OPS + LIST_OPS)}")
-    _scalar(operand, f"{path}.{op}")
+    _scalar(operand, path if implicit else f"{path}.{op}")
     if op in _ORDERED and kind(operand) not in ("number", "string"):
         raise FilterSyntaxError(path, f"{path}.{op} compares numbers or strings, got {kind(operand)}")
     return Condition(field, op, operand)

@@ -255,7 +255,8 @@ class VectorIndex:
         for c in conditions:
             wanted = c.kinds()
             if kinds[c.field] and not wanted & kinds[c.field]:
-                raise FilterTypeError(c.field, f"filter {c.field!r} {c.op} is a {' or '.join(sorted(wanted))}, "
+                op = "" if c.op == "$eq" else f" ({c.op})"
+                raise FilterTypeError(c.field, f"filter {c.field!r}{op} is a {' or '.join(sorted(wanted))}, "
                                       f"but the documents searched store {c.field!r} as "
                                       f"{' or '.join(sorted(kinds[c.field]))}: it could never match")
 

@@ -59,6 +59,7 @@ def test_each_operator_selects_the_documents_it_names(spec: dict, expected: list
     ({"$or": [{"kind": {"$gt": True}}]}, "filters.$or.0.kind"),
     ({"kind": {"$eq": ["a"]}}, "filters.kind.$eq"),
     ({"year": {"$lt": float("nan")}}, "filters.year.$lt"),
+    ({"year": float("inf")}, "filters.year"),  # a bare Infinity, which Python's json reads
 ])
 def test_a_malformed_filter_is_refused_naming_its_place(spec: dict, path: str) -> None:
     with pytest.raises(FilterSyntaxError) as err:

@@ -36,6 +36,7 @@ from kvfuse.service.api.schemas import (
     parse_json,
     validate,
 )
+from kvfuse.service.api.uploads import read_upload
 from kvfuse.service.errors import APIError
 from kvfuse.service.rag.ingest_job import IngestJob, default_doc_id
 from kvfuse.service.rag.retrieval import select
@@ -48,16 +49,20 @@ router = APIRouter(responses=ERROR_RESPONSES)
 _DELETE_WAIT_S = 30.0  # how long DELETE waits for a cancelled ingestion to roll back
 
 
-def _parse_documents(request: Request, raw: bytes, doc_id: str | None, on_conflict: str | None,
-                     collection: str | None) -> tuple[list[DocumentIn], bool, str, str]:
+async def _parse_documents(request: Request, raw: bytes, doc_id: str | None, on_conflict: str | None,
+                           collection: str | None) -> tuple[list[DocumentIn], bool, str, str]:
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     default_collection = collection or DEFAULT_COLLECTION
+    if ctype == "multipart/form-data":
+        doc, form_conflict = await read_upload(request, doc_id)
+        return [doc], False, form_conflict or on_conflict or "skip", default_collection
     if ctype == "text/plain":
         # A raw upload: the body is the text; id, on_conflict and collection come from the query string.
         doc = validate(DocumentIn, {"id": doc_id, "text": decode_utf8(raw, "document text")})
         return [doc], False, on_conflict or "skip", default_collection
     if ctype != "application/json" and not ctype.endswith("+json"):
-        raise APIError(415, f"unsupported content type {ctype!r}: send application/json or text/plain",
+        raise APIError(415, f"unsupported content type {ctype!r}: send application/json, text/plain or a file "
+                       "as multipart/form-data",
                        code="unsupported_media_type")
     payload = parse_json(raw)
     if isinstance(payload, dict) and "documents" in payload:
@@ -76,10 +81,12 @@ async def create_documents(request: Request, response: Response, state: ReadySta
     """Ingest one document or a batch. 202 with a job per document; with ?wait=true, 201 once stored (200
     when every document was skipped, 202 if waiting timed out). The body is JSON, or the raw text as
     text/plain (id, on_conflict and collection then come from the query string). A document goes to its
-    own `collection`, else the batch's, else ?collection=, else `default`."""
+    own `collection`, else the batch's, else ?collection=, else `default`. A file (PDF, DOCX, HTML, Markdown,
+    text) comes as multipart/form-data: its `file` field, with `id`, `collection`, `on_conflict` and
+    `metadata` (a JSON object) as form fields (api/uploads.py)."""
     srv = state.settings.server
-    docs, batch, default_conflict, default_collection = _parse_documents(request, await request.body(), id,
-                                                                         on_conflict, collection)
+    docs, batch, default_conflict, default_collection = await _parse_documents(request, await request.body(), id,
+                                                                               on_conflict, collection)
     if len(docs) > srv.max_batch_documents:
         raise APIError(413, f"{len(docs)} documents exceed the batch limit of {srv.max_batch_documents}",
                        code="batch_too_large", param="documents")

@@ -295,11 +295,29 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """OpenAI's `logprobs` of a choice: each generated token's, with `top_logprobs` alternatives. The
+    model's own distribution, before temperature and top-p (kvfuse/fusion/logprobs.py)."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -328,7 +346,7 @@ class ChunkChoice(BaseModel):
     index: int
     delta: ChunkDelta
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
 
 
 class ChatCompletionChunk(BaseModel):

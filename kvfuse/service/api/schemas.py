@@ -153,6 +153,8 @@ class ChatIn(GenerationIn, RetrievalIn):
     stream_options: StreamOptions | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's bounds (fusion/logprobs.py MAX_TOP_LOGPROBS)
 
 
 # Bodies read by hand (see `documented_body`), listed in /openapi.json all the same.

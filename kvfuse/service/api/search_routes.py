@@ -13,23 +13,24 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from kvfuse.service.api.answers import chunk_out, search_results
-from kvfuse.service.api.dependencies import Queries, ReadyState
+from kvfuse.service.api.dependencies import ReadyState
 from kvfuse.service.api.errors import ERROR_RESPONSES
 from kvfuse.service.api.responses import ChunkList, SearchResults
 from kvfuse.service.api.schemas import SearchIn, documented_body, parse_json, validate
 from kvfuse.service.errors import APIError
 from kvfuse.service.rag.chunks import document_chunks, reader_metadata
+from kvfuse.service.rag.retrieval import search_chunks
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
 
 @router.post("/v1/search", response_model=SearchResults, openapi_extra=documented_body(SearchIn))
-async def search(request: Request, queries: Queries) -> SearchResults:
+async def search(request: Request, state: ReadyState) -> SearchResults:
     """The top_k chunks for `query` under the same retrieval options, filters and collections as
     /v1/query, best first. The body is read by hand, as for /v1/query; its schema is `SearchIn`."""
     body = validate(SearchIn, parse_json(await request.body()))
-    found, opts, elapsed = await queries.search(question=body.query, top_k=body.top_k, filters=body.filters,
-                                                retrieval=body.retrieval)
+    found, opts, elapsed = await search_chunks(state.settings, state.metrics, state.corpus, question=body.query,
+                                               top_k=body.top_k, filters=body.filters, retrieval=body.retrieval)
     return search_results(found, opts, elapsed)
 
 

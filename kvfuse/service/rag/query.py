@@ -28,9 +28,10 @@ from kvfuse.service.dispatch.job_book import (
     WorkerUnavailable,
 )
 from kvfuse.service.errors import APIError, retry_after
-from kvfuse.service.rag.chunks import FoundChunk, document_chunks, found_chunks
+from kvfuse.service.rag.chunks import document_chunks, found_chunks
+from kvfuse.service.rag.conversation import Conversation, fit_history
 from kvfuse.service.rag.prompt_size import check_prompt_fits, context_limit
-from kvfuse.service.rag.retrieval import RetrievalOptions, retrieval_options, retrieve
+from kvfuse.service.rag.retrieval import RetrievalOptions, check_question, retrieval_options, retrieve
 from kvfuse.service.wire.protocol import (
     ERR_CONTEXT_OVERFLOW,
     ERR_INDEX_UNAVAILABLE,
@@ -103,6 +104,7 @@ class QueryPlan:
     retrieval_s: float
     arrived: float
     deadline: float
+    conversation: Conversation | None = None  # a chat's earlier turns kept for the prompt (rag/conversation.py)
 
 
 @dataclass
@@ -115,9 +117,15 @@ class QueryRun:
     events: AsyncIterator[tuple[str, dict]]
     sources: list[SourceChunk]
     dropped: list[SourceChunk]
+    logprobs: list | None = None  # every generated token's (fusion/logprobs.py), once the Result came, if asked
 
     @property
     def warning(self) -> str | None:
+        notes = [w for w in (self._dropped_warning, self.plan.conversation and self.plan.conversation.warning) if w]
+        return " ".join(notes) or None
+
+    @property
+    def _dropped_warning(self) -> str | None:
         if not self.dropped:
             return None
         return (f"{len(self.dropped)} retrieved chunk(s) did not fit the model context beside the question and "
@@ -160,22 +168,31 @@ class QueryService:
     # -- preparation ---------------------------------------------------------------------------------------
     async def prepare(self, *, question: str, system_prompt: str | None, top_k: int | None,
                       document_ids: list[str] | None, filters: dict | None, retrieval: Any | None,
-                      fusion: Any | None, gen: Any, arrived: float) -> QueryPlan:
+                      fusion: Any | None, gen: Any, arrived: float,
+                      turns: list[tuple[str, str]] | None = None) -> QueryPlan:
         """`fusion` and `gen` are the request's knobs (pydantic models: api/schemas.py FusionIn and
-        GenerationIn); unset ones take the configured defaults. The corpus must be loaded."""
+        GenerationIn); unset ones take the configured defaults. `turns`: a chat's earlier messages, (role,
+        text) oldest first (rag/conversation.py). The corpus must be loaded."""
         s = self.settings
-        self._check_question(question, top_k)
+        check_question(s, question, top_k)
         fusion_opts = self.fusion_options(fusion)
         gen_opts = self.generation_options(gen)
         system_prompt = system_prompt if system_prompt is not None else s.model.system_prompt
+        conversation = None
+        if turns:
+            conversation = await asyncio.to_thread(fit_history, self.corpus.chunker, turns, question,
+                                                   s.generation.history_max_tokens)
+        history = conversation.history if conversation else []
         await check_prompt_fits(self.corpus.chunker, context_limit(self.dispatcher.info, s), question,
-                                system_prompt, gen_opts["max_tokens"])  # before the embedding
+                                system_prompt, gen_opts["max_tokens"], history)  # before the embedding
+        search_for = conversation.retrieval_query if conversation else question
         retrieval_opts = retrieval_options(s, retrieval)
         t0 = time.perf_counter()
         if document_ids is not None:
             chunks = await asyncio.to_thread(self._explicit_chunks, document_ids)
         else:
-            hits = await asyncio.to_thread(retrieve, self.corpus, question, top_k or s.retriever.top_k, retrieval_opts, filters)
+            hits = await asyncio.to_thread(retrieve, self.corpus, search_for, top_k or s.retriever.top_k,
+                                           retrieval_opts, filters)
             chunks = await asyncio.to_thread(self._hits_to_chunks, hits)
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
@@ -183,28 +200,7 @@ class QueryService:
         return QueryPlan(question=question, system_prompt=system_prompt, chunks=chunks,
                          explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
                          generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
-                         deadline=arrived + s.server.request_timeout_s)
-
-    def _check_question(self, question: str, top_k: int | None) -> None:
-        if not question.strip():
-            raise APIError(422, "the question is empty or whitespace only", code="empty_query", param="query")
-        limit = self.settings.retriever.max_top_k
-        if top_k is not None and top_k > limit:
-            raise APIError(422, f"top_k {top_k} exceeds the limit of {limit}", code="invalid_value", param="top_k")
-
-    async def search(self, *, question: str, top_k: int | None, filters: dict | None,
-                     retrieval: Any | None) -> tuple[list[FoundChunk], RetrievalOptions, float]:
-        """Retrieval alone (`POST /v1/search`): the chunks /v1/query would put in the prompt for the same
-        knobs, with their text and metadata, and the seconds it took. No model, no worker."""
-        self._check_question(question, top_k)
-        opts = retrieval_options(self.settings, retrieval)
-        t0 = time.perf_counter()
-        hits = await asyncio.to_thread(retrieve, self.corpus, question, top_k or self.settings.retriever.top_k,
-                                       opts, filters)
-        found = await asyncio.to_thread(found_chunks, self.corpus, hits)
-        elapsed = time.perf_counter() - t0
-        self.metrics.retrieval.observe(elapsed)
-        return found, opts, elapsed
+                         deadline=arrived + s.server.request_timeout_s, conversation=conversation)
 
     def fusion_options(self, fusion: Any | None) -> dict[str, Any]:
         from kvfuse.fusion import available_methods
@@ -235,8 +231,11 @@ class QueryService:
                            code="invalid_value", param="stop")
         if any(not s for s in stop):
             raise APIError(422, "stop strings must not be empty", code="invalid_value", param="stop")
+        # OpenAI's logprobs / top_logprobs (chat only): None = none, n = the chosen token's and n more
+        logprobs = (getattr(gen, "top_logprobs", None) or 0) if getattr(gen, "logprobs", False) else None
         return {"max_tokens": max_tokens, "temperature": g.temperature if gen.temperature is None else gen.temperature,
-                "top_p": g.top_p if gen.top_p is None else gen.top_p, "seed": gen.seed, "stop": stop}
+                "top_p": g.top_p if gen.top_p is None else gen.top_p, "seed": gen.seed, "stop": stop,
+                "logprobs": logprobs}
 
 
     def _key(self, rec: Any, i: int, token_ids: list[int]) -> str:
@@ -309,7 +308,8 @@ class QueryService:
         """Queue the job and wait for the worker's plan (which chunks fit), watching `gone` meanwhile."""
         message = QueryJob(question=plan.question, system_prompt=plan.system_prompt, explicit=plan.explicit,
                            fusion=plan.fusion, generation=plan.generation,
-                           chunks=[ChunkRef(c.key, c.token_ids, c.score) for c in plan.chunks])
+                           chunks=[ChunkRef(c.key, c.token_ids, c.score) for c in plan.chunks],
+                           history=[list(t) for t in plan.conversation.history] if plan.conversation else [])
         try:
             job = self.dispatcher.submit(message)
         except QueueFull as err:
@@ -378,9 +378,10 @@ class QueryService:
                     else:
                         m.itl.observe(now - last_at)
                     last_at = now
-                    yield "delta", {"text": msg.text}
+                    yield "delta", {"text": msg.text, "logprobs": msg.logprobs}
                 elif isinstance(msg, Result):
                     finished = True
+                    run.logprobs = msg.logprobs
                     p = dataclasses.asdict(msg)
                     u = p["usage"]
                     outcome = QueryOutcome(p, first_at, now, cached_tokens(run.plan, u))

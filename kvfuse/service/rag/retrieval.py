@@ -7,6 +7,8 @@ the keyword index searches the same selection, so filters and collections mean t
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,9 +17,11 @@ from kvfuse.retriever.errors import FilterSyntaxError, FilterTypeError
 from kvfuse.retriever.filters import parse as parse_filter
 from kvfuse.retriever.hybrid import RankedHit, search
 from kvfuse.service.errors import APIError
+from kvfuse.service.rag.chunks import FoundChunk, found_chunks
 
 if TYPE_CHECKING:
     from kvfuse.config import Settings
+    from kvfuse.service.metrics import Metrics
     from kvfuse.service.rag.corpus import Corpus
 
 
@@ -39,6 +43,29 @@ def retrieval_options(settings: Settings, retrieval: Any | None) -> RetrievalOpt
     given = retrieval.model_dump(exclude_none=True) if retrieval is not None else {}
     return RetrievalOptions(mode=given.get("mode", r.mode), collections=given.get("collections"),
                             rrf_k=given.get("rrf_k", r.rrf_k), candidates=given.get("candidates", r.candidates))
+
+
+def check_question(settings: Settings, question: str, top_k: int | None) -> None:
+    """422 for a question retrieval cannot search with, or a top_k over `retriever.max_top_k`."""
+    if not question.strip():
+        raise APIError(422, "the question is empty or whitespace only", code="empty_query", param="query")
+    limit = settings.retriever.max_top_k
+    if top_k is not None and top_k > limit:
+        raise APIError(422, f"top_k {top_k} exceeds the limit of {limit}", code="invalid_value", param="top_k")
+
+
+async def search_chunks(settings: Settings, metrics: Metrics, corpus: Corpus, *, question: str, top_k: int | None,
+                        filters: dict | None, retrieval: Any | None) -> tuple[list[FoundChunk], RetrievalOptions, float]:
+    """Retrieval alone (`POST /v1/search`): the chunks /v1/query would put in the prompt for the same knobs,
+    with their text and metadata, and the seconds it took. No model, no worker."""
+    check_question(settings, question, top_k)
+    opts = retrieval_options(settings, retrieval)
+    t0 = time.perf_counter()
+    hits = await asyncio.to_thread(retrieve, corpus, question, top_k or settings.retriever.top_k, opts, filters)
+    found = await asyncio.to_thread(found_chunks, corpus, hits)
+    elapsed = time.perf_counter() - t0
+    metrics.retrieval.observe(elapsed)
+    return found, opts, elapsed
 
 
 def retrieve(corpus: Corpus, question: str, top_k: int, opts: RetrievalOptions,
