@@ -7,18 +7,29 @@ from __future__ import annotations
 
 import io
 
+# Each page and section is longer than a 64-token chunk, its telling fact last: the chunk holding the fact
+# starts on that page or in that section whatever the chunking.
 PAGES = [
-    "Harbour records. The lighthouse keeper of Port Ellery logged 212 storms in 1887. "
-    "Ships waited in the outer basin until the tide turned.",
-    "Trade ledger. The copper merchants of Port Ellery shipped 4,380 crates to Lisbon. "
-    "Each crate was sealed with red wax and numbered by hand.",
-    "Closing note. The harbour master retired in 1903 and the logbooks went to the town archive.",
+    "Harbour records. The lighthouse stands on a rock at the mouth of the bay, painted white with one red band. The lighthouse keeper of Port Ellery kept a daily log of the weather for forty years. "
+    "He wrote down the wind, the swell and the colour of the sky each morning and each evening. The fishermen "
+    "read his log before they went out. In 1887 the lighthouse keeper logged 212 storms.",
+    "Trade ledger. Copper came down from the hill mines on carts pulled by oxen, two days on a muddy road. The copper merchants of Port Ellery kept their accounts in a green leather ledger. Each "
+    "crate was sealed with red wax and numbered by hand before it was loaded onto the ships in the outer "
+    "basin. In their best year the copper merchants shipped 4,380 crates to Lisbon.",
+    "Closing note. The port office was a narrow stone house beside the fish market, with a clock above its door. The harbour master kept the keys of the archive and the seal of the port office. When the "
+    "new breakwater was finished the port office moved to the station square. The harbour master retired in "
+    "1903 and the logbooks went to the town archive.",
 ]
 SECTIONS = [
-    ("Origins", "The Veldmark orchard was planted in 1921 by the Aalders family. Its first trees were pears."),
-    ("Harvest", "Every October the orchard picks about 9,000 kilograms of fruit. The cider press runs for "
-                "three weeks."),
-    ("Visitors", "School classes visit in May, when the blossoms open, and plant one tree each year."),
+    ("Origins", "Old maps show only heath and a shepherd hut on the ridge before the first war. The Veldmark orchard lies on a sandy ridge east of the river, sheltered by a row of poplars. "
+                "The soil drains quickly and warms early in spring. The orchard was planted in 1921 by the "
+                "Aalders family, and its first trees were pears."),
+    ("Harvest", "The harvest is the busiest time of the year, and students from the town come to help. Picking starts with the early apples at the end of August and ends with the late pears. "
+                "Pickers work from ladders in the morning and sort the fruit in the barn after lunch. Every "
+                "October the orchard picks about 9,000 kilograms of fruit."),
+    ("Visitors", "A small shop in the old barn sells juice, jam and cider to visitors who come by bicycle. The orchard opens its gates to walkers on Sundays, and the path along the ridge is marked "
+                 "with wooden posts. School classes visit in May, when the blossoms open, and each class "
+                 "plants one tree."),
 ]
 
 

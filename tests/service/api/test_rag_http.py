@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 SERVER_ENV = {
     "KVFUSE_SERVER__API_KEYS": API_KEY,
     "KVFUSE_RETRIEVER__CHUNK_TOKENS": "64",
+    "KVFUSE_STORE__PRECOMPUTE_CONTEXT": "none",  # each chunk alone: the fastest ingestion
     "KVFUSE_RETRIEVER__TOP_K": "2",
     "KVFUSE_MODEL__MAX_CONTEXT_TOKENS": "1024",
     "KVFUSE_GENERATION__MAX_TOKENS": "4",
