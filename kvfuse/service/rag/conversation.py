@@ -6,9 +6,10 @@ the prefix and the stored chunk caches stay exactly what a single question uses,
 today. They are kept newest first while they fit `generation.history_max_tokens`; older ones are dropped
 and the answer's warning says how many.
 
-Retrieval searches the last user message joined to the user message before it: a follow-up ("and who
-founded it?") names its subject only in an earlier turn. The simplest rewrite that measurably finds the
-right chunk on a follow-up set; the comparison with the other candidates is in
+Retrieval searches every user message of the kept history joined to the last one: a follow-up ("and who
+founded it?") names its subject only in an earlier turn, maybe two turns back. The simplest rewrite that
+measurably finds the right chunk on a follow-up set (a switch of topic then ranks the new subject second,
+so it stays among the top_k); the comparison with the other candidates is in
 docs/results/conversations/README.md (studies/conversation_followups.py).
 """
 
@@ -42,9 +43,8 @@ class Conversation:
 
 
 def retrieval_query(history: list[tuple[str, str]], question: str) -> str:
-    """What retrieval searches for: the user message before the last one, then the last one."""
-    earlier = [text for role, text in history if role == "user"]
-    return f"{earlier[-1]}\n{question}" if earlier else question
+    """What retrieval searches for: the earlier user messages kept, oldest first, then the last one."""
+    return "\n".join([*(text for role, text in history if role == "user"), question])
 
 
 def fit_history(chunker: Chunker, turns: list[tuple[str, str]], question: str, budget: int) -> Conversation:

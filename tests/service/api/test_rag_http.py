@@ -296,7 +296,7 @@ def test_a_follow_up_retrieves_with_the_conversation_and_old_turns_are_dropped_w
         resp = client.post("/v1/search", json={"query": query, "top_k": 1, "retrieval": {"collections": ["notes"]}})
         return resp.json()["results"][0]["document_id"]
 
-    # retrieval searches the previous user message and the last one; the last alone without a conversation
+    # retrieval searches the user messages and the last one; the last alone without a conversation
     assert chat["sources"][0]["document_id"] == searched(f"{first}\n{follow_up}") == "n2020", chat["sources"]
     assert alone["sources"][0]["document_id"] == searched(follow_up)
     # the earlier turns are in the prompt: more prompt tokens than the follow-up alone

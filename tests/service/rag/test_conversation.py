@@ -23,8 +23,9 @@ def test_turns_are_kept_newest_first_within_the_budget(tokenizer) -> None:
     assert none.history == [] and none.dropped == 4
 
 
-def test_retrieval_searches_the_previous_user_message_and_the_last() -> None:
-    assert retrieval_query(TURNS, "And when is the harvest?") == "What did they plant first?\nAnd when is the harvest?"
+def test_retrieval_searches_every_user_message_kept() -> None:
+    assert retrieval_query(TURNS, "And when is the harvest?") == \
+        "Who founded the Veldmark orchard?\nWhat did they plant first?\nAnd when is the harvest?"
     assert retrieval_query([], "Who founded it?") == "Who founded it?"
     assert retrieval_query([("assistant", "Hello")], "Who founded it?") == "Who founded it?"
 
