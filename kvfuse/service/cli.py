@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# files picked up inside folders: what the server reads (rag/files.py)
-TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown", ".rst", ".text", ".pdf", ".docx", ".html", ".htm"})
+from kvfuse.service.rag.file_types import (
+    FILE_SUFFIXES as TEXT_SUFFIXES,  # what folders give: what the server reads
+)
+
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:@-]+")
 
 

@@ -16,14 +16,8 @@ from pathlib import PurePath
 from typing import Any
 
 from kvfuse.service.errors import APIError
+from kvfuse.service.rag.file_types import BY_SUFFIX, BY_TYPE, DOCX_TYPE
 
-DOCX_TYPE = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
-KIND_TYPES = {"pdf": "application/pdf", "docx": DOCX_TYPE, "html": "text/html", "markdown": "text/markdown",
-              "text": "text/plain"}
-_BY_TYPE = {**{t: k for k, t in KIND_TYPES.items()}, "application/xhtml+xml": "html", "text/x-markdown": "markdown"}
-_BY_SUFFIX = {".pdf": "pdf", ".docx": "docx", ".html": "html", ".htm": "html", ".md": "markdown",
-              ".markdown": "markdown", ".txt": "text", ".text": "text", ".rst": "text"}
-FILE_SUFFIXES = frozenset(_BY_SUFFIX)
 _GENERIC = ("", "application/octet-stream")  # a part type that says nothing: the file name decides
 
 
@@ -38,7 +32,7 @@ def file_kind(filename: str, content_type: str | None) -> str:
     """pdf, docx, html, markdown or text: by the part's content type, else by the file name's suffix;
     415 for anything else."""
     ctype = (content_type or "").split(";")[0].strip().lower()
-    kind = _BY_TYPE.get(ctype) if ctype not in _GENERIC else _BY_SUFFIX.get(PurePath(filename).suffix.lower())
+    kind = BY_TYPE.get(ctype) if ctype not in _GENERIC else BY_SUFFIX.get(PurePath(filename).suffix.lower())
     if kind is None:
         raise APIError(415, f"unsupported file type {ctype or PurePath(filename).suffix or 'unknown'!r} "
                        f"({filename!r}): send PDF, DOCX, HTML, Markdown or plain text",
