@@ -302,7 +302,7 @@ def test_a_follow_up_retrieves_with_the_conversation_and_old_turns_are_dropped_w
     # the earlier turns are in the prompt: more prompt tokens than the follow-up alone
     assert chat["usage"]["prompt_tokens"] > alone["usage"]["prompt_tokens"] and chat["warning"] is None
     long_ago = [{"role": "user", "content": "An old question about something else entirely. " * 6},
-                {"role": "assistant", "content": "An old answer. " * 6}]
+                {"role": "assistant", "content": "An old answer about something else entirely. " * 6}]
     trimmed = client.post("/v1/chat/completions", json={**body, "messages": long_ago + turns}).json()
     assert "2 earlier message(s)" in trimmed["warning"]
     assert trimmed["usage"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]  # the same turns were kept
