@@ -73,7 +73,7 @@ async def _parse_documents(request: Request, raw: bytes, doc_id: str | None, on_
 
 
 @router.post("/v1/documents", status_code=202, response_model=JobOut | Submitted | SubmittedBatch,
-             openapi_extra=documented_body(DocumentIn, DocumentBatchIn, text=True))
+             openapi_extra=documented_body(DocumentIn, DocumentBatchIn, text=True, upload=True))
 async def create_documents(request: Request, response: Response, state: ReadyState, wait: bool = False,
                            id: str | None = None, on_conflict: OnConflict | None = None,
                            collection: str | None = Query(None, pattern=COLLECTION_PATTERN)

@@ -161,7 +161,13 @@ class ChatIn(GenerationIn, RetrievalIn):
 BODY_MODELS: tuple[type[BaseModel], ...] = (DocumentIn, DocumentBatchIn, QueryIn, ChatIn, SearchIn, DeleteByFilterIn)
 
 
-def documented_body(*models: type[BaseModel], text: bool = False) -> dict[str, Any]:
+_UPLOAD_SCHEMA = {"type": "object", "required": ["file"], "properties": {
+    "file": {"type": "string", "format": "binary", "description": "PDF, DOCX, HTML, Markdown or text"},
+    "id": {"type": "string"}, "collection": {"type": "string"}, "on_conflict": {"type": "string"},
+    "metadata": {"type": "string", "description": "a JSON object"}}}
+
+
+def documented_body(*models: type[BaseModel], text: bool = False, upload: bool = False) -> dict[str, Any]:
     """`openapi_extra` for a route that reads its body by hand (so that bad JSON, bad UTF-8 and wrong
     types get this service's error codes, see `parse_json`/`validate`): the body's schema still appears
     in /openapi.json. The components it refers to are added by `add_body_schemas`."""
@@ -169,6 +175,8 @@ def documented_body(*models: type[BaseModel], text: bool = False) -> dict[str, A
     content: dict[str, Any] = {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}
     if text:
         content["text/plain"] = {"schema": {"type": "string"}}
+    if upload:  # a file, read by api/uploads.py
+        content["multipart/form-data"] = {"schema": _UPLOAD_SCHEMA}
     return {"requestBody": {"required": True, "content": content}}
 
 
