@@ -15,6 +15,7 @@ message (what rag/conversation.py sends), the last assistant message and the las
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def retrieval_table() -> str:
     return "\n".join(lines)
 
 
-def answers_table(max_tokens: int) -> str:
+def answers_table(max_tokens: int, per_kind: int) -> str:
     """Each conversation through /v1/chat/completions on a local server: the whole conversation, then its
     last user message alone; an answer counts when it holds the fact."""
     import httpx
@@ -117,7 +118,11 @@ def answers_table(max_tokens: int) -> str:
         docs = [{"id": f"town-{i}", "text": document(t)} for i, t in enumerate(TOWNS)]
         resp = http.post("/v1/documents?wait=true", json={"documents": docs, "collection": "towns"})
         assert resp.status_code in (200, 201), resp.text
+        asked: dict[str, int] = {}
         for kind, history, question, _, fact in conversations():
+            asked[kind] = asked.get(kind, 0) + 1
+            if asked[kind] > per_kind:
+                continue
             for label, messages in (("whole conversation", [*history, ("user", question)]),
                                     ("last user message alone", [("user", question)])):
                 body = {"model": "kvfuse", "max_tokens": max_tokens, "top_k": 2,
@@ -125,8 +130,9 @@ def answers_table(max_tokens: int) -> str:
                         "messages": [{"role": r, "content": t} for r, t in messages]}
                 r = http.post("/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
-                rows.setdefault((kind, label), []).append(fact.lower() in r.json()["choices"][0]["message"]
-                                                          ["content"].lower())
+                answer = r.json()["choices"][0]["message"]["content"]
+                rows.setdefault((kind, label), []).append(fact.lower() in answer.lower())
+                print(f"{kind} | {label} | {fact} | {answer!r}", file=sys.stderr, flush=True)
     kinds = list(dict.fromkeys(k for k, _ in rows))
     labels = list(dict.fromkeys(n for _, n in rows))
     lines = ["| sent | " + " | ".join(kinds) + " | all |", "|---" * (len(kinds) + 2) + "|"]
@@ -141,12 +147,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--answers", action="store_true", help="also answer each conversation on a local server")
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--per-kind", type=int, default=12, help="conversations of each kind answered (of 12)")
     args = ap.parse_args()
     print("Retrieval (hybrid): the town asked about is the first chunk, or among the first two:\n")
     print(retrieval_table())
     if args.answers:
         print("\nAnswers holding the fact (default model, greedy, top_k 2):\n")
-        print(answers_table(args.max_tokens))
+        print(answers_table(args.max_tokens, args.per_kind))
 
 
 if __name__ == "__main__":

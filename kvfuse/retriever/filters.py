@@ -23,6 +23,7 @@ SCALAR_OPS = ("$eq", "$ne", "$gt", "$gte", "$lt", "$lte")
 LIST_OPS = ("$in", "$nin")
 LOGICAL_OPS = ("$and", "$or")
 _ORDERED = ("$gt", "$gte", "$lt", "$lte")
+MAX_DEPTH = 16  # $and / $or nested deeper than any real filter: refused before the parser recurses far
 
 
 def kind(value: object) -> str:
@@ -93,8 +94,10 @@ class Filter:
                 yield from p.conditions()
 
 
-def parse(spec: Any, path: str = "filters") -> Filter:
+def parse(spec: Any, path: str = "filters", depth: int = 0) -> Filter:
     """The filter `spec` (a request's `filters`), checked; raises FilterSyntaxError naming the place."""
+    if depth > MAX_DEPTH:
+        raise FilterSyntaxError(path, f"{path}: $and / $or nested more than {MAX_DEPTH} deep")
     if not isinstance(spec, dict):
         raise FilterSyntaxError(path, f"{path} must be a JSON object, got {kind(spec)}")
     parts: list[Condition | Filter] = []
@@ -102,7 +105,7 @@ def parse(spec: Any, path: str = "filters") -> Filter:
         if key in LOGICAL_OPS:
             if not isinstance(value, list) or not value:
                 raise FilterSyntaxError(f"{path}.{key}", f"{path}.{key} must be a non-empty list of filters")
-            subs = tuple(parse(v, f"{path}.{key}.{i}") for i, v in enumerate(value))
+            subs = tuple(parse(v, f"{path}.{key}.{i}", depth + 1) for i, v in enumerate(value))
             parts.append(Filter(subs, any_of=key == "$or"))
         elif key.startswith("$"):
             raise FilterSyntaxError(f"{path}.{key}", f"unknown operator {key!r} at {path}; fields are combined "

@@ -67,6 +67,18 @@ def test_a_malformed_filter_is_refused_naming_its_place(spec: dict, path: str) -
     assert err.value.path == path
 
 
+def test_a_filter_nested_too_deep_is_refused_not_a_recursion_error() -> None:
+    spec: dict = {"kind": "essay"}
+    for _ in range(300):
+        spec = {"$and": [spec]}
+    with pytest.raises(FilterSyntaxError, match="nested more than"):
+        parse(spec)
+    shallow: dict = {"kind": "essay"}
+    for _ in range(5):
+        shallow = {"$or": [shallow, {"year": 1}]}
+    assert matching(shallow) == ["a", "c"]
+
+
 def test_the_vector_index_applies_the_operators_and_refuses_a_type_no_document_has(tmp_path) -> None:
     index = VectorIndex(tmp_path, 4, RetrieverSettings(index_type="flat"))
     rng = np.random.default_rng(0)
