@@ -33,6 +33,12 @@ TOWNS = [  # name, region, river, founder, year, festival
     ("Eldmere", "the lake district", "Cask", "Bram Oster", 1318, "the midsummer regatta"),
     ("Pellworth", "the clay vale", "Ouse", "Greta Lind", 1666, "the potters' fair"),
 ]
+# The word an answer must hold for each festival (the whole phrase is often cut by max_tokens).
+FESTIVAL_WORD = {"the first eel catch": "eel", "the lavender harvest": "lavender", "the return of the herring "
+                 "boats": "herring", "the shearing of the sheep": "shearing", "the pressing of the olives": "olives",
+                 "the spring floods": "floods", "the cheese market": "cheese", "the salt harvest": "salt",
+                 "the first snow": "snow", "the puffin landing": "puffin", "the midsummer regatta": "regatta",
+                 "the potters' fair": "potters"}
 FACTS = [  # (follow-up question, what the answer must hold: a field of the town's row)
     ("Which river flows through it?", 2),
     ("Who founded it?", 3),
@@ -44,6 +50,12 @@ def document(town: tuple) -> str:
     name, region, river, founder, year, festival = town
     return (f"{name} is a small town in {region}. The river {river} flows through {name}. {name} was founded by "
             f"{founder} in {year}. Every year {name} holds a festival that celebrates {festival}.")
+
+
+def holds(answer: str, fact: str) -> bool:
+    """Whether an answer states the fact: the river's name, the founder's surname, the festival's word."""
+    key = FESTIVAL_WORD.get(fact) or fact.split()[-1]
+    return key.lower() in answer.lower()
 
 
 def conversations() -> list[tuple[str, list[tuple[str, str]], str, int, str]]:
@@ -131,8 +143,24 @@ def answers_table(max_tokens: int, per_kind: int) -> str:
                 r = http.post("/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
                 answer = r.json()["choices"][0]["message"]["content"]
-                rows.setdefault((kind, label), []).append(fact.lower() in answer.lower())
+                rows.setdefault((kind, label), []).append(holds(answer, fact))
                 print(f"{kind} | {label} | {fact} | {answer!r}", file=sys.stderr, flush=True)
+    return table(rows)
+
+
+def tabulate(log: Path) -> str:
+    """The answers table from the lines an --answers run printed (to stderr), e.g. of a run cut short."""
+    import ast
+
+    rows: dict[tuple[str, str], list[bool]] = {}
+    for line in log.read_text().splitlines():
+        parts = line.split(" | ", 3)
+        if len(parts) == 4 and parts[3].startswith(("'", '"')):
+            rows.setdefault((parts[0], parts[1]), []).append(holds(ast.literal_eval(parts[3]), parts[2]))
+    return table(rows)
+
+
+def table(rows: dict[tuple[str, str], list[bool]]) -> str:
     kinds = list(dict.fromkeys(k for k, _ in rows))
     labels = list(dict.fromkeys(n for _, n in rows))
     lines = ["| sent | " + " | ".join(kinds) + " | all |", "|---" * (len(kinds) + 2) + "|"]
@@ -148,7 +176,11 @@ def main() -> None:
     ap.add_argument("--answers", action="store_true", help="also answer each conversation on a local server")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--per-kind", type=int, default=12, help="conversations of each kind answered (of 12)")
+    ap.add_argument("--tabulate", type=Path, help="only print the answers table from an --answers run's stderr")
     args = ap.parse_args()
+    if args.tabulate:
+        print(tabulate(args.tabulate))
+        return
     print("Retrieval (hybrid): the town asked about is the first chunk, or among the first two:\n")
     print(retrieval_table())
     if args.answers:
