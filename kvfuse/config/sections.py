@@ -69,6 +69,8 @@ class ServerSettings(_Section):
     metrics_public: bool = Field(False, description=(
         "serve /metrics without an API key (for a Prometheus scrape; the metrics name no document)"))
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    sse_ping_s: float = Field(15.0, gt=0, description=(
+        "seconds between keep-alive comments on a quiet event stream (a long prefill), so proxies keep it open"))
     max_document_chars: int = Field(2_000_000, gt=0, description="larger documents get 413")
     max_batch_documents: int = Field(256, gt=0, description="documents per batch ingest request")
     request_timeout_s: float = Field(300.0, gt=0, description=(
@@ -164,6 +166,10 @@ class ModelSettings(_Section):
     system_prompt: str = Field(
         "You are a helpful assistant. Answer the question using the documents. Answer briefly.",
         description="default system prompt")
+    served_model_name: str = Field("", description=(
+        'the `model` OpenAI clients name, listed first by /v1/models; "" = the LLM\'s full id '
+        '(HuggingFaceTB/SmolLM2-135M-Instruct for "default", else model.llm as given); the short name and '
+        '"kvfuse" are accepted too'))
     embedder: str = Field("default", description=(
         '"default" = all-MiniLM-L6-v2 (offline copy), or a sentence-transformers path'))
     embed_batch_size: int = Field(32, ge=1, description="chunks embedded per batch")
@@ -307,6 +313,9 @@ class GenerationSettings(_Section):
     max_tokens_limit: int = Field(4096, ge=1, description="larger max_tokens is refused with 422")
     temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    history_max_tokens: int = Field(512, ge=0, description=(
+        "tokens of earlier conversation turns (/v1/chat/completions) kept in the prompt, newest first; older "
+        "turns are dropped and the answer's warning says so; 0 = the last user message only"))
 
 
 class BenchSettings(_Section):

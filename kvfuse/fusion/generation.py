@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvfuse.fusion.decode import IncrementalDetokenizer, Sampler, StopMatcher
+from kvfuse.fusion.logprobs import TokenLogprob, token_logprob
 from kvfuse.fusion.types import FinishReason, GenerationOptions, GenerationResult
 
 
@@ -35,6 +36,8 @@ class Generation:
         self.last_token: int | None = None
         self.finished: FinishReason | None = None
         self.accepted = 0  # logits rows consumed: the prefill's, then one per decode step
+        self.logprobs: list[TokenLogprob] = []  # per kept token, when options.logprobs is set (fusion/logprobs.py)
+        self._logprobs_taken = 0
 
     @property
     def decode_steps(self) -> int:
@@ -51,6 +54,8 @@ class Generation:
         if token in self.stop_token_ids:
             return self._finish("stop")
         self.token_ids.append(token)
+        if self.options.logprobs is not None:
+            self.logprobs.append(token_logprob(logits, token, self.options.logprobs))
         text, stopped = self.stops.feed(self.detok.push(token))
         if stopped:
             self.finished = "stop"  # the text after the stop string is dropped, not flushed
@@ -58,6 +63,12 @@ class Generation:
         if len(self.token_ids) >= self.options.max_tokens:
             return text + self._finish("length")
         return text
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens kept since the last call (what a streamed delta carries)."""
+        out = self.logprobs[self._logprobs_taken:]
+        self._logprobs_taken = len(self.logprobs)
+        return out
 
     def cancel(self) -> str:
         """End now (client gone); returns the held-back tail, which is final."""
@@ -78,4 +89,4 @@ class Generation:
             "generated_tokens": len(self.token_ids),
         }
         return GenerationResult(self.text, self.finished or "length", usage, timings, list(self.token_ids),
-                                self.decode_steps, dict(stats))
+                                self.decode_steps, dict(stats), list(self.logprobs))

@@ -9,6 +9,7 @@ kvfuse/service/rag/prompt_size.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvfuse.fusion.errors import FusionError
@@ -28,10 +29,25 @@ def template_halves(tokenizer: Any, system_prompt: str | None) -> tuple[str, str
     return before, after
 
 
-def prompt_texts(tokenizer: Any, question: str, system_prompt: str | None) -> tuple[str, str]:
-    """(prefix, question part): the two texts of the prompt around the documents, as tokenized."""
+HISTORY_TEMPLATE = "\n\nConversation so far:\n{turns}"  # earlier turns, before the question
+_SPEAKERS = {"user": "User", "assistant": "Assistant"}
+
+
+def history_text(history: Sequence[Sequence[str]]) -> str:
+    """Earlier turns of a conversation, (role, text) oldest first, as the prompt shows them ("" for none)."""
+    if not history:
+        return ""
+    turns = "\n".join(f"{_SPEAKERS.get(role, role.title())}: {text}" for role, text in history)
+    return HISTORY_TEMPLATE.format(turns=turns)
+
+
+def prompt_texts(tokenizer: Any, question: str, system_prompt: str | None,
+                 history: Sequence[Sequence[str]] = ()) -> tuple[str, str]:
+    """(prefix, question part): the two texts of the prompt around the documents, as tokenized. Earlier
+    turns of a conversation go in the question part, after the documents, so the prefix (and every chunk
+    cache computed after it) is the same with or without them."""
     before, after = template_halves(tokenizer, system_prompt)
-    return before, QUESTION_TEMPLATE.format(question=question) + after
+    return before, history_text(history) + QUESTION_TEMPLATE.format(question=question) + after
 
 
 def overflow(prompt_tokens: int, max_tokens: int, limit: int) -> str | None:

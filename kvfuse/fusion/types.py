@@ -60,6 +60,7 @@ class GenerationOptions:
     top_p: float = _GEN_DEFAULTS.top_p
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: none; n: each kept token's log-probability and the n most likely
 
 
 @dataclass
@@ -90,3 +91,4 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     decode_steps: int = 0  # forward steps after the first token (one more than tokens kept when EOS ended it)
     stats: dict[str, int] = field(default_factory=dict)  # the fused prefill's stats (FusedPrefill.stats)
+    logprobs: list = field(default_factory=list)  # per kept token (fusion/logprobs.py), when asked for

@@ -75,6 +75,12 @@ class Chunker:
         with self._lock:
             return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
+    def token_starts(self, text: str) -> list[int]:
+        """The character offset each token of `text` starts at (thread-safe): where a span of tokens begins."""
+        with self._lock:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        return [int(a) for a, _ in enc["offset_mapping"]]
+
     def chunk(self, text: str) -> list[Chunk]:
         if not text or text.isspace():
             raise EmptyDocumentError("document text is empty or whitespace only: nothing to chunk")

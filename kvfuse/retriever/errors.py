@@ -25,3 +25,12 @@ class FilterTypeError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+class FilterSyntaxError(ValueError):
+    """A metadata filter that is not one: an unknown operator, an operand of the wrong shape (`$in` without
+    a list, `$gt` on a boolean), an empty `$and`. `path` names where, as the request spells it."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path

@@ -70,3 +70,4 @@ def search(mode: str, question: str, top_k: int, *, embed: Callable[[str], np.nd
     depth = max(top_k, candidates)
     return reciprocal_rank_fusion(dense.search(vec, depth, document_ids=document_ids),
                                   keyword.search(question, depth, document_ids=document_ids), k=rrf_k, top_k=top_k)
+

@@ -34,6 +34,8 @@ from kvfuse.retriever.faiss_index import (
     omp_threads,
     stored_vectors,
 )
+from kvfuse.retriever.filters import Filter, kind
+from kvfuse.retriever.filters import parse as parse_filter
 from kvfuse.retriever.results import DriftReport, Hit, drift
 
 log = logging.getLogger(__name__)
@@ -174,13 +176,16 @@ class VectorIndex:
                collections: list[str] | None = None) -> list[str]:
         """The indexed documents passing every restriction given (None: no restriction), in index order
         (or in `document_ids`' order). The selection other indexes over the same documents search in.
+        `filters` follow retriever/filters.py (raises FilterSyntaxError for one that is not a filter).
         Raises FilterTypeError for a filter value of a JSON type its field never has in these collections."""
+        flt = parse_filter(filters) if filters else None
         with self._lock:
             docs = self._state.docs
             names = list(self._names(document_ids, collections))
-            if filters:
-                self._check_filter_types(names, filters)
-            return [d for d in names if self._passes(docs[d], filters)]
+            if flt is None:
+                return names
+            self._check_filter_types(names, flt)
+            return [d for d in names if flt.matches(docs[d].metadata)]
 
     def __len__(self) -> int:
         """Live vectors (removed ones excluded)."""
@@ -201,7 +206,7 @@ class VectorIndex:
         """The top_k chunks by inner product, best first, among documents passing every restriction.
 
         `document_ids`: only these documents (an empty list matches none). `filters`: every key equals
-        the document's metadata value, of the same JSON type (see `select`). `collections`: only
+        the document's metadata (retriever/filters.py; see `select`). `collections`: only
         documents of these. Restricted searches still return top_k hits when that many chunks pass:
         FAISS scans only the allowed ids (IDSelectorBatch)."""
         if top_k < 1:
@@ -239,20 +244,21 @@ class VectorIndex:
             names = [d for d in names if docs[d].collection in wanted]
         return names
 
-    def _passes(self, doc: DocRange, filters: dict | None) -> bool:
-        return not filters or all(k in doc.metadata and _same(doc.metadata[k], v) for k, v in filters.items())
-
-    def _check_filter_types(self, names: Iterable[str], filters: dict) -> None:
-        kinds: dict[str, set[str]] = {k: set() for k in filters}
+    def _check_filter_types(self, names: Iterable[str], flt: Filter) -> None:
+        conditions = list(flt.conditions())
+        kinds: dict[str, set[str]] = {c.field: set() for c in conditions}
         for d in names:
             meta = self._state.docs[d].metadata
-            for k in filters:
+            for k in kinds:
                 if k in meta:
-                    kinds[k].add(_kind(meta[k]))
-        for k, v in filters.items():
-            if kinds[k] and _kind(v) not in kinds[k]:
-                raise FilterTypeError(k, f"filter {k!r} is a {_kind(v)}, but the documents searched store "
-                                         f"{k!r} as {' or '.join(sorted(kinds[k]))}: it could never match")
+                    kinds[k].add(kind(meta[k]))
+        for c in conditions:
+            wanted = c.kinds()
+            if kinds[c.field] and not wanted & kinds[c.field]:
+                op = "" if c.op == "$eq" else f" ({c.op})"
+                raise FilterTypeError(c.field, f"filter {c.field!r}{op} is a {' or '.join(sorted(wanted))}, "
+                                      f"but the documents searched store {c.field!r} as "
+                                      f"{' or '.join(sorted(kinds[c.field]))}: it could never match")
 
     def _faiss_search(self, q: np.ndarray, k: int, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         state = self._state
@@ -336,22 +342,6 @@ class VectorIndex:
     def _compact(self) -> None:
         self._state = compacted(self._state, self.dim, self.settings)
         self._dirty = True
-
-
-def _kind(value: object) -> str:
-    """A metadata value's JSON type: what a filter must share with the field to match it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    return "string" if isinstance(value, str) else type(value).__name__
-
-
-def _same(stored: object, wanted: object) -> bool:
-    """Equal and of one JSON type: true is not 1, "1" is not 1 (Python alone says True == 1)."""
-    return _kind(stored) == _kind(wanted) and stored == wanted
 
 
 def _json_copy(metadata: dict, doc_id: str) -> dict:

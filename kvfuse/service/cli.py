@@ -11,7 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown", ".rst", ".text"})  # files picked up inside folders
+from kvfuse.service.rag.file_types import (
+    FILE_SUFFIXES as TEXT_SUFFIXES,  # what folders give: what the server reads
+)
+
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:@-]+")
 
 
@@ -53,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="exit 0 when a worker of this host has a live heartbeat, else 1 (a container healthcheck)")
     p.set_defaults(func=_worker)
 
-    p = sub.add_parser("ingest", help="ingest text files or folders (into a running server, or --local)")
+    p = sub.add_parser("ingest", help="ingest files (text, Markdown, PDF, DOCX, HTML) or folders (into a running "
+                                      "server, or --local)")
     p.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="files, or folders (searched recursively)")
     _client_args(p)
     p.add_argument("--local", action="store_true",
@@ -277,6 +281,8 @@ def _ingest(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
+    from kvfuse.service.cli_upload import JSON_SUFFIXES, upload
+
     try:
         files = collect_files(args.paths)
     except FileNotFoundError as err:
@@ -286,7 +292,10 @@ def _ingest(args: argparse.Namespace) -> int:
         print("kvfuse ingest: no text files found", file=sys.stderr)
         return 2
     docs: list[dict] = []
+    uploads = [f for f in files if f.suffix.lower() not in JSON_SUFFIXES]
     for f in files:
+        if f in uploads:
+            continue
         try:
             docs.append({"id": doc_id_for(f), "text": f.read_text(encoding="utf-8"), "metadata": {"source": str(f)}})
         except UnicodeDecodeError:
@@ -299,7 +308,17 @@ def _ingest(args: argparse.Namespace) -> int:
             args.no_wait = False  # the local service ends with this command: wait for every job
         http = stack.enter_context(_client(args))
         http.get("/health")  # an unreachable server is reported before any progress bar is drawn
-        bar = stack.enter_context(tqdm(total=len(docs), unit="doc", desc="ingest"))
+        bar = stack.enter_context(tqdm(total=len(docs) + len(uploads), unit="doc", desc="ingest"))
+        for f in uploads:  # files the server parses: one multipart request each
+            resp = upload(http, f, doc_id_for(f), on_conflict=args.on_conflict, collection=args.collection)
+            if resp.status_code >= 400:
+                bar.write(f"{f} refused: {_fail(resp)}")
+                bar.update(1)
+            elif (item := resp.json()).get("job_id") and not item.get("skipped") and not args.no_wait:
+                pending[item["job_id"]] = item["document_id"]
+            else:
+                ok += 1
+                bar.update(1)
         for i in range(0, len(docs), max(1, args.batch)):
             batch = docs[i : i + args.batch]
             body = {"documents": batch, "on_conflict": args.on_conflict}

@@ -6,21 +6,39 @@ arrival. The query pipeline (rag/query.py) returns plain data; only this module 
 from __future__ import annotations
 
 from kvfuse.service.api.responses import (
+    ChunkOut,
     FusionUsed,
     QueryAnswer,
     QuerySources,
     RetrievalUsed,
+    SearchResults,
     Source,
     Timings,
     Usage,
 )
+from kvfuse.service.rag.chunks import FoundChunk
 from kvfuse.service.rag.query import QueryOutcome, QueryRun, SourceChunk
+from kvfuse.service.rag.retrieval import RetrievalOptions
 from kvfuse.service.wire.protocol import prompt_tokens
 
 
-def source(c: SourceChunk) -> Source:
-    return Source(document_id=c.document_id, chunk_index=c.chunk_index, score=round(c.score, 6),
-                  tokens=len(c.token_ids), dense_rank=c.dense_rank, keyword_rank=c.keyword_rank)
+def source(c: SourceChunk | FoundChunk) -> Source:
+    """A chunk as a citation: where it is, its text and its document's metadata, and how it was found."""
+    tokens = c.tokens if isinstance(c, FoundChunk) else len(c.token_ids)
+    return Source(document_id=c.document_id, chunk_index=c.chunk_index, score=round(c.score, 6), tokens=tokens,
+                  dense_rank=c.dense_rank, keyword_rank=c.keyword_rank, text=c.text, metadata=c.metadata,
+                  page=c.location.get("page"), section=c.location.get("section"))
+
+
+def chunk_out(c: FoundChunk) -> ChunkOut:
+    return ChunkOut(chunk_index=c.chunk_index, text=c.text, tokens=c.tokens, page=c.location.get("page"),
+                    section=c.location.get("section"))
+
+
+def search_results(found: list[FoundChunk], opts: RetrievalOptions, elapsed_s: float) -> SearchResults:
+    return SearchResults(results=[source(c) for c in found],
+                         retrieval=RetrievalUsed(mode=opts.mode, collections=opts.searched),
+                         retrieval_ms=round(1000.0 * elapsed_s, 2))
 
 
 def sources_of(run: QueryRun) -> QuerySources:

@@ -1,4 +1,5 @@
-"""Document and job endpoints: POST/GET/DELETE /v1/documents, GET/DELETE /v1/documents/{id},
+"""Document and job endpoints: POST/GET/DELETE /v1/documents, GET/DELETE /v1/documents/{id}, POST
+/v1/documents/delete (by filter),
 GET /v1/collections, GET /v1/jobs/{id}."""
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from kvfuse.service.api.responses import (
     Deleted,
     DocumentOut,
     DocumentPage,
+    FilterDeleted,
     JobOut,
     Submitted,
     SubmittedBatch,
 )
 from kvfuse.service.api.schemas import (
     COLLECTION_PATTERN,
+    DeleteByFilterIn,
     DocumentBatchIn,
     DocumentIn,
     OnConflict,
@@ -34,8 +37,10 @@ from kvfuse.service.api.schemas import (
     parse_json,
     validate,
 )
+from kvfuse.service.api.uploads import read_upload
 from kvfuse.service.errors import APIError, collection_not_found, document_not_found
 from kvfuse.service.rag.ingest_job import IngestJob, default_doc_id
+from kvfuse.service.rag.retrieval import select
 
 if TYPE_CHECKING:
     from kvfuse.service.state import ServiceState
@@ -45,16 +50,20 @@ router = APIRouter(responses=ERROR_RESPONSES)
 _DELETE_WAIT_S = 30.0  # how long DELETE waits for a cancelled ingestion to roll back
 
 
-def _parse_documents(request: Request, raw: bytes, doc_id: str | None, on_conflict: str | None,
-                     collection: str | None) -> tuple[list[DocumentIn], bool, str, str]:
+async def _parse_documents(request: Request, raw: bytes, doc_id: str | None, on_conflict: str | None,
+                           collection: str | None) -> tuple[list[DocumentIn], bool, str, str]:
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     default_collection = collection or DEFAULT_COLLECTION
+    if ctype == "multipart/form-data":
+        doc, form_conflict = await read_upload(request, doc_id)
+        return [doc], False, form_conflict or on_conflict or "skip", default_collection
     if ctype == "text/plain":
         # A raw upload: the body is the text; id, on_conflict and collection come from the query string.
         doc = validate(DocumentIn, {"id": doc_id, "text": decode_utf8(raw, "document text")})
         return [doc], False, on_conflict or "skip", default_collection
     if ctype != "application/json" and not ctype.endswith("+json"):
-        raise APIError(415, f"unsupported content type {ctype!r}: send application/json or text/plain",
+        raise APIError(415, f"unsupported content type {ctype!r}: send application/json, text/plain or a file "
+                       "as multipart/form-data",
                        code="unsupported_media_type")
     payload = parse_json(raw)
     if isinstance(payload, dict) and "documents" in payload:
@@ -65,7 +74,7 @@ def _parse_documents(request: Request, raw: bytes, doc_id: str | None, on_confli
 
 
 @router.post("/v1/documents", status_code=202, response_model=JobOut | Submitted | SubmittedBatch,
-             openapi_extra=documented_body(DocumentIn, DocumentBatchIn, text=True))
+             openapi_extra=documented_body(DocumentIn, DocumentBatchIn, text=True, upload=True))
 async def create_documents(request: Request, response: Response, state: ReadyState, caller: Caller,
                            wait: bool = False,
                            id: str | None = None, on_conflict: OnConflict | None = None,
@@ -74,10 +83,12 @@ async def create_documents(request: Request, response: Response, state: ReadySta
     """Ingest one document or a batch. 202 with a job per document; with ?wait=true, 201 once stored (200
     when every document was skipped, 202 if waiting timed out). The body is JSON, or the raw text as
     text/plain (id, on_conflict and collection then come from the query string). A document goes to its
-    own `collection`, else the batch's, else ?collection=, else `default`."""
+    own `collection`, else the batch's, else ?collection=, else `default`. A file (PDF, DOCX, HTML, Markdown,
+    text) comes as multipart/form-data: its `file` field, with `id`, `collection`, `on_conflict` and
+    `metadata` (a JSON object) as form fields (api/uploads.py)."""
     srv = state.settings.server
-    docs, batch, default_conflict, default_collection = _parse_documents(request, await request.body(), id,
-                                                                         on_conflict, collection)
+    docs, batch, default_conflict, default_collection = await _parse_documents(request, await request.body(), id,
+                                                                               on_conflict, collection)
     if len(docs) > srv.max_batch_documents:
         raise APIError(413, f"{len(docs)} documents exceed the batch limit of {srv.max_batch_documents}",
                        code="batch_too_large", param="documents")
@@ -205,6 +216,23 @@ async def delete_collection(state: ReadyState, caller: Caller,
     for doc_id in ids:
         await _delete(state, doc_id)
     return CollectionDeleted(collection=collection, deleted=len(ids), ids=ids)
+
+
+@router.post("/v1/documents/delete", openapi_extra=documented_body(DeleteByFilterIn))
+async def delete_by_filter(request: Request, state: ReadyState, caller: Caller) -> FilterDeleted:
+    """Delete the ready documents whose metadata passes `filters` (within `collections`, default all that
+    the key sees). A dry run unless `dry_run: false`: first see which ids would go, then send the same body
+    with it. A read-only key gets 403; collections the key does not see match nothing."""
+    body = validate(DeleteByFilterIn, parse_json(await request.body()))
+    caller.check_write()
+    collections = body.collections
+    if caller.allowed_collections is not None:
+        collections = caller.visible(collections if collections is not None else sorted(caller.allowed_collections))
+    ids = await asyncio.to_thread(select, state.corpus, filters=body.filters, collections=collections)
+    if not body.dry_run:
+        for doc_id in ids:
+            await _delete(state, doc_id)
+    return FilterDeleted(dry_run=body.dry_run, matched=len(ids), deleted=0 if body.dry_run else len(ids), ids=ids)
 
 
 @router.get("/v1/collections")

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from kvfuse.service.api import sse
 from kvfuse.service.api.answers import answer_of, sources_of
@@ -37,11 +37,12 @@ async def watch_disconnect(agen: AsyncIterator[Any], request: Request) -> AsyncI
 
 
 async def start_query(queries: QueryService, request: Request, body: Any, caller: Principal, *, question: str,
-                      system_prompt: str | None, arrived: float) -> QueryRun:
+                      system_prompt: str | None, arrived: float, turns: list[tuple[str, str]] | None = None
+                      ) -> QueryRun:
     """Plan and queue a query, retrieving only from what the caller's key sees."""
     plan = await queries.prepare(question=question, system_prompt=system_prompt, top_k=body.top_k,
                                  document_ids=body.document_ids, filters=body.filters, retrieval=body.retrieval,
-                                 fusion=body.fusion, gen=body, arrived=arrived,
+                                 fusion=body.fusion, gen=body, arrived=arrived, turns=turns,
                                  visible=caller.allowed_collections)
     return await queries.start(plan, request.is_disconnected)
 
@@ -58,7 +59,7 @@ async def query(request: Request, queries: Queries, caller: Caller) -> QueryAnsw
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     if body.stream:
-        return StreamingResponse(_sse(queries, run), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        return sse.stream(_sse(queries, run), queries.settings.server.sse_ping_s)
     answer = await collect_answer(queries, run, request, what="query")
     return Response(status_code=CLIENT_CLOSED) if answer is None else answer
 

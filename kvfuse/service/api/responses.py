@@ -136,6 +136,15 @@ class CollectionDeleted(BaseModel):
     ids: list[str]
 
 
+class FilterDeleted(BaseModel):
+    """`POST /v1/documents/delete`: the documents the filter matched, deleted unless it was a dry run."""
+
+    dry_run: bool
+    matched: int
+    deleted: int
+    ids: list[str]
+
+
 class CollectionOut(BaseModel):
     name: str
     documents: int = Field(description="ready documents (those queries search)")
@@ -157,6 +166,36 @@ class Source(BaseModel):
     tokens: int
     dense_rank: int | None = Field(None, description="its rank (from 1) in the dense list; null: not in it")
     keyword_rank: int | None = Field(None, description="its rank (from 1) in the keyword list; null: not in it")
+    text: str = Field("", description="the text the chunk covers of its document")
+    metadata: dict[str, Any] = Field({}, description="its document's metadata")
+    page: int | None = _optional("the page (from 1) its text starts on, for a document ingested from a PDF")
+    section: str | None = _optional("the heading of the section its text starts in, for a document ingested "
+                                    "from a Markdown, HTML or DOCX file")
+
+
+class SearchResults(BaseModel):
+    """`POST /v1/search`: the chunks /v1/query would put in the prompt for the same knobs, best first."""
+
+    results: list[Source]
+    retrieval: RetrievalUsed
+    retrieval_ms: float
+
+
+class ChunkOut(BaseModel):
+    """One chunk of a document, as `GET /v1/documents/{id}/chunks` lists it."""
+
+    chunk_index: int
+    text: str
+    tokens: int
+    page: int | None = _optional("the page (from 1) its text starts on (documents from PDF files)")
+    section: str | None = _optional("the heading of the section its text starts in (Markdown, HTML, DOCX)")
+
+
+class ChunkList(BaseModel):
+    document_id: str
+    collection: str
+    metadata: dict[str, Any]
+    chunks: list[ChunkOut]
 
 
 class Usage(BaseModel):
@@ -256,11 +295,29 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """OpenAI's `logprobs` of a choice: each generated token's, with `top_logprobs` alternatives. The
+    model's own distribution, before temperature and top-p (kvfuse/fusion/logprobs.py)."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -289,7 +346,7 @@ class ChunkChoice(BaseModel):
     index: int
     delta: ChunkDelta
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -94,10 +94,29 @@ class GenerationIn(Strict):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
 
 
+class SearchIn(Strict):
+    """`POST /v1/search`: retrieval alone, with the same knobs as /v1/query."""
+
+    query: str = Field(min_length=1)
+    top_k: int | None = Field(None, ge=1)
+    # Chroma's / MongoDB's operators ($eq $ne $in $nin $gt $gte $lt $lte, $and $or): checked by
+    # retriever/filters.py, which names the place of a malformed one (422 invalid_filter).
+    filters: dict[str, Any] | None = None
+    retrieval: RetrievalOptionsIn | None = None
+
+
+class DeleteByFilterIn(Strict):
+    """`POST /v1/documents/delete`: the documents to delete, by metadata filter (as SearchIn's)."""
+
+    filters: dict[str, Any] = Field(min_length=1)  # required and not empty: no call deletes everything
+    collections: list[CollectionName] | None = Field(None, min_length=1)  # None: every collection
+    dry_run: bool = True  # list what would go; delete only when false
+
+
 class RetrievalIn(Strict):
     top_k: int | None = Field(None, ge=1)
     document_ids: list[str] | None = Field(None, min_length=1)
-    filters: dict[str, MetaValue] | None = None
+    filters: dict[str, Any] | None = None  # as SearchIn's
     retrieval: RetrievalOptionsIn | None = None
     fusion: FusionIn | None = None
 
@@ -134,13 +153,21 @@ class ChatIn(GenerationIn, RetrievalIn):
     stream_options: StreamOptions | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's bounds (fusion/logprobs.py MAX_TOP_LOGPROBS)
 
 
 # Bodies read by hand (see `documented_body`), listed in /openapi.json all the same.
-BODY_MODELS: tuple[type[BaseModel], ...] = (DocumentIn, DocumentBatchIn, QueryIn, ChatIn)
+BODY_MODELS: tuple[type[BaseModel], ...] = (DocumentIn, DocumentBatchIn, QueryIn, ChatIn, SearchIn, DeleteByFilterIn)
 
 
-def documented_body(*models: type[BaseModel], text: bool = False) -> dict[str, Any]:
+_UPLOAD_SCHEMA = {"type": "object", "required": ["file"], "properties": {
+    "file": {"type": "string", "format": "binary", "description": "PDF, DOCX, HTML, Markdown or text"},
+    "id": {"type": "string"}, "collection": {"type": "string"}, "on_conflict": {"type": "string"},
+    "metadata": {"type": "string", "description": "a JSON object"}}}
+
+
+def documented_body(*models: type[BaseModel], text: bool = False, upload: bool = False) -> dict[str, Any]:
     """`openapi_extra` for a route that reads its body by hand (so that bad JSON, bad UTF-8 and wrong
     types get this service's error codes, see `parse_json`/`validate`): the body's schema still appears
     in /openapi.json. The components it refers to are added by `add_body_schemas`."""
@@ -148,6 +175,8 @@ def documented_body(*models: type[BaseModel], text: bool = False) -> dict[str, A
     content: dict[str, Any] = {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}
     if text:
         content["text/plain"] = {"schema": {"type": "string"}}
+    if upload:  # a file, read by api/uploads.py
+        content["multipart/form-data"] = {"schema": _UPLOAD_SCHEMA}
     return {"requestBody": {"required": True, "content": content}}
 
 

@@ -42,6 +42,7 @@ class Corpus:
         self.keyword: KeywordIndex | None = None
         self.index_error: str | None = None  # why the document index last failed to answer (for /ready)
         self._doc_tokens: OrderedDict[tuple[str, str], list[list[int]]] = OrderedDict()
+        self._chunk_texts: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
 
     # -- loading -------------------------------------------------------------------------------------------
     def load(self) -> None:
@@ -167,6 +168,31 @@ class Corpus:
         self._doc_tokens[cache_key] = out
         while len(self._doc_tokens) > _DOC_TOKEN_CACHE:
             self._doc_tokens.popitem(last=False)
+        return out
+
+    def chunk_texts(self, rec: Any) -> list[str]:
+        """A ready document's chunk texts: the spans of its stored text that its chunks' tokens cover (cut at
+        the first character of the next chunk's first token, so the texts tile the document). What
+        citations, /v1/search and the chunk listing show; the tokens stay what the model reads."""
+        cache_key = (rec.id, rec.content_hash)
+        if cache_key in self._chunk_texts:
+            self._chunk_texts.move_to_end(cache_key)
+            return self._chunk_texts[cache_key]
+        text = self.store.get_text(rec.id)
+        if text is None:
+            raise APIError(404, f"document {rec.id!r} has no stored text", code="document_not_found")
+        offsets = self.chunker.token_starts(text)
+        if len(offsets) != sum(rec.chunk_tokens):
+            raise APIError(500, f"document {rec.id!r} no longer tokenizes as it did at ingestion: re-ingest it",
+                           code="tokenizer_changed")
+        starts, pos = [], 0
+        for n in rec.chunk_tokens:
+            starts.append(0 if pos == 0 else offsets[pos])
+            pos += n
+        out = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+        self._chunk_texts[cache_key] = out
+        while len(self._chunk_texts) > _DOC_TOKEN_CACHE:
+            self._chunk_texts.popitem(last=False)
         return out
 
     async def document_index_available(self) -> bool:

@@ -17,6 +17,7 @@ The context is the one the worker reports; before it has, the configured `model.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvfuse.fusion.prompt import overflow, prompt_texts
@@ -37,12 +38,12 @@ def context_limit(worker_info: dict, settings: Settings) -> int | None:
 
 
 async def check_prompt_fits(chunker: Chunker, limit: int | None, question: str, system_prompt: str,
-                            max_tokens: int) -> None:
-    """Raise 400 if the prompt (documents aside) plus max_tokens cannot fit `limit` tokens (no check
-    when the limit is not known yet)."""
+                            max_tokens: int, history: Sequence[Sequence[str]] = ()) -> None:
+    """Raise 400 if the prompt (documents aside, a conversation's earlier turns in) plus max_tokens cannot
+    fit `limit` tokens (no check when the limit is not known yet)."""
     if limit is None:
         return
-    prefix, question_part = prompt_texts(chunker.tokenizer, question, system_prompt)
+    prefix, question_part = prompt_texts(chunker.tokenizer, question, system_prompt, history)
     chars, bound = len(prefix) + len(question_part), limit * chunker.max_token_chars
     if chars > bound:
         raise APIError(400, f"the query and system prompt are {chars} characters long: a model context of {limit} "

@@ -28,8 +28,10 @@ from kvfuse.service.dispatch.job_book import (
     WorkerUnavailable,
 )
 from kvfuse.service.errors import APIError, document_not_found, retry_after
+from kvfuse.service.rag.chunks import document_chunks, found_chunks
+from kvfuse.service.rag.conversation import Conversation, fit_history
 from kvfuse.service.rag.prompt_size import check_prompt_fits, context_limit
-from kvfuse.service.rag.retrieval import RetrievalOptions, retrieval_options, retrieve
+from kvfuse.service.rag.retrieval import RetrievalOptions, check_question, retrieval_options, retrieve
 from kvfuse.service.wire.protocol import (
     ERR_CONTEXT_OVERFLOW,
     ERR_INDEX_UNAVAILABLE,
@@ -85,6 +87,9 @@ class SourceChunk:
     token_ids: list[int]
     dense_rank: int | None = None
     keyword_rank: int | None = None
+    text: str = ""  # what the chunk covers of its document (rag/chunks.py), for citations
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # its document's
+    location: dict[str, Any] = dataclasses.field(default_factory=dict)  # its page or section, from a file
 
 
 @dataclass
@@ -99,6 +104,7 @@ class QueryPlan:
     retrieval_s: float
     arrived: float
     deadline: float
+    conversation: Conversation | None = None  # a chat's earlier turns kept for the prompt (rag/conversation.py)
 
 
 @dataclass
@@ -111,9 +117,15 @@ class QueryRun:
     events: AsyncIterator[tuple[str, dict]]
     sources: list[SourceChunk]
     dropped: list[SourceChunk]
+    logprobs: list | None = None  # every generated token's (fusion/logprobs.py), once the Result came, if asked
 
     @property
     def warning(self) -> str | None:
+        notes = [w for w in (self._dropped_warning, self.plan.conversation and self.plan.conversation.warning) if w]
+        return " ".join(notes) or None
+
+    @property
+    def _dropped_warning(self) -> str | None:
         if not self.dropped:
             return None
         return (f"{len(self.dropped)} retrieved chunk(s) did not fit the model context beside the question and "
@@ -157,27 +169,32 @@ class QueryService:
     async def prepare(self, *, question: str, system_prompt: str | None, top_k: int | None,
                       document_ids: list[str] | None, filters: dict | None, retrieval: Any | None,
                       fusion: Any | None, gen: Any, arrived: float,
+                      turns: list[tuple[str, str]] | None = None,
                       visible: frozenset[str] | None = None) -> QueryPlan:
         """`fusion` and `gen` are the request's knobs (pydantic models: api/schemas.py FusionIn and
-        GenerationIn); unset ones take the configured defaults. `visible`: the collections the caller's key
-        sees (None = every one); others answer as absent. The corpus must be loaded."""
+        GenerationIn); unset ones take the configured defaults. `turns`: a chat's earlier messages, (role,
+        text) oldest first (rag/conversation.py). `visible`: the collections the caller's key sees (None =
+        every one); others answer as absent. The corpus must be loaded."""
         s = self.settings
-        if not question.strip():
-            raise APIError(422, "the question is empty or whitespace only", code="empty_query", param="query")
-        if top_k is not None and top_k > s.retriever.max_top_k:
-            raise APIError(422, f"top_k {top_k} exceeds the limit of {s.retriever.max_top_k}", code="invalid_value",
-                           param="top_k")
+        check_question(s, question, top_k)
         fusion_opts = self.fusion_options(fusion)
         gen_opts = self.generation_options(gen)
         system_prompt = system_prompt if system_prompt is not None else s.model.system_prompt
+        conversation = None
+        if turns:
+            conversation = await asyncio.to_thread(fit_history, self.corpus.chunker, turns, question,
+                                                   s.generation.history_max_tokens)
+        history = conversation.history if conversation else []
         await check_prompt_fits(self.corpus.chunker, context_limit(self.dispatcher.info, s), question,
-                                system_prompt, gen_opts["max_tokens"])  # before the embedding
+                                system_prompt, gen_opts["max_tokens"], history)  # before the embedding
+        search_for = conversation.retrieval_query if conversation else question
         retrieval_opts = retrieval_options(s, retrieval, visible)
         t0 = time.perf_counter()
         if document_ids is not None:
             chunks = await asyncio.to_thread(self._explicit_chunks, document_ids, visible)
         else:
-            hits = await asyncio.to_thread(retrieve, self.corpus, question, top_k or s.retriever.top_k, retrieval_opts, filters)
+            hits = await asyncio.to_thread(retrieve, self.corpus, search_for, top_k or s.retriever.top_k,
+                                           retrieval_opts, filters)
             chunks = await asyncio.to_thread(self._hits_to_chunks, hits)
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
@@ -185,7 +202,7 @@ class QueryService:
         return QueryPlan(question=question, system_prompt=system_prompt, chunks=chunks,
                          explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
                          generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
-                         deadline=arrived + s.server.request_timeout_s)
+                         deadline=arrived + s.server.request_timeout_s, conversation=conversation)
 
     def fusion_options(self, fusion: Any | None) -> dict[str, Any]:
         from kvfuse.fusion import available_methods
@@ -216,8 +233,11 @@ class QueryService:
                            code="invalid_value", param="stop")
         if any(not s for s in stop):
             raise APIError(422, "stop strings must not be empty", code="invalid_value", param="stop")
+        # OpenAI's logprobs / top_logprobs (chat only): None = none, n = the chosen token's and n more
+        logprobs = (getattr(gen, "top_logprobs", None) or 0) if getattr(gen, "logprobs", False) else None
         return {"max_tokens": max_tokens, "temperature": g.temperature if gen.temperature is None else gen.temperature,
-                "top_p": g.top_p if gen.top_p is None else gen.top_p, "seed": gen.seed, "stop": stop}
+                "top_p": g.top_p if gen.top_p is None else gen.top_p, "seed": gen.seed, "stop": stop,
+                "logprobs": logprobs}
 
 
     def _key(self, rec: Any, i: int, token_ids: list[int]) -> str:
@@ -251,8 +271,11 @@ class QueryService:
                 raise document_not_found(doc_id, param="document_ids")
             if rec is None or rec.status != "ready":
                 self._not_ready(doc_id, rec)
+            found = document_chunks(self.corpus, rec)
             for i, ids in enumerate(self.corpus.chunk_token_ids(rec)):
-                chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids))
+                c = found[i]
+                chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids, text=c.text,
+                                          metadata=c.metadata, location=c.location))
         return chunks
 
     def _not_ready(self, doc_id: str, rec: Any) -> NoReturn:
@@ -272,15 +295,15 @@ class QueryService:
     def _hits_to_chunks(self, hits: list[Any]) -> list[SourceChunk]:
         chunks = []
         records: dict[str, Any] = {}
-        for h in hits:
-            if h.document_id not in records:
-                records[h.document_id] = self.corpus.store.get_document(h.document_id)
-            rec = records[h.document_id]
-            if rec is None or rec.status != "ready" or h.chunk_index >= len(rec.chunk_keys):
-                continue  # deleted or re-ingested since the search
-            ids = self.corpus.chunk_token_ids(rec)[h.chunk_index]
-            chunks.append(SourceChunk(h.document_id, h.chunk_index, h.score, self._key(rec, h.chunk_index, ids), ids,
-                                      h.dense_rank, h.keyword_rank))
+        for c in found_chunks(self.corpus, hits):  # those deleted or re-ingested since the search left out
+            if c.document_id not in records:
+                records[c.document_id] = self.corpus.store.get_document(c.document_id)
+            rec = records[c.document_id]
+            if rec is None or c.chunk_index >= len(rec.chunk_keys):
+                continue
+            ids = self.corpus.chunk_token_ids(rec)[c.chunk_index]
+            chunks.append(SourceChunk(c.document_id, c.chunk_index, c.score, self._key(rec, c.chunk_index, ids), ids,
+                                      c.dense_rank, c.keyword_rank, c.text, c.metadata, c.location))
         if not chunks:
             raise APIError(404, "no ready document matches the query (ingest documents first, or relax filters)",
                            code="no_documents")
@@ -291,7 +314,8 @@ class QueryService:
         """Queue the job and wait for the worker's plan (which chunks fit), watching `gone` meanwhile."""
         message = QueryJob(question=plan.question, system_prompt=plan.system_prompt, explicit=plan.explicit,
                            fusion=plan.fusion, generation=plan.generation,
-                           chunks=[ChunkRef(c.key, c.token_ids, c.score) for c in plan.chunks])
+                           chunks=[ChunkRef(c.key, c.token_ids, c.score) for c in plan.chunks],
+                           history=[list(t) for t in plan.conversation.history] if plan.conversation else [])
         try:
             job = self.dispatcher.submit(message)
         except QueueFull as err:
@@ -360,9 +384,10 @@ class QueryService:
                     else:
                         m.itl.observe(now - last_at)
                     last_at = now
-                    yield "delta", {"text": msg.text}
+                    yield "delta", {"text": msg.text, "logprobs": msg.logprobs}
                 elif isinstance(msg, Result):
                     finished = True
+                    run.logprobs = msg.logprobs
                     p = dataclasses.asdict(msg)
                     u = p["usage"]
                     outcome = QueryOutcome(p, first_at, now, cached_tokens(run.plan, u))

@@ -65,6 +65,7 @@ class QueryJob:
     generation: dict[str, Any]
     chunks: list[ChunkRef]
     job_id: int = 0  # assigned by the supervisor
+    history: list[list[str]] = field(default_factory=list)  # earlier turns, [role, text] oldest first
 
 
 @dataclass
@@ -116,6 +117,8 @@ class Delta:
     job_id: int
     text: str
     step: int = 0
+    # with generation["logprobs"] set: per token kept since the last Delta, [id, logprob, [[id, logprob]...]]
+    logprobs: list | None = None
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Result:
     rebuilt_chunks: int = 0
     step: int = 0
     worker: str = ""  # the worker that served it (named in the answer)
+    logprobs: list | None = None  # every kept token's, as in Delta, when asked for
 
 
 def prompt_tokens(usage: dict[str, int]) -> int:

@@ -195,7 +195,8 @@ class Worker:
     def _emit(self, req: Request, text: str) -> None:
         seq: QuerySequence = req.data
         if text:
-            self.send(P.Delta(req.job_id, text, self.step_no))
+            logprobs = seq.gen.take_logprobs() if seq.gen.options.logprobs is not None else None
+            self.send(P.Delta(req.job_id, text, self.step_no, logprobs))
         if seq.gen.finished is not None:
             self.scheduler.retire(req.job_id)
             self.send(seq.result(self.step_no))

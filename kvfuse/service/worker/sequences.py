@@ -34,7 +34,7 @@ def plan_query(job: P.QueryJob, engine: Any, scheduler: Scheduler, limit: int, s
     full_prefill, per_chunk = method.full_prefill, method.tokens_per_chunk(fusion)
     if gen.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
-    prefix_ids, question_ids = engine.prompt_parts(job.question, job.system_prompt)
+    prefix_ids, question_ids = engine.prompt_parts(job.question, job.system_prompt, job.history)
     fixed = len(prefix_ids) + len(question_ids) + gen.max_tokens
     too_long = overflow(len(prefix_ids) + len(question_ids), gen.max_tokens, limit)
     if too_long:
@@ -153,7 +153,9 @@ class QuerySequence:
         timings = {k: float(v) for k, v in self.timings.items()}
         timings["decode_s"] = time.perf_counter() - self._t_first
         r = self.gen.result(self.stats, timings)
-        return P.Result(self.job.job_id, r.text, r.finish_reason, dict(r.usage), r.timings, self.rebuilt, step)
+        logprobs = r.logprobs if self.gen_options.logprobs is not None else None
+        return P.Result(self.job.job_id, r.text, r.finish_reason, dict(r.usage), r.timings, self.rebuilt, step,
+                        logprobs=logprobs)
 
 
 class IngestTask:

@@ -333,11 +333,11 @@ BAD_INPUTS = [
     ("filters match nothing", "POST", "/v1/query", {"json": {**Q, "filters": {"topic": "none"}}}, 404,
      "no_documents"),
     ("chat without user message", "POST", "/v1/chat/completions",
-     {"json": {"model": "kvfuse", "messages": [{"role": "system", "content": "hi"}]}}, 422, "invalid_value"),
+     {"json": {"model": "kvfuse", "messages": [{"role": "system", "content": "hi"}]}}, 400, "invalid_value"),
     ("chat unknown model", "POST", "/v1/chat/completions",
      {"json": {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}}, 404, "model_not_found"),
     ("chat n=2", "POST", "/v1/chat/completions",
-     {"json": {"model": "kvfuse", "n": 2, "messages": [{"role": "user", "content": "hi"}]}}, 422, "invalid_value"),
+     {"json": {"model": "kvfuse", "n": 2, "messages": [{"role": "user", "content": "hi"}]}}, 400, "invalid_value"),
 ]
 
 

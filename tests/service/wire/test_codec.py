@@ -15,6 +15,11 @@ MESSAGES = [
     P.Result(1, "text", "stop", {"generated_tokens": 2}, {"decode_s": 0.1}, 1, 4, worker="gpu-1"),
     P.Done(2, ["k"], [100], 1, 5, worker="gpu-2"), P.Error(3, P.ERR_WORKER_LOST, "gone", None, 6),
     P.Step(1, 2, [3], None, 1, 0, 10), P.Ready({"fingerprint": "f"}), P.Fatal("bad"),
+    # a conversation's earlier turns, and logprobs asked for
+    P.QueryJob("and then?", "sys", False, {"method": "anchor"}, {"max_tokens": 4, "logprobs": 2},
+               [P.ChunkRef("k1", [1, 2], 1.0)], 9, history=[["user", "first?"], ["assistant", "yes"]]),
+    P.Delta(1, " a", 3, logprobs=[[264, -0.25, [[264, -0.25], [11, -2.5]]]]),
+    P.Result(1, " a", "length", {"generated_tokens": 1}, {}, 0, 4, logprobs=[[264, -0.25, [[264, -0.25]]]]),
 ]
 
 
