@@ -135,3 +135,20 @@ def test_a_write_key_ingests_and_deletes_in_its_own_collection(holder: Holder) -
         assert made.status_code == 201, made.text
         assert a.get(f"/v1/jobs/{made.json()['job_id']}").status_code == 200
         assert a.delete("/v1/documents/a-note").json()["deleted"] is True
+
+
+def test_a_scoped_key_searches_lists_chunks_and_deletes_by_filter_only_in_its_collections(holder: Holder) -> None:
+    with make_client(holder.server, key=TEAM_A) as a, make_client(holder.server, key=READER) as r, \
+            make_client(holder.server) as admin:
+        found = a.post("/v1/search", json={"query": QUESTION, "top_k": 4}).json()["results"]
+        assert found and {x["document_id"] for x in found} == {"a-todo"}
+        assert _error(a.post("/v1/search", json={"query": QUESTION, "retrieval": {"collections": ["beta"]}}))[:2] == (
+            404, "collection_not_found")
+        assert a.get("/v1/documents/a-todo/chunks").json()["chunks"]
+        hidden, absent = a.get("/v1/documents/b-todo/chunks"), a.get("/v1/documents/no-such/chunks")
+        assert _error(hidden)[:2] == _error(absent)[:2] == (404, "document_not_found")
+        everything = {"filters": {"x": {"$ne": 1}}}  # no document has x: every one matches
+        dry = a.post("/v1/documents/delete", json=everything).json()
+        assert dry["dry_run"] is True and dry["ids"] == ["a-todo"]  # beta's documents match nothing for it
+        assert _error(r.post("/v1/documents/delete", json=everything))[:2] == (403, "read_only_key")
+        assert admin.post("/v1/documents/delete", json=everything).json()["matched"] >= 3
