@@ -26,6 +26,7 @@ from pydantic_settings import (
 from kvfuse.config.sections import (  # the sections are part of this module's interface
     DEFAULT_COLLECTION,
     BenchSettings,
+    FidelitySettings,
     FleetSettings,
     FusionMethodName,
     FusionRequestSettings,
@@ -40,7 +41,7 @@ from kvfuse.config.sections import (  # the sections are part of this module's i
 )
 
 __all__ = [
-    "DEFAULT_COLLECTION", "REPO_CONFIG", "BenchSettings", "ConfigError", "FleetSettings", "FusionMethodName",
+    "DEFAULT_COLLECTION", "REPO_CONFIG", "BenchSettings", "ConfigError", "FidelitySettings", "FleetSettings", "FusionMethodName",
     "FusionRequestSettings", "FusionSettings", "GenerationSettings", "ModelSettings", "RetrievalRequestSettings",
     "RetrieverSettings", "ServerSettings", "Settings", "StoreSettings", "config_path", "get_settings",
     "load_settings", "setting_error", "string_list",
@@ -69,6 +70,7 @@ class Settings(BaseSettings):
     generation: GenerationSettings = GenerationSettings()
     bench: BenchSettings = BenchSettings()
     fleet: FleetSettings = FleetSettings()
+    fidelity: FidelitySettings = FidelitySettings()
 
     @field_validator("model_cache_dir", mode="before")
     @classmethod

@@ -75,7 +75,10 @@ def _all_optional(model: type[BaseModel]) -> dict[str, Any]:
 
 
 # The per-request fusion knobs are declared once, in config (FusionRequestSettings): same names, bounds.
-FusionIn = create_model("FusionIn", __base__=Strict, **_all_optional(FusionRequestSettings))
+# recompute_ratio may also be "auto": the ratio held for fidelity.target_agreement (rag/fidelity.py).
+_fusion_fields = _all_optional(FusionRequestSettings)
+_fusion_fields["recompute_ratio"] = (_fusion_fields["recompute_ratio"][0] | Literal["auto"], None)
+FusionIn = create_model("FusionIn", __base__=Strict, **_fusion_fields)
 # Likewise the retrieval knobs (RetrievalRequestSettings), plus the collections searched (default: the
 # default collection).
 RetrievalOptionsIn = create_model("RetrievalOptionsIn", __base__=Strict,

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from kvfuse.config import Settings
     from kvfuse.service.metrics import Metrics
     from kvfuse.service.rag.corpus import Corpus
+    from kvfuse.service.rag.fidelity import FidelityLedger
     from kvfuse.service.rag.ingest import IngestManager
 
 Gone = Callable[[], Awaitable[bool]]  # whether the client has gone (a request's is_disconnected)
@@ -99,6 +100,8 @@ class QueryPlan:
     retrieval_s: float
     arrived: float
     deadline: float
+    ratio_source: str = "request"  # request | config | auto (held for the target, rag/fidelity.py)
+    size_bucket: str | None = None  # the prompt-size bucket an "auto" ratio was held for
 
 
 @dataclass
@@ -142,8 +145,10 @@ class QueryService:
     """Queries from the request's knobs to the worker's last message, over the corpus (attached once
     loaded) and the dispatcher; a stale document found on the way is handed to ingestion to rebuild."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, dispatcher: Any, ingest: IngestManager) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, dispatcher: Any, ingest: IngestManager,
+                 fidelity: FidelityLedger | None = None) -> None:
         self.settings = settings
+        self.fidelity = fidelity
         self.metrics = metrics
         self.dispatcher = dispatcher
         self.ingest = ingest
@@ -165,6 +170,7 @@ class QueryService:
         if top_k is not None and top_k > s.retriever.max_top_k:
             raise APIError(422, f"top_k {top_k} exceeds the limit of {s.retriever.max_top_k}", code="invalid_value",
                            param="top_k")
+        requested_ratio = fusion.recompute_ratio if fusion is not None else None
         fusion_opts = self.fusion_options(fusion)
         gen_opts = self.generation_options(gen)
         system_prompt = system_prompt if system_prompt is not None else s.model.system_prompt
@@ -180,10 +186,14 @@ class QueryService:
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
             self.metrics.retrieval.observe(retrieval_s)
+        source, bucket = "request" if requested_ratio is not None else "config", None
+        if self.fidelity is not None and self.fidelity.auto(requested_ratio):
+            bucket = self.fidelity.resolve(fusion_opts, sum(len(c.token_ids) for c in chunks))
+            source = "auto" if bucket is not None else "config"
         return QueryPlan(question=question, system_prompt=system_prompt, chunks=chunks,
                          explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
                          generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
-                         deadline=arrived + s.server.request_timeout_s)
+                         deadline=arrived + s.server.request_timeout_s, ratio_source=source, size_bucket=bucket)
 
     def fusion_options(self, fusion: Any | None) -> dict[str, Any]:
         from kvfuse.fusion import available_methods
@@ -192,6 +202,8 @@ class QueryService:
         opts = request_knobs(self.settings.fusion)  # config.fusion also holds engine-wide settings
         if fusion is not None:
             opts.update(fusion.model_dump(exclude_none=True))
+        if opts["recompute_ratio"] == "auto":  # resolved once the prompt's size is known (prepare)
+            opts["recompute_ratio"] = self.settings.fusion.recompute_ratio
         methods = available_methods()
         if opts["method"] not in methods:
             raise APIError(422, f"unknown fusion method {opts['method']!r}; available: {', '.join(methods)}",
