@@ -66,5 +66,7 @@ class Metrics:
                                           buckets=_KL_BUCKETS, registry=r)
         self.shadow_dropped = Counter("kvfuse_shadow_dropped", "Shadow checks dropped unrun (queue full)",
                                       ["method"], registry=r)
+        self.fidelity_target = Gauge("kvfuse_fidelity_target_agreement", "fidelity.target_agreement (0 = off)",
+                                     registry=r)
         self.fidelity_ratio = Gauge("kvfuse_fidelity_ratio", "Recompute ratio held for the target agreement",
                                     ["method", "bucket"], registry=r)

@@ -91,6 +91,7 @@ class FidelityLedger:
         self.methods: dict[str, Tally] = {}
         self.buckets: dict[tuple[str, str], Tally] = {}
         self.fingerprint: str | None = None
+        metrics.fidelity_target.set(self.fid.target_agreement)
 
     @property
     def holding(self) -> bool:

@@ -31,7 +31,9 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float] | None:
     p = k / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    lo = 0.0 if k == 0 else max(0.0, centre - half)  # exact at the edges, where rounding leaves 1 - 1e-16
+    hi = 1.0 if k == n else min(1.0, centre + half)
+    return lo, hi
 
 
 def size_bucket(context_tokens: int, edges: list[int]) -> str:

@@ -141,6 +141,13 @@ def cached_tokens(plan: QueryPlan, usage: dict) -> int:
     return max(0, usage.get("prefix_tokens", 0) + usage.get("context_tokens", 0) - usage.get("recomputed_tokens", 0))
 
 
+def chunk_key_now(fingerprint: str, kv_dtype: str, rec: Any, i: int, token_ids: list[int]) -> str:
+    """Chunk i's key under the model `fingerprint`: its tokens and the context its KV was computed after
+    (from the document's record). The service's queries and `kvfuse calibrate` key chunks this way."""
+    context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
+    return chunk_key_from_hash(fingerprint, kv_dtype, token_hash(token_ids), context)
+
+
 class QueryService:
     """Queries from the request's knobs to the worker's last message, over the corpus (attached once
     loaded) and the dispatcher; a stale document found on the way is handed to ingestion to rebuild."""
@@ -238,8 +245,7 @@ class QueryService:
         fp = self.dispatcher.info.get("fingerprint")
         if not fp:  # no worker yet: the query waits for one, which will have this model
             return rec.chunk_keys[i]
-        context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
-        key = chunk_key_from_hash(fp, self.settings.store.kv_dtype, token_hash(token_ids), context)
+        key = chunk_key_now(fp, self.settings.store.kv_dtype, rec, i, token_ids)
         if key != rec.chunk_keys[i]:
             self.metrics.fingerprint_misses.inc()
             if rec.id not in self._stale_logged:
