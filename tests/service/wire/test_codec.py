@@ -15,6 +15,8 @@ MESSAGES = [
     P.Result(1, "text", "stop", {"generated_tokens": 2}, {"decode_s": 0.1}, 1, 4, worker="gpu-1"),
     P.Done(2, ["k"], [100], 1, 5, worker="gpu-2"), P.Error(3, P.ERR_WORKER_LOST, "gone", None, 6),
     P.Step(1, 2, [3], None, 1, 0, 10), P.Ready({"fingerprint": "f"}), P.Fatal("bad"),
+    P.ShadowResult("anchor", 0.15, 900, True, 0.03, 7, 5, 1200, 9, worker="gpu-1"),
+    P.ShadowResult("anchor", 0.15, 900, None, 0.5, 3), P.ShadowDropped("epic", 4, worker="gpu-1"),
 ]
 
 
