@@ -88,3 +88,17 @@ def test_pending_checks_are_bounded_oldest_dropped(harness: Harness, chunks) -> 
     checked = [v for v in got if isinstance(v, P.ShadowResult)]
     assert len(dropped) + len(checked) == 5 and len(dropped) >= 1
     assert all(v.method == "anchor" for v in got)
+
+
+def test_a_fused_answer_that_is_the_full_prefill_checks_as_agreeing_with_no_kl(harness: Harness, chunks) -> None:
+    """anchor at ratio 1 recomputes every row: its answer is the full prefill's, token for token, so the
+    check agrees (replaying every row, no decode step) and its answer KL is rounding only."""
+    before = len(harness.verdicts)
+    job = query(chunks, [2, 3, 4], max_tokens=10)
+    job.fusion["recompute_ratio"] = 1.0
+    (out,) = harness.run_all([job])
+    assert isinstance(out, Outcome)
+    (verdict,) = until_verdicts(harness, before + 1)[before:]
+    assert verdict.agreed is True and verdict.recompute_ratio == 1.0
+    assert verdict.answer_tokens == out.result.usage["generated_tokens"] + (out.result.finish_reason == "stop")
+    assert verdict.answer_kl < 1e-4
