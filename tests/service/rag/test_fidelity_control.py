@@ -154,3 +154,15 @@ def test_state_persists_with_the_fingerprint_and_resets_on_another_model(tmp_pat
     retarget.attach_model("fp-a")
     assert retarget.controller.hold("anchor", "0-1024").ratio == 0.2
     assert retarget.controller.hold("anchor", "0-1024").checks == 0
+
+
+def test_a_request_may_ask_for_the_held_ratio_by_name() -> None:
+    from kvfuse.service.api.schemas import QueryIn, validate
+    from kvfuse.service.errors import APIError
+
+    assert validate(QueryIn, {"query": "q", "fusion": {"recompute_ratio": "auto"}}).fusion.recompute_ratio == "auto"
+    assert validate(QueryIn, {"query": "q", "fusion": {"recompute_ratio": 0.3}}).fusion.recompute_ratio == 0.3
+    for bad in ("fast", 1.5, -0.1):
+        with pytest.raises(APIError) as err:
+            validate(QueryIn, {"query": "q", "fusion": {"recompute_ratio": bad}})
+        assert err.value.status == 422 and err.value.param.startswith("fusion.recompute_ratio")
