@@ -16,6 +16,7 @@ _REGISTRARS = (
     "kvfuse.service.cli",
     "kvfuse.store.cli",
     "kvfuse.bench.cli",
+    "kvfuse.bench.calibrate_report",
     "kvfuse.train.cli",
 )
 

@@ -3,7 +3,8 @@
 Answer KL: the mean over vanilla's whole greedy answer of KL(P_vanilla ‖ P_method) per token, the method's
 distributions taken on its own fused cache with vanilla's answer fed in (teacher forcing, one forward
 over the answer tokens). The first-token KL alone misses a wrong digit in the middle of a copied number;
-this measure sees it at the step where the digit is decided. See docs/DESIGN.md, "Fidelity measures".
+this measure sees it at the step where the digit is decided (computed in kvfuse/fusion/teacher_forcing.py,
+shared with the service's shadow checks). See docs/DESIGN.md, "Fidelity measures".
 
 Intervals: percentile bootstrap over examples, seeded, so a report re-rendered from the same JSON shows
 the same interval. Every quantity here is per example and already paired with vanilla (agreement is
@@ -14,69 +15,17 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+
+from kvfuse.fusion.teacher_forcing import (  # noqa: F401 - the benchmarks' names for them
+    answer_kl,
+    prompt_cache_positions,
+    teacher_forced_logits,
+    token_kls,
+)
 
 CI_LEVEL = 0.95
 CI_RESAMPLES = 2000
 CI_SEED = 0
-
-
-def token_kls(ref_logprobs: Any, logits: Any) -> list[float]:
-    """KL(P_ref ‖ P) per answer position, in nats. ref_logprobs, logits: [m, vocab] (any float dtype; the
-    reference is renormalised, so a rounded copy on disk still is a distribution)."""
-    import torch
-
-    p_log = torch.log_softmax(ref_logprobs.double(), dim=-1)
-    q_log = torch.log_softmax(logits.double(), dim=-1)
-    if p_log.shape != q_log.shape:
-        raise ValueError(f"reference {tuple(p_log.shape)} and method {tuple(q_log.shape)} distributions differ")
-    kl = (p_log.exp() * (p_log - q_log)).sum(dim=-1).clamp_min(0.0)
-    return [float(x) for x in kl]
-
-
-def answer_kl(ref_logprobs: Any, logits: Any) -> float:
-    """Mean per-token KL(P_ref ‖ P) over the answer (0 for an empty answer)."""
-    kls = token_kls(ref_logprobs, logits)
-    return sum(kls) / len(kls) if kls else 0.0
-
-
-def prompt_cache_positions(stats: dict) -> int:
-    """The prompt's positions in a prefill's fused cache, from its stats: the whole prompt, or fewer where
-    the method compacts it and says so (samkv's sparse cache, `fused_cache_tokens`)."""
-    return int(stats.get("fused_cache_tokens",
-                         stats["prefix_tokens"] + stats["context_tokens"] + stats["question_tokens"]))
-
-
-def teacher_forced_logits(engine: Any, fused: Any, answer_tokens: Sequence[int]) -> Any:
-    """The method's next-token logits at every position of `answer_tokens` ([m, vocab], fp32): the first
-    row is the fused prefill's own, the rest from one forward of answer_tokens[:-1] appended after the
-    prompt in `fused.cache` (rows written past the prompt; whatever a decode left there is overwritten,
-    and nothing past a row's own position is read)."""
-    import torch
-
-    first = fused.logits.detach().float().reshape(1, -1)
-    feed = list(answer_tokens[:-1])
-    if not feed:
-        return first[: len(answer_tokens)]
-    tf, cache = engine.tf, fused.cache
-    start = prompt_cache_positions(fused.stats)
-    if cache.position_offset:
-        # A cache whose slots are not positions (samkv's sparse cache, eviction): the answer goes in by
-        # decode steps from the end of the prompt's slots, each at its true position.
-        cache.length = start - cache.position_offset
-        if cache.length + len(feed) > cache.capacity:
-            raise ValueError(f"the fused cache holds {cache.capacity} rows; the answer needs {cache.length + len(feed)}")
-        rest = torch.stack([engine.decode_step(cache, t).float() for t in feed])
-        return torch.cat([first, rest])
-    if start + len(feed) > cache.capacity:
-        raise ValueError(f"the fused cache holds {cache.capacity} rows; the answer needs {start + len(feed)}")
-    with torch.inference_mode():
-        rows = engine.rows(torch.arange(start, start + len(feed), device=engine.device))
-        h = tf.embed(torch.tensor(feed, dtype=torch.long, device=engine.device))
-        for layer in range(tf.num_layers):
-            h = tf.layer(cache, layer, h, rows)
-        rest = tf.logits(h[0]).float()
-    return torch.cat([first, rest])
 
 
 def bootstrap_ci(values: Sequence[float], *, level: float = CI_LEVEL, resamples: int = CI_RESAMPLES,

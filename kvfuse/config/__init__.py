@@ -26,6 +26,7 @@ from pydantic_settings import (
 from kvfuse.config.sections import (  # the sections are part of this module's interface
     DEFAULT_COLLECTION,
     BenchSettings,
+    FidelitySettings,
     FleetSettings,
     FusionMethodName,
     FusionRequestSettings,
@@ -41,10 +42,10 @@ from kvfuse.config.sections import (  # the sections are part of this module's i
 )
 
 __all__ = [
-    "DEFAULT_COLLECTION", "REPO_CONFIG", "BenchSettings", "ConfigError", "FleetSettings", "FusionMethodName",
-    "FusionRequestSettings", "FusionSettings", "GenerationSettings", "ModelSettings", "RedisSettings",
-    "RetrievalRequestSettings", "RetrieverSettings", "ServerSettings", "Settings", "StoreSettings", "config_path",
-    "get_settings", "load_settings", "setting_error", "string_list",
+    "DEFAULT_COLLECTION", "REPO_CONFIG", "BenchSettings", "ConfigError", "FidelitySettings", "FleetSettings",
+    "FusionMethodName", "FusionRequestSettings", "FusionSettings", "GenerationSettings", "ModelSettings",
+    "RedisSettings", "RetrievalRequestSettings", "RetrieverSettings", "ServerSettings", "Settings", "StoreSettings",
+    "config_path", "get_settings", "load_settings", "setting_error", "string_list",
 ]
 
 REPO_CONFIG = Path(__file__).resolve().parents[2] / "config.yaml"
@@ -76,6 +77,7 @@ class Settings(BaseSettings):
     bench: BenchSettings = BenchSettings()
     fleet: FleetSettings = FleetSettings()
     redis: RedisSettings = RedisSettings()
+    fidelity: FidelitySettings = FidelitySettings()
 
     @field_validator("model_cache_dir", mode="before")
     @classmethod

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 FusionMethodName = str  # checked against the fusion registry by the service's create_app, before anything loads
@@ -329,6 +329,55 @@ class BenchSettings(_Section):
     reference_dir: Path = Field(Path("bench-results/vanilla-references"), description=(
         "vanilla's answers and log-probs kept between `kvfuse bench fidelity` runs; `--reference-dir` "
         "overrides"))
+
+
+class FidelitySettings(_Section):
+    """The quality contract (docs/DESIGN.md, "The quality contract"; docs/usage.md): shadow checks of
+    fused answers against a full prefill, and a recompute ratio held at a target agreement."""
+
+    shadow_rate: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "share of finished fused queries the worker re-runs as a full prefill when idle, to compare the "
+        "answers (0 = off)"))
+    metric: Literal["text", "value"] = Field("value", description=(
+        "answer agreement: `text` (same normalised answer) or `value` (same extracted answer: first number, "
+        "else first sentence)"))
+    shadow_queue: int = Field(32, ge=1, description=(
+        "pending shadow checks a worker keeps (their token ids); when full the oldest is dropped, counted"))
+    target_agreement: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "agreement the ratio is held at: per method and prompt size, the lower end of its 95 % interval "
+        "(0 = off; `recompute_ratio: auto` then means the configured ratio)"))
+    min_ratio: float = Field(0.05, ge=0.0, le=1.0, description="lowest ratio the controller uses")
+    max_ratio: float = Field(1.0, ge=0.0, le=1.0, description="highest ratio the controller uses")
+    ratio_step: float = Field(0.05, gt=0.0, le=1.0, description=(
+        "the controller moves the ratio by this much (min_ratio + k x step, capped at max_ratio)"))
+    judge_checks: int = Field(100, ge=1, description=(
+        "checks at a ratio after which the lower end of its interval must meet the target, or the ratio "
+        "rises (before that it rises only when the whole interval is below the target)"))
+    fall_checks: int = Field(200, ge=1, description=(
+        "checks at a ratio whose interval clears the target before the controller tries one step lower"))
+    size_buckets: Annotated[list[int], NoDecode] = Field([1024, 4096], description=(
+        "context-token edges of the prompt-size buckets a ratio is held for (e.g. 1024, 4096: three buckets)"))
+    state_file: str = Field("fidelity_state.json", description=(
+        "the controller's ratios and counts, kept with the model's fingerprint; relative to data_dir"))
+
+    @field_validator("size_buckets", mode="before")
+    @classmethod
+    def _buckets(cls, v: Any) -> Any:
+        v = string_list(v)
+        return [int(x) for x in v] if isinstance(v, list) else v
+
+    @field_validator("size_buckets")
+    @classmethod
+    def _sorted(cls, v: list[int]) -> list[int]:
+        if any(b <= a for a, b in zip(v, v[1:], strict=False)) or any(x <= 0 for x in v):
+            raise ValueError("must be positive and increasing")
+        return v
+
+    @model_validator(mode="after")
+    def _ratio_bounds(self) -> FidelitySettings:
+        if self.min_ratio > self.max_ratio:
+            raise ValueError(f"min_ratio {self.min_ratio} is above max_ratio {self.max_ratio}")
+        return self
 
 
 class FleetSettings(_Section):

@@ -2,7 +2,8 @@
 
 Names and meanings follow vLLM's (with the kvfuse_ prefix), so dashboards built for it read these:
 running / waiting requests, TTFT, inter-token latency, queue time, end-to-end latency, generation and
-prompt tokens; plus the batch size of each decode step, which shows whether requests really share steps.
+prompt tokens; plus the batch size of each decode step, which shows whether requests really share steps;
+and the quality contract's shadow checks (rag/fidelity.py; a panel: docs/grafana/fidelity.json).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+_KL_BUCKETS = (0.0001, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
@@ -54,3 +56,17 @@ class Metrics:
                                  ["worker"], registry=r)
         self.worker_restarts = Counter("kvfuse_worker_restarts", "Times the worker process was restarted",
                                        registry=r)
+        # The quality contract (rag/fidelity.py): shadow checks of fused answers against a full prefill.
+        self.shadow_queries = Counter("kvfuse_shadow_queries", "Shadow checks with an agreement verdict (greedy "
+                                      "fused answers)", ["method"], registry=r)
+        self.shadow_agreements = Counter("kvfuse_shadow_agreements", "Shadow checks whose fused answer agreed "
+                                         "with the full prefill's (fidelity.metric)", ["method"], registry=r)
+        self.shadow_answer_kl = Histogram("kvfuse_shadow_answer_kl", "Answer KL of fused answers under a full "
+                                          "prefill, nats per token (sampled answers too)", ["method"],
+                                          buckets=_KL_BUCKETS, registry=r)
+        self.shadow_dropped = Counter("kvfuse_shadow_dropped", "Shadow checks dropped unrun (queue full)",
+                                      ["method"], registry=r)
+        self.fidelity_target = Gauge("kvfuse_fidelity_target_agreement", "fidelity.target_agreement (0 = off)",
+                                     registry=r)
+        self.fidelity_ratio = Gauge("kvfuse_fidelity_ratio", "Recompute ratio held for the target agreement",
+                                    ["method", "bucket"], registry=r)

@@ -21,6 +21,7 @@ from kvfuse.service.dispatch.base import make_dispatcher, open_api_store
 from kvfuse.service.errors import APIError, retry_after
 from kvfuse.service.metrics import Metrics
 from kvfuse.service.rag.corpus import Corpus
+from kvfuse.service.rag.fidelity import FidelityLedger
 from kvfuse.service.rag.ingest import IngestManager
 from kvfuse.service.rag.query import QueryService
 
@@ -43,7 +44,10 @@ class ServiceState:
         self.metrics = Metrics()
         self.dispatcher = make_dispatcher(settings, self.metrics)  # local worker(s) or fleet (dispatch/)
         self.ingest = IngestManager(settings, self.metrics, self.dispatcher)
-        self.queries = QueryService(settings, self.metrics, self.dispatcher, self.ingest)
+        # The quality contract: shadow-check verdicts from the workers, the ratio held for the target.
+        self.fidelity = FidelityLedger(settings, self.metrics)
+        self.dispatcher.shadow_sink = self.fidelity.record
+        self.queries = QueryService(settings, self.metrics, self.dispatcher, self.ingest, self.fidelity)
         self.corpus: Corpus | None = None  # once the store is open; its parts load after it
         self.startup_error: str | None = None
         self.waiting_for: str | None = None  # what startup is waiting for (a Redis not up yet)
@@ -77,6 +81,7 @@ class ServiceState:
         while not await self.dispatcher.wait_ready(self.settings.server.worker_start_timeout_s):
             pass
         fp = self.dispatcher.info["fingerprint"]
+        self.fidelity.attach_model(fp)
         try:
             await asyncio.to_thread(self.corpus.store.set_model_fingerprint, fp)
             stale = await asyncio.to_thread(self.ingest.stale_documents, fp)

@@ -44,7 +44,8 @@ def search_results(found: list[FoundChunk], opts: RetrievalOptions, elapsed_s: f
 def sources_of(run: QueryRun) -> QuerySources:
     """What the answer is built on."""
     plan = run.plan
-    fusion = FusionUsed(method=plan.fusion["method"], recompute_ratio=plan.fusion["recompute_ratio"])
+    fusion = FusionUsed(method=plan.fusion["method"], recompute_ratio=plan.fusion["recompute_ratio"],
+                        ratio_source=plan.ratio_source, size_bucket=plan.size_bucket)
     retrieval = RetrievalUsed(mode="explicit" if plan.explicit else plan.retrieval.mode,
                               collections=plan.retrieval.searched)
     return QuerySources(sources=[source(c) for c in run.sources], dropped_sources=[source(c) for c in run.dropped],

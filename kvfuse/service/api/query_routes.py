@@ -1,5 +1,6 @@
 """POST /v1/query: a JSON answer (`QueryAnswer`) or an SSE stream: a `sources` event (`QuerySources`),
-`token` events, a `done` event (the same `QueryAnswer`), then `data: [DONE]`."""
+`token` events, a `done` event (the same `QueryAnswer`), then `data: [DONE]`. GET /v1/fidelity: what the
+shadow checks measured and the ratios held (rag/fidelity.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi.responses import Response
 from kvfuse.service.api import sse
 from kvfuse.service.api.answers import answer_of, sources_of
 from kvfuse.service.api.auth import Principal
-from kvfuse.service.api.dependencies import Caller, Queries
+from kvfuse.service.api.dependencies import Caller, Queries, State
 from kvfuse.service.api.errors import ERROR_RESPONSES
 from kvfuse.service.api.responses import QueryAnswer
 from kvfuse.service.api.schemas import QueryIn, documented_body, parse_json, validate
@@ -90,3 +91,11 @@ async def _sse(queries: QueryService, run: QueryRun) -> AsyncIterator[bytes]:
     except APIError as err:
         yield sse.event({**err.body(), "status": err.status}, "error")
     yield sse.DONE
+
+
+@router.get("/v1/fidelity")
+async def fidelity(state: State) -> dict[str, Any]:
+    """Per method: fused answers shadow-checked against a full prefill, their agreement with its 95 %
+    Wilson interval, the mean answer KL, and per prompt-size bucket the ratio held for the target
+    (docs/usage.md, "The quality contract")."""
+    return state.fidelity.report()

@@ -223,6 +223,9 @@ class Timings(BaseModel):
 class FusionUsed(BaseModel):
     method: str
     recompute_ratio: float
+    ratio_source: Literal["request", "config", "auto"] = Field("request", description=(
+        "where the ratio came from: the request, the configuration, or held for fidelity.target_agreement"))
+    size_bucket: str | None = Field(None, description="the prompt-size bucket an auto ratio was held for")
 
 
 class RetrievalUsed(BaseModel):

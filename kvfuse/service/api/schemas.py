@@ -21,6 +21,7 @@ from pydantic import (
     StrictStr,
     StringConstraints,
     ValidationError,
+    WrapValidator,
     create_model,
 )
 from pydantic import Strict as StrictMode
@@ -75,7 +76,17 @@ def _all_optional(model: type[BaseModel]) -> dict[str, Any]:
 
 
 # The per-request fusion knobs are declared once, in config (FusionRequestSettings): same names, bounds.
-FusionIn = create_model("FusionIn", __base__=Strict, **_all_optional(FusionRequestSettings))
+# recompute_ratio may also be "auto": the ratio held for fidelity.target_agreement (rag/fidelity.py).
+def _auto_or(value: Any, handler: Any) -> Any:
+    """"auto" as it is; anything else validated as the field's number (errors name the field alone)."""
+    return value if value == "auto" else handler(value)
+
+
+_fusion_fields = _all_optional(FusionRequestSettings)
+_ratio_type = _fusion_fields["recompute_ratio"][0]
+_fusion_fields["recompute_ratio"] = (Annotated[_ratio_type, WrapValidator(_auto_or)],
+                                     Field(None, json_schema_extra={"description": 'a number in [0, 1], or "auto"'}))
+FusionIn = create_model("FusionIn", __base__=Strict, **_fusion_fields)
 # Likewise the retrieval knobs (RetrievalRequestSettings), plus the collections searched (default: the
 # default collection).
 RetrievalOptionsIn = create_model("RetrievalOptionsIn", __base__=Strict,

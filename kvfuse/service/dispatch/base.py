@@ -32,6 +32,7 @@ class Dispatcher(Protocol):
     (local_pool.py) or a fleet (fleet.py). Jobs and their errors are job_book.py's."""
 
     crash_advice: str  # what a client should do after a worker crashed under its request
+    shadow_sink: Any  # called with each shadow-check verdict from a worker (job_book.JobBook._on_shadow)
 
     @property
     def ready(self) -> bool: ...

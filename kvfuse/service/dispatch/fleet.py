@@ -69,6 +69,27 @@ class FleetDispatcher(JobBook):
         self._access = RedisAccess.of(self.settings)
         self._r = self._access.async_client(decode_responses=True, read_timeout=False)
         self._monitor = asyncio.create_task(self._watch(), name="kvfuse-fleet-monitor")
+        shadow = asyncio.create_task(self._read_shadow(), name="kvfuse-fleet-shadow")
+        self._tasks.add(shadow)
+        shadow.add_done_callback(self._tasks.discard)
+
+    async def _read_shadow(self) -> None:
+        """The workers' shadow-check verdicts (from those written after this API started) to the ledger."""
+        last = "$"
+        while not self._closing:
+            try:
+                got = await self._r.xread({self.keys.shadow: last}, count=256, block=1000) or []
+            except Exception as err:  # noqa: BLE001 - Redis down: the heartbeat watch reports it
+                log.debug("shadow stream unavailable: %s", err)
+                await asyncio.sleep(1.0)
+                continue
+            for _, entries in got:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    try:
+                        self._on_shadow(decode(fields))
+                    except CodecError as err:
+                        log.warning("bad shadow entry %s: %s", entry_id, err)
 
     async def _watch(self) -> None:
         """Keep the live workers' heartbeats (for /ready, /metrics, dispatch and liveness)."""

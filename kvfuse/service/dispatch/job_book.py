@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,9 @@ class JobBook:
         self._running = 0  # queries admitted and not finished
         self._next_id = 1
         self._closing = False
+        # Where a worker's shadow-check verdicts go (P.ShadowResult / P.ShadowDropped): the API's fidelity
+        # ledger (rag/fidelity.py), set by the composition root; None drops them.
+        self.shadow_sink: Callable[[Any], None] | None = None
 
     @property
     def ready(self) -> bool:
@@ -134,6 +137,10 @@ class JobBook:
             self._waiting += 1
             self._gauges()
         return job
+
+    def _on_shadow(self, msg: Any) -> None:
+        if self.shadow_sink is not None:
+            self.shadow_sink(msg)
 
     def _started(self, job: Job) -> None:
         """The worker admitted the job (a query's Plan, a precompute's first step)."""

@@ -83,6 +83,15 @@ class LocalPool:
     def live_workers(self) -> list[dict[str, Any]]:
         return [w for m in self.members for w in m.live_workers()]
 
+    @property
+    def shadow_sink(self) -> Any:
+        return self.members[0].shadow_sink
+
+    @shadow_sink.setter
+    def shadow_sink(self, sink: Any) -> None:
+        for m in self.members:
+            m.shadow_sink = sink
+
     def gauges(self) -> None:
         self.metrics.waiting.set(self.waiting)
         self.metrics.running.set(self.running)

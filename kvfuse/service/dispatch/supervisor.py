@@ -135,6 +135,9 @@ class WorkerSupervisor(JobBook):
         if isinstance(msg, P.Step):
             self._on_step(msg)
             return
+        if isinstance(msg, P.SHADOW):
+            self._on_shadow(msg)
+            return
         if isinstance(msg, P.Ready):
             self.info = msg.info
             self._failures = 0

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from kvfuse.config import Settings
     from kvfuse.service.metrics import Metrics
     from kvfuse.service.rag.corpus import Corpus
+    from kvfuse.service.rag.fidelity import FidelityLedger
     from kvfuse.service.rag.ingest import IngestManager
 
 Gone = Callable[[], Awaitable[bool]]  # whether the client has gone (a request's is_disconnected)
@@ -105,6 +106,8 @@ class QueryPlan:
     arrived: float
     deadline: float
     conversation: Conversation | None = None  # a chat's earlier turns kept for the prompt (rag/conversation.py)
+    ratio_source: str = "request"  # request | config | auto (held for the target, rag/fidelity.py)
+    size_bucket: str | None = None  # the prompt-size bucket an "auto" ratio was held for
 
 
 @dataclass
@@ -150,12 +153,21 @@ def cached_tokens(plan: QueryPlan, usage: dict) -> int:
     return max(0, usage.get("prefix_tokens", 0) + usage.get("context_tokens", 0) - usage.get("recomputed_tokens", 0))
 
 
+def chunk_key_now(fingerprint: str, kv_dtype: str, rec: Any, i: int, token_ids: list[int]) -> str:
+    """Chunk i's key under the model `fingerprint`: its tokens and the context its KV was computed after
+    (from the document's record). The service's queries and `kvfuse calibrate` key chunks this way."""
+    context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
+    return chunk_key_from_hash(fingerprint, kv_dtype, token_hash(token_ids), context)
+
+
 class QueryService:
     """Queries from the request's knobs to the worker's last message, over the corpus (attached once
     loaded) and the dispatcher; a stale document found on the way is handed to ingestion to rebuild."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, dispatcher: Any, ingest: IngestManager) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, dispatcher: Any, ingest: IngestManager,
+                 fidelity: FidelityLedger | None = None) -> None:
         self.settings = settings
+        self.fidelity = fidelity
         self.metrics = metrics
         self.dispatcher = dispatcher
         self.ingest = ingest
@@ -177,6 +189,7 @@ class QueryService:
         every one); others answer as absent. The corpus must be loaded."""
         s = self.settings
         check_question(s, question, top_k)
+        requested_ratio = fusion.recompute_ratio if fusion is not None else None
         fusion_opts = self.fusion_options(fusion)
         gen_opts = self.generation_options(gen)
         system_prompt = system_prompt if system_prompt is not None else s.model.system_prompt
@@ -199,10 +212,15 @@ class QueryService:
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
             self.metrics.retrieval.observe(retrieval_s)
+        source, bucket = "request" if requested_ratio is not None else "config", None
+        if self.fidelity is not None and self.fidelity.auto(requested_ratio):
+            bucket = self.fidelity.resolve(fusion_opts, sum(len(c.token_ids) for c in chunks))
+            source = "auto" if bucket is not None else "config"
         return QueryPlan(question=question, system_prompt=system_prompt, chunks=chunks,
                          explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
                          generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
-                         deadline=arrived + s.server.request_timeout_s, conversation=conversation)
+                         deadline=arrived + s.server.request_timeout_s, conversation=conversation,
+                         ratio_source=source, size_bucket=bucket)
 
     def fusion_options(self, fusion: Any | None) -> dict[str, Any]:
         from kvfuse.fusion import available_methods
@@ -211,6 +229,8 @@ class QueryService:
         opts = request_knobs(self.settings.fusion)  # config.fusion also holds engine-wide settings
         if fusion is not None:
             opts.update(fusion.model_dump(exclude_none=True))
+        if opts["recompute_ratio"] == "auto":  # resolved once the prompt's size is known (prepare)
+            opts["recompute_ratio"] = self.settings.fusion.recompute_ratio
         methods = available_methods()
         if opts["method"] not in methods:
             raise APIError(422, f"unknown fusion method {opts['method']!r}; available: {', '.join(methods)}",
@@ -248,8 +268,7 @@ class QueryService:
         fp = self.dispatcher.info.get("fingerprint")
         if not fp:  # no worker yet: the query waits for one, which will have this model
             return rec.chunk_keys[i]
-        context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
-        key = chunk_key_from_hash(fp, self.settings.store.kv_dtype, token_hash(token_ids), context)
+        key = chunk_key_now(fp, self.settings.store.kv_dtype, rec, i, token_ids)
         if key != rec.chunk_keys[i]:
             self.metrics.fingerprint_misses.inc()
             if rec.id not in self._stale_logged:

@@ -16,7 +16,7 @@ from kvfuse.service.wire import protocol as P
 
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     P.QueryJob, P.PrecomputeJob, P.Cancel, P.Shutdown, P.Ready, P.Fatal, P.Plan, P.Delta, P.Result, P.Done,
-    P.Error, P.Step,
+    P.Error, P.Step, P.ShadowResult, P.ShadowDropped,
 )}
 
 

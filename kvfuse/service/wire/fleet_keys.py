@@ -39,6 +39,11 @@ class FleetKeys:
     def reply(self, uid: str) -> str:
         return f"{self.ns}:reply:{uid}"
 
+    @property
+    def shadow(self) -> str:
+        """Shadow-check verdicts of every worker (worker/shadow.py), read by the API's fidelity ledger."""
+        return f"{self.ns}:shadow"
+
     def cancel(self, uid: str) -> str:
         return f"{self.ns}:cancel:{uid}"
 

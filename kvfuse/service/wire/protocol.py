@@ -7,7 +7,9 @@ shape of every message and a type checker can see it.
 API -> worker: QueryJob, PrecomputeJob, Cancel, Shutdown.
 Worker -> API: Ready or Fatal once at start; per job: Plan (a query was admitted), Delta (new text),
 Result (a query's end), Done (a precompute's end), Error (refused or failed); Step after each engine
-step (batch size and queue depths, for metrics and tests). Every job message carries `job_id`; messages
+step (batch size and queue depths, for metrics and tests); ShadowResult / ShadowDropped when a shadow
+check of a finished query ends or is dropped (worker/shadow.py: no text of the query, only what the
+API's fidelity ledger counts). Every job message carries `job_id`; messages
 about a job also carry the engine `step` they were produced in, so ordering can be checked without
 clocks.
 """
@@ -171,5 +173,33 @@ class Step:
     kv_tokens: int = 0
 
 
+@dataclass
+class ShadowResult:
+    """A shadow check's verdict (worker/shadow.py): the fused answer against a full prefill of the same
+    prompt. Counts only: no text or token of the query crosses back."""
+
+    method: str
+    recompute_ratio: float
+    context_tokens: int  # the prompt's documents, for the size bucket
+    agreed: bool | None  # greedy answers agree under fidelity.metric; None: the fused answer was sampled
+    answer_kl: float  # mean KL(P_full ‖ P_fused) over the fused answer's tokens, in nats
+    answer_tokens: int
+    slices: int = 0  # engine slices the check ran in
+    max_slice_work: int = 0  # the largest slice's work, rows x layers (the bound a live request waits)
+    step: int = 0
+    worker: str = ""
+
+
+@dataclass
+class ShadowDropped:
+    """A finished query's shadow check was dropped before it ran: the queue of pending checks was full
+    (fidelity.shadow_queue), so the oldest went."""
+
+    method: str
+    step: int = 0
+    worker: str = ""
+
+
 FINAL = (Result, Done, Error)
+SHADOW = (ShadowResult, ShadowDropped)
 

@@ -17,7 +17,9 @@ The loop (`serve`): drain the pipe (blocking only when idle), then one engine st
 scheduler allows (send Plan, load KV), run the step's share of prefill (decoder layers of the prefilling
 sequences, oldest first; a completed prefill takes its first token), a piece of ingestion if it is
 ingestion's turn, then one batched decode step for every sequence past its prefill; finished, cancelled and failed sequences are
-retired at once, so a Cancel read at the top of a step takes effect in that step.
+retired at once, so a Cancel read at the top of a step takes effect in that step. When the scheduler
+has nothing to do, the loop runs shadow checks of finished queries a slice at a time, reading the pipe
+between slices (shadow.py): a ShadowResult (or ShadowDropped) goes to the API for its fidelity ledger.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from kvfuse.service.wire.protocol import (
 from kvfuse.service.worker.chunk_kv import ChunkCache
 from kvfuse.service.worker.scheduler import Request, Scheduler, SchedulerLimits
 from kvfuse.service.worker.sequences import IngestTask, QuerySequence, plan_query
+from kvfuse.service.worker.shadow import ShadowChecks
 
 log = logging.getLogger("kvfuse.worker")
 
@@ -60,6 +63,9 @@ class Worker:
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
         self.scheduler = Scheduler(SchedulerLimits.from_settings(settings.server))
         self.step_no = 0
+        # Shadow checks run only when the scheduler is idle, a slice at a time (shadow.py).
+        self.shadow = ShadowChecks(settings.fidelity, self.engine,
+                                   self.scheduler.limits.prefill_tokens_per_step * self.engine.num_layers)
 
     # -- helpers -------------------------------------------------------------------------------------------
     def open_store(self, settings: Settings) -> Any:
@@ -111,6 +117,7 @@ class Worker:
                     self.send(req)
                 else:
                     self.scheduler.add(req)
+                    self.shadow.watch(req.data)
             elif isinstance(msg, P.PrecomputeJob):
                 self.scheduler.add_ingest(Request(msg.job_id, data=IngestTask(msg)))
             elif isinstance(msg, P.Cancel):
@@ -200,6 +207,8 @@ class Worker:
         if seq.gen.finished is not None:
             self.scheduler.retire(req.job_id)
             self.send(seq.result(self.step_no))
+            for msg in self.shadow.offer(seq, self.step_no):
+                self.send(msg)
 
     def _ingest(self, req: Request, budget_tokens: int) -> None:
         task: IngestTask = req.data
@@ -214,10 +223,22 @@ class Worker:
             done.step = self.step_no
             self.send(done)
 
+    def shadow_slice(self) -> None:
+        """One slice of shadow work (the worker is idle); a check that ends sends its verdict."""
+        try:
+            verdict = self.shadow.run_slice(self.step_no)
+        except Exception:  # noqa: BLE001 - a failed check is logged and dropped; queries go on
+            log.error("shadow check failed: %s", traceback.format_exc())
+            self.shadow.abandon()
+            return
+        if verdict is not None:
+            self.send(verdict)
+
     def serve(self) -> None:
         self.send(P.Ready(self.info()))
         while True:
-            timeout = 0.0 if self.scheduler.has_work else None  # block only when idle
+            # Block only when idle; pending shadow work is polled between its slices.
+            timeout = 0.0 if self.scheduler.has_work or self.shadow.pending else None
             try:
                 while self.conn.poll(timeout):
                     if not self.receive(self.conn.recv()):
@@ -227,6 +248,8 @@ class Worker:
                 return  # the API went away
             if self.scheduler.has_work:
                 self.step()
+            elif self.shadow.pending:
+                self.shadow_slice()
 
 
 def worker_main(settings: Settings, conn: Connection) -> None:

@@ -44,6 +44,7 @@ from kvfuse.store.redis_access import RedisAccess
 
 log = logging.getLogger("kvfuse.worker")
 
+_SHADOW_STREAM_LEN = 10_000  # verdicts kept in the shadow stream for an API that reads late
 _IDLE_BLOCK_MS = 250  # how long an idle worker waits on its streams before its housekeeping
 _HOLDS_TTL_FACTOR = 60  # the locality set outlives a heartbeat by this factor (it is only a hint)
 
@@ -76,6 +77,7 @@ class FleetWorker(Worker):
         self.routes: dict[int, Route] = {}
         self._next_id = 0
         self._out: list[tuple[str, dict]] = []
+        self._shadow_out: list[dict] = []  # shadow-check verdicts for the fleet's shadow stream
         self._done: list[int] = []
         self._holds: set[str] = set()
         self._stop = threading.Event()
@@ -258,6 +260,10 @@ class FleetWorker(Worker):
     def send(self, msg: Any) -> None:
         if isinstance(msg, P.Step | P.Ready | P.Fatal):
             return  # the heartbeat carries the load
+        if isinstance(msg, P.SHADOW):  # outlives its job: the fleet's own stream, not the job's replies
+            msg.worker = self.name
+            self._shadow_out.append(encode(msg, w=self.name))
+            return
         route = self.routes.get(getattr(msg, "job_id", -1))
         if route is None:
             return
@@ -272,9 +278,11 @@ class FleetWorker(Worker):
             self._done.append(msg.job_id)
 
     def flush(self) -> None:
-        if not (self._out or self._done or self._holds):
+        if not (self._out or self._done or self._holds or self._shadow_out):
             return
         pipe = self.r.pipeline(transaction=False)
+        for fields in self._shadow_out:
+            pipe.xadd(self.keys.shadow, fields, maxlen=_SHADOW_STREAM_LEN, approximate=True)
         for key, fields in self._out:
             pipe.xadd(key, fields, nomkstream=True)  # never re-creates the stream of a reader gone
         for local in self._done:
@@ -283,7 +291,7 @@ class FleetWorker(Worker):
                 pipe.xack(route.stream, GROUP, route.entry_id)
         if self._holds:
             pipe.sadd(self.keys.holds(self.name), *self._holds)
-        self._out, self._done, self._holds = [], [], set()
+        self._out, self._done, self._holds, self._shadow_out = [], [], set(), []
         pipe.execute(raise_on_error=False)
 
     # -- the loop --------------------------------------------------------------------------------------------
@@ -300,7 +308,7 @@ class FleetWorker(Worker):
                 if not self.routes or time.monotonic() > deadline:
                     return
             try:
-                busy = self.scheduler.has_work
+                busy = self.scheduler.has_work or self.shadow.pending  # shadow work: poll, never block
                 free = 0 if self._stop.is_set() else self.capacity()
                 if free:
                     got = self.r.xreadgroup(GROUP, self.name, streams, count=free,
@@ -318,6 +326,8 @@ class FleetWorker(Worker):
                 self.flush()
                 if self.scheduler.has_work:
                     self.step()
+                elif self.shadow.pending:
+                    self.shadow_slice()
                 self.flush()
             except self._redis.RedisError as err:
                 if "NOGROUP" in str(err):  # taken for dead after a long stall: its own stream went; join again

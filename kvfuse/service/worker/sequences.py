@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvfuse.service.wire import protocol as P
 from kvfuse.service.worker.scheduler import Request
+from kvfuse.service.worker.shadow import ShadowChecks
 
 if TYPE_CHECKING:
     from kvfuse.service.worker.chunk_kv import ChunkCache
@@ -92,6 +93,7 @@ class QuerySequence:
         self.timings: dict[str, float] = {}
         self.rebuilt = 0
         self._steps: Any = None  # the fused prefill in progress (FusionEngine.fuse_steps)
+        self.shadow_steps: list[Any] | None = None  # the answer's logits, kept for a shadow check (shadow.py)
         self._t_loaded = self._t_first = 0.0
 
     def plan_message(self, step: int) -> P.Plan:
@@ -140,13 +142,14 @@ class QuerySequence:
         self._steps = None
         self.cache, self.stats = fused.cache, fused.stats
         self.gen = Generation(engine.tokenizer, engine.stop_token_ids, self.gen_options, engine.device)
-        text = self.gen.accept(fused.logits)
+        text = self.accept(fused.logits)
         self._t_first = time.perf_counter()
         # ttft_s counts from the loaded KV to the first token, including steps spent on other sequences.
         self.timings.update(fused.timings, ttft_s=self._t_first - self._t_loaded)
         return spent, text
 
     def accept(self, logits: Any) -> str:
+        ShadowChecks.record(self, logits)
         return self.gen.accept(logits)
 
     def result(self, step: int) -> P.Result:

@@ -20,6 +20,8 @@ MESSAGES = [
                [P.ChunkRef("k1", [1, 2], 1.0)], 9, history=[["user", "first?"], ["assistant", "yes"]]),
     P.Delta(1, " a", 3, logprobs=[[264, -0.25, [[264, -0.25], [11, -2.5]]]]),
     P.Result(1, " a", "length", {"generated_tokens": 1}, {}, 0, 4, logprobs=[[264, -0.25, [[264, -0.25]]]]),
+    P.ShadowResult("anchor", 0.15, 900, True, 0.03, 7, 5, 1200, 9, worker="gpu-1"),
+    P.ShadowResult("anchor", 0.15, 900, None, 0.5, 3), P.ShadowDropped("epic", 4, worker="gpu-1"),
 ]
 
 

@@ -1,0 +1,198 @@
+"""Shadow checks: a share of finished fused queries re-run as a full prefill when the worker is idle, to
+measure live what fusion changed in the answers (docs/DESIGN.md, "The quality contract").
+
+A query picked for a check (`fidelity.shadow_rate`, a deterministic credit: rate 0.25 picks every fourth)
+keeps its fused answer's per-step distributions while it decodes (fp16 rows of the vocabulary, one per
+token). When it finishes, a `ShadowCheck` takes the prompt's token ids (prefix, kept chunks, question),
+the answer's tokens and those distributions; the query itself is retired as usual. Checks wait in a
+bounded queue (`fidelity.shadow_queue`): when it is full the oldest is dropped and counted.
+
+A check runs only while the scheduler has nothing to do, in slices, and the worker reads its pipe
+between slices, so a request that arrives waits for at most one slice:
+
+1. the full prefill of the same token ids (`vanilla`, `FusionEngine.fuse_steps`), up to the engine
+   step's prefill budget per slice (`server.prefill_tokens_per_step` prompt tokens' worth of decoder
+   layers, at least one layer: the same bound a live prefill puts on the running streams);
+2. teacher forcing: the fused answer's tokens through the full prefill's cache, a layer at a time
+   within the same budget, giving P_full at every answer token; answer KL = mean KL(P_full ‖ P_fused);
+3. when the fused answer was greedy, the full prefill's own greedy answer, compared with the fused one
+   under `fidelity.metric` (kvfuse/answer_match.py). It shares the fused answer's tokens up to the first
+   position where the teacher-forced argmax differs, so only the rest is decoded, one step per slice
+   (an answer the full prefill would have given token for token costs no decode step at all).
+
+The verdict crosses to the API as a `ShadowResult` (counts only); the check and its token ids are then
+dropped. A check in progress holds one full-prefill cache (prompt + answer) outside the KV budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+from kvfuse.answer_match import same_answer
+from kvfuse.service.wire import protocol as P
+
+ENDS_SLICE = True  # a decode step is a slice of its own
+
+
+@dataclass
+class ShadowCheck:
+    """What one check needs, and nothing more of the query: token ids, the fused answer, its distributions."""
+
+    method: str
+    recompute_ratio: float
+    prompt: list[list[int]]  # prefix, each kept chunk, question
+    answer_tokens: list[int]  # the fused answer's tokens, its stop token included
+    answer_text: str
+    fused_steps: Any  # [len(answer_tokens), vocab] fp16 logits of the fused answer's steps
+    greedy: bool
+    max_tokens: int
+    stop: list[str]
+
+    @property
+    def context_tokens(self) -> int:
+        return sum(len(c) for c in self.prompt[1:-1])
+
+
+class ShadowChecks:
+    """The worker's shadow checks: which queries to watch, the pending queue, the check in progress."""
+
+    def __init__(self, fidelity: Any, engine: Any, slice_work: int) -> None:
+        """fidelity: config.FidelitySettings; slice_work: rows x layers per slice (the prefill budget of
+        one engine step)."""
+        self.rate = fidelity.shadow_rate
+        self.metric = fidelity.metric
+        self.engine = engine
+        self.slice_work = slice_work
+        self.queue: deque[ShadowCheck] = deque(maxlen=fidelity.shadow_queue)
+        self._credit = 0.0
+        self._run: Generator[tuple[int, bool], None, P.ShadowResult] | None = None
+        self._slices = self._max_slice = 0
+
+    @property
+    def pending(self) -> bool:
+        return self._run is not None or bool(self.queue)
+
+    # -- picking and keeping -------------------------------------------------------------------------------
+    def watch(self, seq: Any) -> None:
+        """Decide on arrival whether this query gets a check; if so its sequence keeps its answer's logits."""
+        if self.rate <= 0 or seq.full_prefill:
+            return
+        self._credit += self.rate
+        if self._credit >= 1.0 - 1e-9:
+            self._credit -= 1.0
+            seq.shadow_steps = []
+
+    def offer(self, seq: Any, step: int) -> list[Any]:
+        """A watched query finished: queue its check (messages to send: a ShadowDropped when the queue was
+        full). A cancelled answer is not checked."""
+        steps, seq.shadow_steps = seq.shadow_steps, None
+        if steps is None or seq.gen is None or seq.gen.finished not in ("stop", "length") or not steps:
+            return []
+        import torch
+
+        gen = seq.gen
+        tokens = list(gen.token_ids)
+        if gen.last_token in self.engine.stop_token_ids:
+            tokens.append(gen.last_token)
+        chunks = [seq.job.chunks[i].token_ids for i in seq.kept]
+        opts = seq.gen_options
+        check = ShadowCheck(seq.fusion.method, float(seq.fusion.recompute_ratio),
+                            [list(seq.prefix_ids), *chunks, list(seq.question_ids)], tokens[: len(steps)], gen.text,
+                            torch.stack(steps), opts.temperature == 0.0, opts.max_tokens, list(opts.stop))
+        out: list[Any] = []
+        if len(self.queue) == self.queue.maxlen:
+            out.append(P.ShadowDropped(self.queue[0].method, step))  # deque(maxlen) drops the oldest
+        self.queue.append(check)
+        return out
+
+    @staticmethod
+    def record(seq: Any, logits: Any) -> None:
+        """Keep one step's logits of a watched query (fp16 on the CPU)."""
+        if getattr(seq, "shadow_steps", None) is not None:
+            seq.shadow_steps.append(logits.detach().reshape(-1).to("cpu", copy=True).half())
+
+    def abandon(self) -> None:
+        """Drop the check in progress (it failed)."""
+        self._run = None
+
+    # -- running ---------------------------------------------------------------------------------------------
+    def run_slice(self, step: int) -> P.ShadowResult | None:
+        """One slice of the check in progress (starting the oldest pending one if none is): the verdict
+        when the check ends in this slice."""
+        if self._run is None:
+            if not self.queue:
+                return None
+            self._run = self._check(self.queue.popleft())
+            self._slices = self._max_slice = 0
+        spent = 0
+        try:
+            while spent < self.slice_work:
+                work, ends = next(self._run)
+                spent += work
+                if ends:
+                    break
+        except StopIteration as done:
+            verdict = done.value
+        else:
+            verdict = None
+        self._slices += 1
+        self._max_slice = max(self._max_slice, spent)
+        if verdict is None:
+            return None
+        self._run = None
+        verdict.slices, verdict.max_slice_work, verdict.step = self._slices, self._max_slice, step
+        return verdict
+
+    def _check(self, check: ShadowCheck) -> Generator[tuple[int, bool], None, P.ShadowResult]:
+        import torch
+
+        from kvfuse.fusion import ChunkKV, FusionOptions
+        from kvfuse.fusion.generation import Generation
+        from kvfuse.fusion.teacher_forcing import answer_kl, teacher_forced_steps
+        from kvfuse.fusion.types import GenerationOptions
+
+        engine = self.engine
+        prefix, *chunks, question = check.prompt
+        full = FusionOptions(method="vanilla", evict_capacity=0)
+        room = max(check.max_tokens, len(check.answer_tokens))
+        steps = engine.fuse_steps(ChunkKV(prefix), [ChunkKV(c) for c in chunks], question, full, max_tokens=room)
+        fused = yield from _within_slices(steps)
+        prompt_len = fused.cache.length
+        logits = yield from _within_slices(teacher_forced_steps(engine, fused, check.answer_tokens))
+        kl = answer_kl(logits, check.fused_steps.float())
+        agreed = None
+        if check.greedy:
+            # The full prefill's greedy answer shares the fused one's tokens up to the first position where
+            # its teacher-forced argmax differs: replay those rows, decode only from there.
+            chosen = logits.argmax(-1).tolist()
+            j = next((i for i, (a, b) in enumerate(zip(chosen, check.answer_tokens, strict=True)) if a != b), None)
+            if j is None:
+                agreed = True  # the same tokens, so the same text
+            else:
+                gen = Generation(engine.tokenizer, engine.stop_token_ids,
+                                 GenerationOptions(max_tokens=check.max_tokens, temperature=0.0, stop=check.stop),
+                                 engine.device)
+                for i in range(j + 1):
+                    gen.accept(logits[i])
+                fused.cache.length = prompt_len + j  # the rows of the shared tokens, written by teacher forcing
+                while gen.finished is None:
+                    with torch.inference_mode():
+                        row = engine.decode_step(fused.cache, gen.last_token)
+                    yield engine.num_layers, ENDS_SLICE
+                    gen.accept(row)
+                agreed = same_answer(check.answer_text, gen.text, self.metric)
+        return P.ShadowResult(check.method, check.recompute_ratio, check.context_tokens, agreed, kl,
+                              len(check.answer_tokens))
+
+
+def _within_slices(steps: Generator[int, None, Any]) -> Generator[tuple[int, bool], None, Any]:
+    """A layer-stepped generator's work, tagged as sharing a slice with what follows; returns its value."""
+    while True:
+        try:
+            work = next(steps)
+        except StopIteration as done:
+            return done.value
+        yield work, False
