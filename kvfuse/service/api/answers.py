@@ -18,9 +18,9 @@ from kvfuse.service.rag.query import QueryOutcome, QueryRun, SourceChunk
 from kvfuse.service.wire.protocol import prompt_tokens
 
 
-def source(c: SourceChunk) -> Source:
+def source(c: SourceChunk, label: int | None = None) -> Source:
     return Source(document_id=c.document_id, chunk_index=c.chunk_index, score=round(c.score, 6),
-                  tokens=len(c.token_ids), dense_rank=c.dense_rank, keyword_rank=c.keyword_rank)
+                  tokens=len(c.token_ids), dense_rank=c.dense_rank, keyword_rank=c.keyword_rank, label=label)
 
 
 def sources_of(run: QueryRun) -> QuerySources:
@@ -29,7 +29,9 @@ def sources_of(run: QueryRun) -> QuerySources:
     fusion = FusionUsed(method=plan.fusion["method"], recompute_ratio=plan.fusion["recompute_ratio"])
     retrieval = RetrievalUsed(mode="explicit" if plan.explicit else plan.retrieval.mode,
                               collections=plan.retrieval.searched)
-    return QuerySources(sources=[source(c) for c in run.sources], dropped_sources=[source(c) for c in run.dropped],
+    # a kept source's number is its place in the prompt: the [n] the labelled prompt gives it
+    return QuerySources(sources=[source(c, n) for n, c in enumerate(run.sources, start=1)],
+                        dropped_sources=[source(c) for c in run.dropped],
                         warning=run.warning, fusion=fusion, retrieval=retrieval)
 
 

@@ -157,6 +157,9 @@ class Source(BaseModel):
     tokens: int
     dense_rank: int | None = Field(None, description="its rank (from 1) in the dense list; null: not in it")
     keyword_rank: int | None = Field(None, description="its rank (from 1) in the keyword list; null: not in it")
+    label: int | None = Field(None, description=(
+        "its number in the prompt, from 1: the [n] the labelled prompt (model.prompt_layout) gives it and an "
+        "answer may cite; null for a dropped source"))
 
 
 class Usage(BaseModel):

@@ -85,6 +85,7 @@ class SourceChunk:
     token_ids: list[int]
     dense_rank: int | None = None
     keyword_rank: int | None = None
+    name: str = ""  # its document's name in the labelled prompt ("" in the plain one)
 
 
 @dataclass
@@ -232,7 +233,7 @@ class QueryService:
             self.metrics.fingerprint_misses.inc()
             if rec.id not in self._stale_logged:
                 self._stale_logged.add(rec.id)
-                log.warning("document %s has KV of another model (or KV dtype): its chunks are rebuilt from "
+                log.warning("document %s has KV of another model (or KV dtype, or prompt layout): its chunks are rebuilt from "
                             "their tokens at each query until the document is rebuilt for this model", rec.id)
                 self.ingest.resubmit_soon(rec.id, "its KV is from another model")
         return key
@@ -245,8 +246,9 @@ class QueryService:
             rec = self.corpus.store.get_document(doc_id)
             if rec is None or rec.status != "ready":
                 self._not_ready(doc_id, rec)
-            for i, ids in enumerate(self.corpus.chunk_token_ids(rec)):
-                chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids))
+            name = self.corpus.prompt_name(rec)
+            for i, ids in enumerate(self.corpus.prompt_chunk_ids(rec)):
+                chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids, name=name))
         return chunks
 
     def _not_ready(self, doc_id: str, rec: Any) -> NoReturn:
@@ -272,9 +274,9 @@ class QueryService:
             rec = records[h.document_id]
             if rec is None or rec.status != "ready" or h.chunk_index >= len(rec.chunk_keys):
                 continue  # deleted or re-ingested since the search
-            ids = self.corpus.chunk_token_ids(rec)[h.chunk_index]
+            ids = self.corpus.prompt_chunk_ids(rec)[h.chunk_index]
             chunks.append(SourceChunk(h.document_id, h.chunk_index, h.score, self._key(rec, h.chunk_index, ids), ids,
-                                      h.dense_rank, h.keyword_rank))
+                                      h.dense_rank, h.keyword_rank, self.corpus.prompt_name(rec)))
         if not chunks:
             raise APIError(404, "no ready document matches the query (ingest documents first, or relax filters)",
                            code="no_documents")
@@ -285,7 +287,7 @@ class QueryService:
         """Queue the job and wait for the worker's plan (which chunks fit), watching `gone` meanwhile."""
         message = QueryJob(question=plan.question, system_prompt=plan.system_prompt, explicit=plan.explicit,
                            fusion=plan.fusion, generation=plan.generation,
-                           chunks=[ChunkRef(c.key, c.token_ids, c.score) for c in plan.chunks])
+                           chunks=[ChunkRef(c.key, c.token_ids, c.score, c.name) for c in plan.chunks])
         try:
             job = self.dispatcher.submit(message)
         except QueueFull as err:
