@@ -33,6 +33,9 @@ FLOOR = "vanilla_swap"  # vanilla with two documents that hold no fact swapped: 
 # A method is within the floor when the upper end of the 95 % interval of (floor's value agreement minus
 # the method's, paired per example) is at most this: it changes answers at most this much more often.
 FLOOR_MARGIN = 0.05
+# ... and only on at least this many examples: below it a bootstrap interval of per-example 0/1 differences
+# is often degenerate (all equal: a zero-width interval) and would claim what the run cannot show.
+FLOOR_MIN_N = 20
 
 # Methods whose recompute share is fixed by what they are, not by the ratio knob: run once, reported at
 # this ratio; None = set by the chunk structure (epic's edge tokens), reported as the measured share.
@@ -226,8 +229,8 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
 def floor_pairing(method: str, outs: Sequence[Outcome], vanilla: dict, floors: dict) -> dict[str, Any]:
     """The method's value agreement against the floor's on the same examples: the mean of (floor agrees
     − method agrees) per example, its bootstrap interval, and `within_floor`: "yes" when the interval's
-    upper end is at most FLOOR_MARGIN, "no" when even the mean is above it, "not shown" between (the run
-    is too small to tell)."""
+    upper end is at most FLOOR_MARGIN on at least FLOOR_MIN_N examples, "no" when even the mean is above
+    the margin, "not shown" between (the run is too small to tell)."""
     if method in ("vanilla", FLOOR):
         return {"floor_gap": None, "floor_gap_ci": None, "within_floor": None}
     gaps = []
@@ -239,7 +242,8 @@ def floor_pairing(method: str, outs: Sequence[Outcome], vanilla: dict, floors: d
     if not gaps:
         return {"floor_gap": None, "floor_gap_ci": None, "within_floor": None}
     gap, ci = sum(gaps) / len(gaps), bootstrap_ci(gaps)
-    within = "yes" if ci is not None and ci[1] <= FLOOR_MARGIN else "no" if gap > FLOOR_MARGIN else "not shown"
+    shown = ci is not None and ci[1] <= FLOOR_MARGIN and len(gaps) >= FLOOR_MIN_N
+    within = "yes" if shown else "no" if gap > FLOOR_MARGIN else "not shown"
     return {"floor_gap": gap, "floor_gap_ci": _interval(ci), "within_floor": within}
 
 

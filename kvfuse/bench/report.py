@@ -150,7 +150,7 @@ def floor_section(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The report's part on the model's floor: each method's value agreement beside the floor's (vanilla
     with two fact-free documents swapped, kvfuse.bench.fidelity.FLOOR), paired; none when the run has
     no floor."""
-    from kvfuse.bench.fidelity import FLOOR, FLOOR_MARGIN
+    from kvfuse.bench.fidelity import FLOOR, FLOOR_MARGIN, FLOOR_MIN_N
 
     if not any(r["method"] == FLOOR for r in rows):
         return []
@@ -160,8 +160,9 @@ def floor_section(rows: Sequence[dict[str, Any]]) -> list[str]:
         f"`{FLOOR}` is vanilla again with two documents that hold no fact swapped: how often that neutral change "
         "moves the answer's value is the model's own noise. `floor − method`: the floor's value agreement "
         "minus the method's on the same examples (positive: the method changes values more often), with its "
-        f"95 % bootstrap interval; `within the floor`: yes when the interval's upper end is ≤ {FLOOR_MARGIN:g}, no "
-        "when the mean is above it, `not shown` when the run is too small to tell.", "",
+        f"95 % bootstrap interval; `within the floor`: yes when the interval's upper end is ≤ {FLOOR_MARGIN:g} "
+        f"on at least {FLOOR_MIN_N} examples, no when the mean is above it, `not shown` when the run is too "
+        "small to tell.", "",
         markdown_table(shown, FLOOR_TABLE), "",
     ]
 

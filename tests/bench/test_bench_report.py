@@ -91,6 +91,9 @@ def test_value_agreement_and_the_floor_are_paired_on_the_same_examples():
             _outcome("needle", "e0", "close", 0.15, "000.", 1.0, 1.0)]  # kept where the floor moved
     close = next(r for r in aggregate(few) if r["method"] == "close")
     assert close["floor_gap"] == pytest.approx(0.0) and close["within_floor"] == "not shown"
+    # nothing changed on 3 examples: a zero-width interval, yet too few examples to claim it
+    same = [o for o in outs if o.example_id in ("e6", "e7", "e8") and o.method in ("vanilla", FLOOR, "talks")]
+    assert next(r for r in aggregate(same) if r["method"] == "talks")["within_floor"] == "not shown"
     # without a floor run, no pairing
     assert next(r for r in aggregate(OUTCOMES) if r["method"] == "a3")["within_floor"] is None
 
