@@ -29,6 +29,17 @@ CHUNK_END = "\n\n"  # labelled: the separator after each chunk, cached with it
 INDEX_TEMPLATE = "Documents, in order: {labels}."  # labelled: the rank-dependent part, in the question part
 
 
+PROMPT_ORDERS = ("best-first", "best-last")
+
+
+def in_prompt_order(ranked: list[Any], order: str) -> list[Any]:
+    """Retrieved chunks (best first) in the order the prompt lays them out: `best-first` as ranked,
+    `best-last` reversed, the best next to the question (the end half of LangChain's LongContextReorder)."""
+    if order not in PROMPT_ORDERS:
+        raise ValueError(f"unknown prompt order {order!r}; choose from {', '.join(PROMPT_ORDERS)}")
+    return list(ranked) if order == "best-first" else list(reversed(ranked))
+
+
 def check_layout(layout: str) -> str:
     if layout not in PROMPT_LAYOUTS:
         raise ValueError(f"unknown prompt layout {layout!r}; choose from {', '.join(PROMPT_LAYOUTS)}")

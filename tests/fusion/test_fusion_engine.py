@@ -282,3 +282,13 @@ def test_labelled_prompt_caches_the_header_with_the_chunk_and_numbers_in_the_que
     assert engine.prompt_parts("Why?", "Be brief.", ["geo"], "plain") == engine.prompt_parts("Why?", "Be brief.")
     with pytest.raises(ValueError, match="prompt layout"):
         chunk_block("x", "y", "fancy")
+
+
+def test_prompt_order_puts_the_best_first_or_next_to_the_question():
+    from kvfuse.fusion.prompt import in_prompt_order
+
+    ranked = ["top", "second", "third"]
+    assert in_prompt_order(ranked, "best-first") == ranked
+    assert in_prompt_order(ranked, "best-last") == ["third", "second", "top"]
+    with pytest.raises(ValueError, match="prompt order"):
+        in_prompt_order(ranked, "middle")

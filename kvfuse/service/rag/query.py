@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvfuse.chunk_keys import chunk_key_from_hash, token_hash
+from kvfuse.fusion.prompt import in_prompt_order
 from kvfuse.service.dispatch.job_book import (
     Job,
     NoLiveWorker,
@@ -177,7 +178,7 @@ class QueryService:
             chunks = await asyncio.to_thread(self._explicit_chunks, document_ids)
         else:
             hits = await asyncio.to_thread(retrieve, self.corpus, question, top_k or s.retriever.top_k, retrieval_opts, filters)
-            chunks = await asyncio.to_thread(self._hits_to_chunks, hits)
+            chunks = in_prompt_order(await asyncio.to_thread(self._hits_to_chunks, hits), s.model.prompt_order)
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
             self.metrics.retrieval.observe(retrieval_s)
