@@ -129,7 +129,7 @@ class ModelSettings(_Section):
     prompt_layout: Literal["plain", "labelled"] = Field("plain", description=(
         "how retrieved chunks are rendered: plain (texts run together) | labelled (each a block with its "
         "document's title and a blank line, numbered [n] before the question; docs/DESIGN.md, \"The prompt\")"))
-    prompt_order: Literal["best-first", "best-last"] = Field("best-first", description=(
+    prompt_order: Literal["best-first", "best-last"] = Field("best-last", description=(
         "where retrieved chunks go: best-first (the top hit first) | best-last (the top hit next to the "
         "question); documents named in a query keep the caller's order"))
     embedder: str = Field("default", description=(

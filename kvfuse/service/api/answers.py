@@ -29,8 +29,12 @@ def sources_of(run: QueryRun) -> QuerySources:
     fusion = FusionUsed(method=plan.fusion["method"], recompute_ratio=plan.fusion["recompute_ratio"])
     retrieval = RetrievalUsed(mode="explicit" if plan.explicit else plan.retrieval.mode,
                               collections=plan.retrieval.searched)
-    # a kept source's number is its place in the prompt: the [n] the labelled prompt gives it
-    return QuerySources(sources=[source(c, n) for n, c in enumerate(run.sources, start=1)],
+    # a kept source's number is its place in the prompt (the [n] the labelled prompt gives it); retrieved
+    # sources are listed best first whatever that place (model.prompt_order), named ones as named
+    numbered = list(enumerate(run.sources, start=1))
+    if not plan.explicit and plan.prompt_order == "best-last":
+        numbered.reverse()
+    return QuerySources(sources=[source(c, n) for n, c in numbered],
                         dropped_sources=[source(c) for c in run.dropped],
                         warning=run.warning, fusion=fusion, retrieval=retrieval)
 

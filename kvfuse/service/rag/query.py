@@ -101,6 +101,7 @@ class QueryPlan:
     retrieval_s: float
     arrived: float
     deadline: float
+    prompt_order: str = "best-first"  # where the retrieved chunks went (model.prompt_order)
 
 
 @dataclass
@@ -185,7 +186,7 @@ class QueryService:
         return QueryPlan(question=question, system_prompt=system_prompt, chunks=chunks,
                          explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
                          generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
-                         deadline=arrived + s.server.request_timeout_s)
+                         deadline=arrived + s.server.request_timeout_s, prompt_order=s.model.prompt_order)
 
     def fusion_options(self, fusion: Any | None) -> dict[str, Any]:
         from kvfuse.fusion import available_methods

@@ -5,7 +5,8 @@ real server ingests over HTTP and the test reads back what it stored.
   blank line, T the document's `title` metadata; the record keeps the text's own token counts (the
   document is still split by them), and the key names the block, so it is another cache than the plain
   chunk's.
-- Sources carry the number each chunk has in the prompt (`label`, from 1).
+- Sources carry the number each chunk has in the prompt (`label`, from 1); retrieved ones are listed
+  best first and, with the default order (best-last), numbered from the other end.
 - The layout changed back to plain and the server restarted: the labelled caches are never fused into
   the plain prompt (each chunk is a miss, rebuilt from its tokens).
 """
@@ -46,6 +47,13 @@ def test_labelled_blocks_are_cached_numbered_and_never_fused_into_the_plain_prom
             sources = resp.json()["sources"]
             assert [s["label"] for s in sources] == list(range(1, len(sources) + 1))
             assert [s["document_id"] for s in sources][-1] == "nft"
+            # retrieved: listed best first, numbered by their place in the prompt (model.prompt_order:
+            # best-last by default, so the top hit is the last, next to the question)
+            resp = c.post("/v1/query", json={"query": "What is power?", "top_k": 3})
+            assert resp.status_code == 200, resp.text
+            hits = resp.json()["sources"]
+            assert len(hits) == 3 and [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+            assert [h["label"] for h in hits] == [3, 2, 1]
     finally:
         server.stop()
     rec, blobs = _stored(data, "pow")
