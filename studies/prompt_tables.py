@@ -1,12 +1,15 @@
 """Tables of the prompt study (docs/results/prompt/README.md) from `kvfuse bench fidelity` result files.
 
-    python studies/prompt_tables.py LABEL=FILE [LABEL=FILE ...] [--plot OUT.png]
+    python studies/prompt_tables.py LABEL=FILE[#ORDER] [LABEL=FILE[#ORDER] ...] [--plot OUT.png] [--pair A B ...]
 
 Each file's tasks are pooled by document order (needle-docs and multikey-docs -> `retrieval`,
 ...-best-last -> `best-last`, single-haystack tasks -> `haystack`) and re-aggregated with the bench's own
 measures (kvfuse.bench.fidelity.aggregate: value agreement with its interval, the floor pairing, answer
 KL), one markdown row per label, order and method. With --plot, value agreement against the floor's per
-row, with intervals.
+row, with intervals. With --pair A B (repeatable), the same examples under two labels (ids matched with
+their order suffix dropped: one example in two orders is one pair): per method and ratio, the ratio of
+B's mean answer KL to A's with its paired bootstrap interval, in how many examples B's KL is lower, and
+both value agreements and vanilla scores.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvfuse.answer_match import same_answer
+from kvfuse.bench.agreement import paired_ratio_ci
 from kvfuse.bench.fidelity import FLOOR, Outcome, aggregate
 from kvfuse.bench.plots import method_key
 
@@ -26,9 +31,40 @@ def group(task: str) -> str:
     return task.split("-docs", 1)[1].lstrip("-") or "retrieval"
 
 
-def rows(path: str) -> list[dict]:
+def outcomes(spec: str) -> list[Outcome]:
+    """A file's outcomes; FILE#ORDER keeps one document order's (retrieval, best-last, haystack)."""
+    path, _, order = spec.partition("#")
     outs = [Outcome(**o) for o in json.loads(Path(path).read_text(encoding="utf-8"))["outcomes"]]
-    return aggregate([dataclasses.replace(o, task=group(o.task)) for o in outs])
+    return [o for o in outs if not order or group(o.task) == order]
+
+
+def rows(path: str) -> list[dict]:
+    return aggregate([dataclasses.replace(o, task=group(o.task)) for o in outcomes(path)])
+
+
+def pair(a_path: str, b_path: str) -> list[str]:
+    """Paired lines for the same examples under two settings (see the module docstring)."""
+    def index(path: str) -> dict:
+        out: dict = {}
+        for o in outcomes(path):
+            out[(o.example_id.replace("-best-last", ""), o.method, o.ratio)] = o
+        return out
+
+    a, b = index(a_path), index(b_path)
+    lines = []
+    for method, ratio in sorted({(m, r) for _, m, r in a if m != "vanilla"}, key=lambda mr: (method_key(mr[0]), mr[1] or 0)):
+        keys = [k for k in a if k[1:] == (method, ratio) and k in b]
+        if not keys:
+            continue
+        van = [(a[(k[0], "vanilla", 1.0)], b[(k[0], "vanilla", 1.0)]) for k in keys]
+        ka, kb = [a[k].answer_kl_vs_vanilla for k in keys], [b[k].answer_kl_vs_vanilla for k in keys]
+        va = sum(same_answer(a[k].prediction, v[0].prediction, "value") for k, v in zip(keys, van, strict=True))
+        vb = sum(same_answer(b[k].prediction, v[1].prediction, "value") for k, v in zip(keys, van, strict=True))
+        ci = paired_ratio_ci(kb, ka)
+        lines.append(f"| {method} | {fmt(ratio)} | {len(keys)} | {fmt(sum(kb) / max(sum(ka), 1e-12))} [{fmt(ci)}] | "
+                     f"{sum(x < y for x, y in zip(kb, ka, strict=True))} of {len(keys)} | {va} → {vb} | "
+                     f"{fmt(sum(v[0].score for v in van) / len(van))} → {fmt(sum(v[1].score for v in van) / len(van))} |")
+    return lines
 
 
 def fmt(x, d: int = 2) -> str:
@@ -57,6 +93,13 @@ def main(argv: list[str]) -> int:
                   f"[{fmt(r['answer_kl_vs_vanilla_ci'], 3)}] | {fmt(r['ttft_vs_vanilla'])} |")
     if plot:
         _plot([(lb, r) for lb, r in shown if r["method"] != "vanilla"], Path(plot))
+    paths = dict(spec.split("=", 1) for spec in specs)
+    for i, arg in enumerate(argv):
+        if arg == "--pair":
+            first, second = argv[i + 1], argv[i + 2]
+            print(f"\n{first} → {second}, paired:\n\n| method | r | n | answer KL ratio [95 %] | lower KL | same value "
+                  "| vanilla score |\n|---|---|---|---|---|---|---|")
+            print("\n".join(pair(paths[first], paths[second])))
     return 0
 
 
