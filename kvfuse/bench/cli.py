@@ -29,6 +29,9 @@ def _fidelity(args: argparse.Namespace) -> int:
     if args.precompute_context:
         store = settings.store.model_copy(update={"precompute_context": args.precompute_context})
         settings = settings.model_copy(update={"store": store})
+    if args.prompt_layout:
+        model = settings.model.model_copy(update={"prompt_layout": args.prompt_layout})
+        settings = settings.model_copy(update={"model": model})
     data_dir = resolve_data_dir(args.data_dir)
     try:
         layout_tasks = _fidelity_tasks(args)
@@ -49,13 +52,13 @@ def _fidelity(args: argparse.Namespace) -> int:
         ref_dir = None if args.no_reference_cache else (args.reference_dir or settings.bench.reference_dir)
         backend = engine_backend.EngineBackend(settings, max_tokens=args.max_tokens, reference_dir=ref_dir)
     methods = args.methods or backend.methods()
-    plan = fidelity.method_plan(methods, args.ratios)
+    plan = fidelity.method_plan(methods, args.ratios, floor=not (args.url or args.no_floor))
     cfg = tasks.TaskConfig(n=args.n, docs=args.docs, doc_tokens=args.doc_tokens, seed=args.seed)
     params = {"tasks": task_names, "layouts": layout_tasks,
               "doc_orders": args.doc_order if "multidoc" in layout_tasks else None,
               "n": args.n, "docs": args.docs, "doc_tokens": args.doc_tokens,
               "methods": methods, "ratios": args.ratios, "seed": args.seed, "max_tokens": args.max_tokens,
-              "url": args.url, "model": settings.model.llm, "fusion": settings.fusion.model_dump(),
+              "url": args.url, "model": settings.model.llm, "prompt_layout": settings.model.prompt_layout, "fusion": settings.fusion.model_dump(),
               "precompute_context": {k: v for k, v in settings.store.model_dump().items()
                                      if k.startswith("precompute_")}}
     command, machine = command_line("kvfuse bench fidelity", args.parser, args), machine_info()
@@ -123,7 +126,7 @@ def _fidelity_examples(layouts: dict[str, list[str]], orders: list[str], backend
     corpus = multidoc.Corpus(backend.tokenizer, data_dir, cfg.doc_tokens)
     embedder = None
     for order in orders:
-        if order == "retrieval" and embedder is None:
+        if order != "shuffled" and embedder is None:
             embedder = backend.embedder() if hasattr(backend, "embedder") else engine_backend.load_embedder(settings)
         for task in layouts["multidoc"]:
             examples = multidoc.build_examples(task, corpus, cfg, order, embedder.embed if embedder else None)
@@ -235,7 +238,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fid.add_argument("--api-key", default=None, help="API key for --url")
     fid.add_argument("--reference-dir", default=None,
                      help="where vanilla's outputs are kept and reused between runs (default: bench.reference_dir)")
-    fid.add_argument("--precompute-context", choices=("none", "document", "neighbours", "prefix"), default=None,
+    fid.add_argument("--precompute-context", choices=("none", "document", "neighbours", "prefix", "sink"), default=None,
                      help="what each chunk's KV is computed after (default: store.precompute_context)")
     fid.add_argument("--layout", type=csv_list(str), default=None,
                      help="haystack (one text's consecutive chunks, in order), multidoc (short documents of "
@@ -243,7 +246,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "TASK-docs), or both (default haystack)")
     fid.add_argument("--doc-order", type=csv_list(str), default=["retrieval"],
                      help="multidoc: retrieval (by the embedder's similarity to the question, highest first, "
-                          "as the service fuses its hits) and/or shuffled (default retrieval)")
+                          "as the service fuses its hits), best-last (the same, reversed: the best next to the "
+                          "question) and/or shuffled (default retrieval)")
+    fid.add_argument("--prompt-layout", choices=("plain", "labelled"), default=None,
+                     help="how chunks are rendered (default: model.prompt_layout; kvfuse/fusion/prompt.py)")
+    fid.add_argument("--no-floor", action="store_true",
+                     help="skip the model's floor (vanilla with two fact-free documents swapped)")
     fid.add_argument("--no-reference-cache", action="store_true", help="compute vanilla every run, keep nothing")
     _add_common(fid, max_tokens=None)
     fid.set_defaults(func=_fidelity, parser=fid)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfuse.bench import agreement
-from kvfuse.bench.fidelity import Outcome, first_token_signals
+from kvfuse.bench.fidelity import FLOOR, Outcome, first_token_signals, neutral_swap
 from kvfuse.bench.reference import Reference, ReferenceCache, reference_key
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Example
@@ -53,6 +53,7 @@ class EngineBackend:
         self.max_tokens = max_tokens
         self.gen = GenerationOptions(max_tokens=max_tokens or 32, temperature=0.0, top_p=1.0)
         self.system_prompt = m.system_prompt
+        self.prompt_layout = m.prompt_layout  # kvfuse/fusion/prompt.py
         self.references = ReferenceCache(reference_dir) if reference_dir is not None else None
         from kvfuse.fusion import chunk_context
 
@@ -83,11 +84,24 @@ class EngineBackend:
             base["recompute_ratio"] = ratio
         return self._options_cls(**base)
 
-    def prepare(self, ex: Example) -> Any:
-        prefix_ids, question_ids = self.engine.prompt_parts(ex.question, self.system_prompt)
-        if ex.answer_prefix:  # continues the assistant turn: more question tokens, always recomputed
+    def question_ids(self, ex: Example, order: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """(prefix_ids, question_ids) of the example with its chunks in `order` (default: as they are);
+        the answer prefix, if any, continues the assistant turn (more question tokens, always recomputed)."""
+        names = ex.names()
+        if order is not None:
+            names = [names[i] for i in order]
+        prefix_ids, question_ids = self.engine.prompt_parts(ex.question, self.system_prompt, names,
+                                                            self.prompt_layout)
+        if ex.answer_prefix:
             question_ids = question_ids + self.engine.tokenize(ex.answer_prefix)
-        chunk_ids = [self.engine.tokenize(c) for c in ex.chunks]
+        return prefix_ids, question_ids
+
+    def prepare(self, ex: Example) -> Any:
+        from kvfuse.fusion.prompt import block_ids
+
+        prefix_ids, question_ids = self.question_ids(ex)
+        tok = self.engine.tokenize
+        chunk_ids = [block_ids(tok, tok(c), name, self.prompt_layout) for c, name in zip(ex.chunks, ex.names(), strict=True)]
         prefix = self.engine.precompute([prefix_ids])[0]
         contexts = self.contexts(ex, prefix_ids, chunk_ids)
         t = time.perf_counter()
@@ -111,6 +125,8 @@ class EngineBackend:
             return chunk_context.document_contexts(chunk_ids, budget)
         if mode == "prefix":
             return [list(prefix_ids) for _ in chunk_ids]
+        if mode == "sink":
+            return [chunk_context.sink_context(self.tokenizer) for _ in chunk_ids]
         if mode == "neighbours":
             embedder = self.embedder()  # loaded once, outside the timing
             t = time.perf_counter()
@@ -134,41 +150,77 @@ class EngineBackend:
                        context_tokens=context_tokens, recomputed_tokens=recomputed_tokens)
 
     def run(self, ex: Example, prepared: Any, method: str, ratio: float | None,
-            reference: Reference | None = None) -> Outcome:
+            reference: Reference | None = None) -> Outcome | None:
         """One method on one example. Vanilla's outcome carries its Reference (read from the reference
-        cache when there); any other method is compared with `reference` when given."""
+        cache when there); any other method is compared with `reference` when given. The floor (FLOOR)
+        is vanilla on the example with two fact-free chunks swapped (None where it has no such pair)."""
         prefix, chunks, question_ids = prepared
-        budget = self.max_tokens or ex.max_tokens
-        key = None
-        if method == "vanilla" and self.references is not None:
-            key = reference_key(self.engine.fingerprint,
-                                [prefix.token_ids, *(c.token_ids for c in chunks), question_ids], budget)
-            hit = self.references.load(key)
-            if hit is not None:
-                out = self._outcome(ex, method, ratio, hit.prediction, hit.ttft_s, hit.context_tokens,
-                                    hit.recomputed_tokens)
-                out.kl_vs_vanilla = out.answer_kl_vs_vanilla = 0.0
-                out.reference = hit
-                return out
+        if method == FLOOR:
+            order = neutral_swap(ex)
+            if order is None:
+                return None
+            swapped = self.question_ids(ex, order)[1] if self.prompt_layout != "plain" else question_ids
+            return self._full_prefill(ex, (prefix, [chunks[i] for i in order], swapped), method, ratio, reference)
+        if method == "vanilla":
+            return self._full_prefill(ex, prepared, method, ratio, None)
         opts = self.options(method, ratio)
         self.ingest_artifacts(opts.method, chunks)  # the method itself (a study may run it under a label)
-        ans = self.greedy(prefix, chunks, question_ids, opts, budget, keep_steps=method == "vanilla")
+        budget = self.max_tokens or ex.max_tokens
+        ans = self.greedy(prefix, chunks, question_ids, opts, budget)
+        out = self._answered(ex, method, ratio, ans)
+        if reference is not None and reference.tokens:
+            self._compare(out, ans.fused, reference)
+        return out
+
+    def _answered(self, ex: Example, method: str, ratio: float | None, ans: GreedyAnswer) -> Outcome:
         stats = ans.stats
         out = self._outcome(ex, method, ratio, ans.text, ans.ttft_s, int(stats["context_tokens"]),
                             int(stats["recomputed_tokens"]))
-        out.kv_loaded_share, out.fused_cache_tokens = loaded_share_and_cache(method, stats)
+        out.kv_loaded_share, out.fused_cache_tokens = loaded_share_and_cache(
+            "vanilla" if method == FLOOR else method, stats)
         out.first_margin, out.first_entropy = first_token_signals(ans.fused.logits)
         out.evidence_coverage = stats.get("evidence_coverage")
-        if method == "vanilla":
-            out.reference = Reference(ans.text.strip(), ans.tokens, ans.steps.half(), ans.ttft_s, out.context_tokens,
-                                      int(stats["recomputed_tokens"]))
-            if key is not None:
-                self.references.save(key, out.reference)
+        return out
+
+    def _compare(self, out: Outcome, fused: Any, reference: Reference) -> None:
+        """First-token and answer KL against vanilla's answer, teacher-forced on `fused`'s cache."""
+        logits = agreement.teacher_forced_logits(self.engine, fused, reference.tokens)
+        kls = agreement.token_kls(reference.logprobs, logits)
+        out.kl_vs_vanilla, out.answer_kl_vs_vanilla = kls[0], sum(kls) / len(kls)
+
+    def _full_prefill(self, ex: Example, prepared: Any, method: str, ratio: float | None,
+                      reference: Reference | None) -> Outcome:
+        """Vanilla on `prepared` (the floor: on its swapped chunks), its outputs kept in the reference
+        cache. Against `reference` (the floor's case): KL from the kept distributions when the answers
+        are the same tokens (they are then the teacher-forced ones), else teacher-forced on a new prefill."""
+        prefix, chunks, question_ids = prepared
+        budget = self.max_tokens or ex.max_tokens
+        key = None
+        if self.references is not None:
+            key = reference_key(self.engine.fingerprint,
+                                [prefix.token_ids, *(c.token_ids for c in chunks), question_ids], budget)
+            hit = self.references.load(key)
+            if hit is not None and (reference is None or hit.tokens == reference.tokens):
+                out = self._outcome(ex, method, ratio, hit.prediction, hit.ttft_s, hit.context_tokens,
+                                    hit.recomputed_tokens)
+                if reference is None:
+                    out.kl_vs_vanilla = out.answer_kl_vs_vanilla = 0.0
+                    out.reference = hit
+                elif reference.tokens:
+                    kls = agreement.token_kls(reference.logprobs, hit.logprobs.float())
+                    out.kl_vs_vanilla, out.answer_kl_vs_vanilla = kls[0], sum(kls) / len(kls)
+                return out
+        ans = self.greedy(prefix, chunks, question_ids, self.options("vanilla", 1.0), budget, keep_steps=True)
+        out = self._answered(ex, method, ratio, ans)
+        ref = Reference(ans.text.strip(), ans.tokens, ans.steps.half(), ans.ttft_s, out.context_tokens,
+                        int(ans.stats["recomputed_tokens"]))
+        if key is not None:
+            self.references.save(key, ref)
+        if reference is None:
+            out.reference = ref
             out.kl_vs_vanilla = out.answer_kl_vs_vanilla = 0.0  # the reference itself
-        elif reference is not None and reference.tokens:
-            logits = agreement.teacher_forced_logits(self.engine, ans.fused, reference.tokens)
-            kls = agreement.token_kls(reference.logprobs, logits)
-            out.kl_vs_vanilla, out.answer_kl_vs_vanilla = kls[0], sum(kls) / len(kls)
+        elif reference.tokens:
+            self._compare(out, ans.fused, reference)
         return out
 
     def ingest_artifacts(self, method: str, chunks: Any) -> None:

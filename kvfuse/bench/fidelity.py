@@ -3,43 +3,64 @@
 In-process (the default), the engine is loaded once, each example's prefix and chunks are precomputed
 once and that KV is reused by every method. Each method is compared with vanilla on the same example: by
 the first-token KL, the answer KL over vanilla's whole answer (teacher-forced, kvfuse.bench.agreement) and
-answer agreement (the same normalised answer). Vanilla's outputs are kept on disk
-(kvfuse.bench.reference) and reused by later runs over the same examples. With `--url` the same examples go
-through a live server's REST API instead (kvfuse.bench.http_backend); no KL there.
+answer agreement (kvfuse.answer_match: the same normalised answer, and the same extracted value).
+
+The model's floor: `vanilla_swap` (FLOOR) is vanilla again on the example with two documents that hold
+no fact swapped, a change that should not move the answer. How often it does is the model's own noise;
+each method's value agreement is paired with it on the same examples (`floor_gap`, its bootstrap
+interval, `within_floor`). See docs/DESIGN.md, "Fidelity measures".
+
+Vanilla's outputs are kept on disk (kvfuse.bench.reference) and reused by later runs over the same
+examples. With `--url` the same examples go through a live server's REST API instead
+(kvfuse.bench.http_backend); no KL and no floor there.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvfuse.answer_match import same_answer
 from kvfuse.bench.agreement import bootstrap_ci, paired_ratio_ci
 from kvfuse.bench.reference import Reference
-from kvfuse.bench.scoring import normalize_answer
 from kvfuse.bench.tasks import Example
+
+FLOOR = "vanilla_swap"  # vanilla with two documents that hold no fact swapped: the model's own noise
+# A method is within the floor when the upper end of the 95 % interval of (floor's value agreement minus
+# the method's, paired per example) is at most this: it changes answers at most this much more often.
+FLOOR_MARGIN = 0.05
+# ... and only on at least this many examples: below it a bootstrap interval of per-example 0/1 differences
+# is often degenerate (all equal: a zero-width interval) and would claim what the run cannot show.
+FLOOR_MIN_N = 20
 
 # Methods whose recompute share is fixed by what they are, not by the ratio knob: run once, reported at
 # this ratio; None = set by the chunk structure (epic's edge tokens), reported as the measured share.
 # Every other method runs at each requested ratio.
-FIXED_RATIO: dict[str, float | None] = {"vanilla": 1.0, "full_reuse": 0.0, "pie": 0.0, "epic": None,
+FIXED_RATIO: dict[str, float | None] = {"vanilla": 1.0, FLOOR: 1.0, "full_reuse": 0.0, "pie": 0.0, "epic": None,
                                          "kvlink": None}
 FIDELITY_COLUMNS = (
     "task", "method", "ratio", "n", "score", "score_vs_vanilla", "score_vs_vanilla_ci", "gained_vs_vanilla",
     "lost_vs_vanilla", "kl_vs_vanilla", "answer_kl_vs_vanilla", "answer_kl_vs_vanilla_ci",
-    "same_answer_vs_vanilla", "same_answer_vs_vanilla_ci", "ttft_s_median", "ttft_vs_vanilla",
+    "same_answer_vs_vanilla", "same_answer_vs_vanilla_ci", "same_value_vs_vanilla", "same_value_vs_vanilla_ci",
+    "floor_gap", "floor_gap_ci", "within_floor", "ttft_s_median", "ttft_vs_vanilla",
     "context_tokens_mean", "recomputed_share", "kv_loaded_share", "fused_cache_tokens_mean",
 )
 SCORE_EPS = 1e-9  # scores closer than this count as equal (F1 is a float)
 
 
-def method_plan(methods: Sequence[str], ratios: Sequence[float]) -> list[tuple[str, float | None]]:
-    """(method, ratio) pairs to run, vanilla first (every other figure is relative to it)."""
+def method_plan(methods: Sequence[str], ratios: Sequence[float], *, floor: bool = True
+                ) -> list[tuple[str, float | None]]:
+    """(method, ratio) pairs to run, vanilla first (every other figure is relative to it), then the floor
+    (FLOOR) unless `floor` is off."""
     plan: list[tuple[str, float | None]] = [("vanilla", FIXED_RATIO["vanilla"])]
+    if floor:
+        plan.append((FLOOR, FIXED_RATIO[FLOOR]))
     for m in methods:
-        if m == "vanilla":
+        if m in ("vanilla", FLOOR):
             continue
         plan += [(m, FIXED_RATIO[m])] if m in FIXED_RATIO else [(m, float(r)) for r in ratios]
     return plan
@@ -68,6 +89,21 @@ class Outcome:
     first_entropy: float | None = None
     evidence_coverage: float | None = None
     reference: Reference | None = None  # transient (in-process vanilla only): what the others compare with
+
+
+def neutral_swap(ex: Example) -> list[int] | None:
+    """The chunk order of the floor: two chunks that hold no fact swapped (chosen by a generator seeded
+    with the example's id), the rest in place; None when fewer than two hold none or where the facts
+    are not known (MuSiQue)."""
+    if not ex.fact_chunks:
+        return None
+    free = [i for i in range(len(ex.chunks)) if i not in set(ex.fact_chunks)]
+    if len(free) < 2:
+        return None
+    a, b = random.Random(f"floor/{ex.id}").sample(free, 2)
+    order = list(range(len(ex.chunks)))
+    order[a], order[b] = b, a
+    return order
 
 
 def first_token_signals(logits: Any) -> tuple[float, float]:
@@ -107,11 +143,13 @@ def run_examples(
                 for method, ratio in plan:
                     bar.set_description(f"{ex.task} {method}" + (f"@{ratio:g}" if ratio is not None else ""))
                     out = backend.run(ex, prepared, method, ratio, reference=ref)
+                    bar.update(1)
+                    if out is None:  # the floor where the example has no neutral change
+                        continue
                     if method == "vanilla":
                         ref = out.reference
                     out.reference = None
                     outcomes.append(out)
-                    bar.update(1)
             finally:
                 backend.finish(ex, prepared)
             if on_example is not None:
@@ -138,6 +176,7 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     for o in outcomes:
         groups.setdefault((o.task, o.method, o.ratio), []).append(o)
     vanilla = {(o.task, o.example_id): o for o in outcomes if o.method == "vanilla"}
+    floors = {(o.task, o.example_id): o for o in outcomes if o.method == FLOOR}
     rows = []
     for (task, method, ratio), outs in groups.items():
         refs = [vanilla.get((task, o.example_id)) for o in outs]
@@ -149,8 +188,10 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             score_vs = 1.0
         else:
             score_vs = score / ref_score if ref_score else None
-        same = [float(normalize_answer(o.prediction) == normalize_answer(r.prediction))
+        same = [float(same_answer(o.prediction, r.prediction, "text"))
                 for o, r in zip(outs, refs, strict=True) if r is not None]
+        value = [float(same_answer(o.prediction, r.prediction, "value"))
+                 for o, r in zip(outs, refs, strict=True) if r is not None]
         answer_kl = [o.answer_kl_vs_vanilla for o in outs if o.answer_kl_vs_vanilla is not None]
         pairs = [(o.score, r.score) for o, r in zip(outs, refs, strict=True) if r is not None]
         ci = None if method == "vanilla" else paired_ratio_ci([a for a, _ in pairs], [b for _, b in pairs])
@@ -169,9 +210,12 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             "kl_vs_vanilla": _mean(o.kl_vs_vanilla for o in outs),
             "answer_kl_vs_vanilla": _mean(answer_kl),
             "answer_kl_vs_vanilla_ci": None if method == "vanilla" else _interval(bootstrap_ci(answer_kl)),
-            # same normalised answer (kvfuse.bench.scoring.normalize_answer) as vanilla on the example
+            # same normalised answer / same extracted value (kvfuse.answer_match) as vanilla on the example
             "same_answer_vs_vanilla": sum(same) / len(same) if same else None,
             "same_answer_vs_vanilla_ci": None if method == "vanilla" else _interval(bootstrap_ci(same)),
+            "same_value_vs_vanilla": sum(value) / len(value) if value else None,
+            "same_value_vs_vanilla_ci": None if method == "vanilla" else _interval(bootstrap_ci(value)),
+            **floor_pairing(method, outs, vanilla, floors),
             "ttft_s_median": ttft,
             "ttft_vs_vanilla": ttft / ref_ttft if ttft is not None and ref_ttft else None,
             "context_tokens_mean": _mean(o.context_tokens for o in outs),
@@ -180,6 +224,27 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             "fused_cache_tokens_mean": _mean(o.fused_cache_tokens for o in outs),
         })
     return rows
+
+
+def floor_pairing(method: str, outs: Sequence[Outcome], vanilla: dict, floors: dict) -> dict[str, Any]:
+    """The method's value agreement against the floor's on the same examples: the mean of (floor agrees
+    − method agrees) per example, its bootstrap interval, and `within_floor`: "yes" when the interval's
+    upper end is at most FLOOR_MARGIN on at least FLOOR_MIN_N examples, "no" when even the mean is above
+    the margin, "not shown" between (the run is too small to tell)."""
+    if method in ("vanilla", FLOOR):
+        return {"floor_gap": None, "floor_gap_ci": None, "within_floor": None}
+    gaps = []
+    for o in outs:
+        ref, fl = vanilla.get((o.task, o.example_id)), floors.get((o.task, o.example_id))
+        if ref is not None and fl is not None:
+            gaps.append(float(same_answer(fl.prediction, ref.prediction, "value"))
+                        - float(same_answer(o.prediction, ref.prediction, "value")))
+    if not gaps:
+        return {"floor_gap": None, "floor_gap_ci": None, "within_floor": None}
+    gap, ci = sum(gaps) / len(gaps), bootstrap_ci(gaps)
+    shown = ci is not None and ci[1] <= FLOOR_MARGIN and len(gaps) >= FLOOR_MIN_N
+    within = "yes" if shown else "no" if gap > FLOOR_MARGIN else "not shown"
+    return {"floor_gap": gap, "floor_gap_ci": _interval(ci), "within_floor": within}
 
 
 def _interval(ci: tuple[float, float] | None) -> list[float] | None:

@@ -41,7 +41,9 @@ class HttpBackend:
 
     def prepare(self, ex: Example) -> list[str]:
         ids = [f"bench-{ex.id}-{j}" for j in range(len(ex.chunks))]
-        docs = [{"id": i, "text": t, "on_conflict": "overwrite"} for i, t in zip(ids, ex.chunks, strict=True)]
+        # titled as in-process, so the server's labelled prompt (model.prompt_layout) names them the same
+        docs = [{"id": i, "text": t, "on_conflict": "overwrite", "metadata": {"title": name}}
+                for i, t, name in zip(ids, ex.chunks, ex.names(), strict=True)]
         checked(self.client.post("/v1/documents", params={"wait": "true"}, json={"documents": docs}))
         return ids
 

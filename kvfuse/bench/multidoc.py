@@ -14,8 +14,10 @@ consecutive chunks in their order and hides that case. Results: docs/results/fid
   document's last sentences dropped to make room. The draw does not depend on the order, so the two
   orders of one seed hold the same documents.
 - **Order**: `retrieval` fuses the documents by the embedder's cosine with the question, highest first,
-  as the service fuses its vector-search hits; `shuffled` keeps the seeded draw (no relation to the
-  question).
+  as the service fuses its vector-search hits; `best-last` the same ranking reversed, the best document
+  next to the question (LangChain's LongContextReorder puts the best at both ends; this is its end half);
+  `shuffled` keeps the seeded draw (no relation to the question).
+- **Names**: each document is named by its essay (the labelled prompt's title, kvfuse/fusion/prompt.py).
 - **Neighbours** (`store.precompute_context: neighbours`): each document's context is its nearest chunks
   among the corpus (the example's passages replaced by its documents), chosen by the function the service
   uses at ingestion (`fusion.chunk_context.nearest_context`).
@@ -33,7 +35,7 @@ from kvfuse.bench import tasks
 from kvfuse.bench.data import load_essays
 
 LAYOUTS = ("haystack", "multidoc")
-ORDERS = ("retrieval", "shuffled")
+ORDERS = ("retrieval", "best-last", "shuffled")
 TASKS = ("needle", "multikey", "multivalue")  # facts independent of reading order
 MIN_FILL = 0.75  # a passage drawn as a document fills at least this share of doc_tokens (no essay tails)
 
@@ -151,7 +153,8 @@ def draw(task: str, corpus: Corpus, cfg: tasks.TaskConfig, i: int, order: str) -
               for d, p in enumerate(sources)]
     name = label(task, order)
     return tasks.Example(name, f"{name}-{cfg.seed}-{i}", chunks, f.question, f.answers, "match",
-                         tasks.ANSWER_TOKENS[task], f.answer_prefix, where, f.facts, sources, corpus)
+                         tasks.ANSWER_TOKENS[task], f.answer_prefix, where, f.facts, sources, corpus,
+                         [corpus.essays[p] for p in sources])
 
 
 def retrieval_order(question: Any, documents: Any) -> list[int]:
@@ -166,13 +169,14 @@ def reordered(ex: tasks.Example, order: Sequence[int]) -> tasks.Example:
     """The example with its documents in `order` (order[k]: the document placed k-th)."""
     slot = {d: k for k, d in enumerate(order)}
     return dataclasses.replace(ex, chunks=[ex.chunks[d] for d in order], sources=[ex.sources[d] for d in order],
-                               fact_chunks=[slot[w] for w in ex.fact_chunks])
+                               fact_chunks=[slot[w] for w in ex.fact_chunks],
+                               titles=[ex.titles[d] for d in order] if ex.titles else [])
 
 
 def build_examples(task: str, corpus: Corpus, cfg: tasks.TaskConfig, order: str,
                    embed: Embed | None = None) -> list[tasks.Example]:
-    """cfg.n examples of `task` in `order`; `retrieval` needs `embed`, the embedder the service retrieves
-    with."""
+    """cfg.n examples of `task` in `order`; `retrieval` and `best-last` need `embed`, the embedder the
+    service retrieves with."""
     if order not in ORDERS:
         raise ValueError(f"unknown document order {order!r}; choose from {', '.join(ORDERS)}")
     examples = [draw(task, corpus, cfg, i, order) for i in range(cfg.n)]
@@ -183,5 +187,6 @@ def build_examples(task: str, corpus: Corpus, cfg: tasks.TaskConfig, order: str,
     out = []
     for ex in examples:
         vecs = embed([ex.question, *ex.chunks])
-        out.append(reordered(ex, retrieval_order(vecs[0], vecs[1:])))
+        ranked = retrieval_order(vecs[0], vecs[1:])
+        out.append(reordered(ex, ranked if order == "retrieval" else ranked[::-1]))
     return out

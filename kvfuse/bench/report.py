@@ -29,6 +29,8 @@ FIDELITY_TABLE = (
     ("score_vs_vanilla", "score / vanilla"), ("score_vs_vanilla_ci", "95 % interval"),
     ("gained_vs_vanilla", "above vanilla"), ("lost_vs_vanilla", "below vanilla"),
     ("same_answer_vs_vanilla", "same answer as vanilla"), ("same_answer_vs_vanilla_ci", "95 % interval"),
+    ("same_value_vs_vanilla", "same value as vanilla"), ("same_value_vs_vanilla_ci", "95 % interval"),
+    ("floor_gap", "floor − method (value)"), ("floor_gap_ci", "95 % interval"), ("within_floor", "within floor"),
     ("kl_vs_vanilla", "first-token KL (nats)"), ("answer_kl_vs_vanilla", "answer KL (nats)"),
     ("answer_kl_vs_vanilla_ci", "95 % interval"), ("ttft_s_median", "TTFT (s)"),
     ("ttft_vs_vanilla", "TTFT / vanilla"), ("context_tokens_mean", "context tokens"),
@@ -136,6 +138,35 @@ def fidelity_against_vanilla(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+FLOOR_TABLE = (
+    ("task", "task"), ("method", "method"), ("ratio", "ratio"), ("n", "n"),
+    ("same_value_vs_vanilla", "same value as vanilla"), ("same_value_vs_vanilla_ci", "95 % interval"),
+    ("floor_gap", "floor − method"), ("floor_gap_ci", "95 % interval"), ("within_floor", "within the floor"),
+    ("answer_kl_vs_vanilla", "answer KL (nats)"),
+)
+
+
+def floor_section(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The report's part on the model's floor: each method's value agreement beside the floor's (vanilla
+    with two fact-free documents swapped, kvfuse.bench.fidelity.FLOOR), paired; none when the run has
+    no floor."""
+    from kvfuse.bench.fidelity import FLOOR, FLOOR_MARGIN, FLOOR_MIN_N
+
+    if not any(r["method"] == FLOOR for r in rows):
+        return []
+    shown = [r for r in sort_fidelity(rows) if r["method"] != "vanilla"]
+    return [
+        "## Against the model's floor", "",
+        f"`{FLOOR}` is vanilla again with two documents that hold no fact swapped: how often that neutral change "
+        "moves the answer's value is the model's own noise. `floor − method`: the floor's value agreement "
+        "minus the method's on the same examples (positive: the method changes values more often), with its "
+        f"95 % bootstrap interval; `within the floor`: yes when the interval's upper end is ≤ {FLOOR_MARGIN:g} "
+        f"on at least {FLOOR_MIN_N} examples, no when the mean is above it, `not shown` when the run is too "
+        "small to tell.", "",
+        markdown_table(shown, FLOOR_TABLE), "",
+    ]
+
+
 def fidelity_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """The payload's rows, re-aggregated from its per-example outcomes when it has them (so a report
     re-rendered from an older file gains figures added to the aggregation since)."""
@@ -182,10 +213,11 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
             "resampled), and the examples scored above (+) and below (−) vanilla. An interval that "
             "contains 1 means the run cannot tell the method from vanilla; no interval: vanilla scored 0 "
             "on most resamples.", "",
-            fidelity_against_vanilla(rows), "", "## All figures", "",
+            fidelity_against_vanilla(rows), "", *floor_section(rows), "## All figures", "",
             markdown_table(sort_fidelity(rows), FIDELITY_TABLE), "",
             "`score / vanilla`: mean score over mean vanilla score on the same examples; `same answer`: "
-            "share of examples whose normalised answer equals vanilla's; `first-token KL`: mean "
+            "share of examples whose normalised answer equals vanilla's; `same value`: whose extracted "
+            "value (the first number, else the first sentence; kvfuse/answer_match.py) does; `first-token KL`: mean "
             "KL(P_vanilla ‖ P_method) of the first answer token; `answer KL`: the same per token over "
             "vanilla's whole answer, teacher-forced on the method's cache, averaged per example, then over "
             "examples; intervals: 95 % paired bootstrap over examples; TTFT: median over examples.",

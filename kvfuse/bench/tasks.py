@@ -84,6 +84,11 @@ class Example:
     # corpus (where `neighbours` contexts are found); empty / None for the single haystack and MuSiQue
     sources: list[int] = field(default_factory=list)
     corpus: Any = field(default=None, repr=False, compare=False)
+    # each chunk's document name in the labelled prompt (kvfuse/fusion/prompt.py); empty: "part k"
+    titles: list[str] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return list(self.titles) if self.titles else [f"part {k}" for k in range(1, len(self.chunks) + 1)]
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,12 @@ class ModelSettings(_Section):
         'the `model` OpenAI clients name, listed first by /v1/models; "" = the LLM\'s full id '
         '(HuggingFaceTB/SmolLM2-135M-Instruct for "default", else model.llm as given); the short name and '
         '"kvfuse" are accepted too'))
+    prompt_layout: Literal["plain", "labelled"] = Field("plain", description=(
+        "how retrieved chunks are rendered: plain (texts run together) | labelled (each a block with its "
+        "document's title and a blank line, numbered [n] before the question; docs/DESIGN.md, \"The prompt\")"))
+    prompt_order: Literal["best-first", "best-last"] = Field("best-last", description=(
+        "where retrieved chunks go: best-first (the top hit first) | best-last (the top hit next to the "
+        "question); documents named in a query keep the caller's order"))
     embedder: str = Field("default", description=(
         '"default" = all-MiniLM-L6-v2 (offline copy), or a sentence-transformers path'))
     embed_batch_size: int = Field(32, ge=1, description="chunks embedded per batch")
@@ -210,9 +216,9 @@ class StoreSettings(_Section):
     orphan_grace_s: float = Field(3600.0, ge=0, description=(
         "`kvfuse store check --repair` keeps unreferenced blobs younger than this"))
     # What a chunk's KV is computed after (kvfuse/fusion/chunk_context.py): none | document | neighbours |
-    # prefix; the context's tokens are part of the chunk key. Budget and neighbour count for those modes.
-    precompute_context: Literal["none", "document", "neighbours", "prefix"] = Field("document", description=(
-        "what a chunk's KV is computed after, at ingestion: none | document | neighbours | prefix "
+    # prefix | sink; the context's tokens are part of the chunk key. Budget and neighbour count for those modes.
+    precompute_context: Literal["none", "document", "neighbours", "prefix", "sink"] = Field("document", description=(
+        "what a chunk's KV is computed after, at ingestion: none | document | neighbours | prefix | sink "
         '(docs/DESIGN.md, "Context-carrying chunk caches")'))
     precompute_context_tokens: int = Field(1024, ge=0, description=(
         "token budget of that context (document, neighbours)"))

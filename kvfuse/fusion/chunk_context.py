@@ -11,6 +11,8 @@ fusion recovers positions exactly as for a chunk cached alone. Modes:
 - `neighbours`: its top-n most similar other chunks in the index (cosine of their embeddings), least
   similar first so the closest sits next to the chunk, the whole cut to its last `budget` tokens.
 - `prefix`: the shared system prefix (the chat template up to the user's content).
+- `sink`: the tokenizer's BOS token alone (CacheBlend's reference code computes each chunk after BOS): one
+  shared attention sink, so no chunk grows its own at its first token, and nothing of any system prompt.
 
 The context is part of the chunk's identity: `kvblob.chunk_key(..., context_ids)` folds its tokens into
 the chunk key (and the blob header records its hash), so a chunk computed after another context is
@@ -23,13 +25,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-MODES = ("none", "document", "neighbours", "prefix")
+MODES = ("none", "document", "neighbours", "prefix", "sink")
 
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown precompute context {mode!r}; choose from {', '.join(MODES)}")
     return mode
+
+
+def sink_context(tokenizer: Any) -> list[int]:
+    """`sink`: the BOS token, or the chat template's first token where the tokenizer has no BOS."""
+    if tokenizer.bos_token_id is not None:
+        return [int(tokenizer.bos_token_id)]
+    from kvfuse.fusion.prompt import template_halves
+
+    return list(tokenizer(template_halves(tokenizer, None)[0], add_special_tokens=False)["input_ids"][:1])
 
 
 def document_contexts(chunks: Sequence[Sequence[int]], budget: int) -> list[list[int]]:

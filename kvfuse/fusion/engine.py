@@ -107,12 +107,12 @@ class FusionEngine:
     def _template_halves(self, system_prompt: str | None) -> tuple[str, str]:
         return template_halves(self.tokenizer, system_prompt)
 
-    def prompt_parts(self, question: str, system_prompt: str | None,
-                     history: Sequence[Sequence[str]] = ()) -> tuple[list[int], list[int]]:
+    def prompt_parts(self, question: str, system_prompt: str | None, names: list[str] | None = None,
+                     layout: str = "plain", history: Sequence[Sequence[str]] = ()) -> tuple[list[int], list[int]]:
         """(prefix_ids, question_ids): the template up to the user's content, and the question text (after
         a conversation's earlier turns, if any) plus the template from the end of the user turn through the
-        assistant header. Documents go between."""
-        before, question_part = prompt_texts(self.tokenizer, question, system_prompt, history)
+        assistant header. Documents go between (`names` and `layout`: kvfuse/fusion/prompt.py)."""
+        before, question_part = prompt_texts(self.tokenizer, question, system_prompt, names, layout, history)
         return self.tokenize(before), self.tokenize(question_part)
 
     def _stop_token_ids(self) -> set[int]:

@@ -2,7 +2,18 @@
 
 The prompt is prefix + documents + question: the template rendered up to the user's content (with the
 system prompt), the chunks, then the question and the template from the end of the user turn through the
-assistant header. Tokenizer only, no model: the API process uses it too (the `prefix` precompute
+assistant header.
+
+Two renderings of the documents (`model.prompt_layout`, docs/DESIGN.md "The prompt"):
+
+- `plain`: the chunks' texts run together, then "Question: …".
+- `labelled`: each chunk is a block, "Document (title: T)\n" + its text + a blank line, cached with the
+  chunk (the header depends on the document only, so a chunk's cache is the same at any rank); the
+  numbers, which depend on the rank at query time, go in the question part, which every method
+  prefills per query: "Documents, in order: [1] T1; [2] T2.". Sources and answers refer to [n].
+
+A conversation's earlier turns go in the question part too, so the prefix and every chunk cache are the
+same with or without them. Tokenizer only, no model: the API process uses it too (the `prefix` precompute
 context, kvfuse/service/rag/precompute_context.py; the prompt size check before retrieval,
 kvfuse/service/rag/prompt_size.py).
 """
@@ -16,6 +27,47 @@ from kvfuse.fusion.errors import FusionError
 
 _SENTINEL = "\u2063KVFUSE-DOCUMENTS\u2063"  # placed in the user turn to find where documents go
 QUESTION_TEMPLATE = "\n\nQuestion: {question}"  # the question part, before the template's turn end
+PROMPT_LAYOUTS = ("plain", "labelled")
+CHUNK_HEADER = "Document (title: {name})\n"  # labelled: cached with the chunk's text
+CHUNK_END = "\n\n"  # labelled: the separator after each chunk, cached with it
+INDEX_TEMPLATE = "Documents, in order: {labels}."  # labelled: the rank-dependent part, in the question part
+
+
+PROMPT_ORDERS = ("best-first", "best-last")
+
+
+def in_prompt_order(ranked: list[Any], order: str) -> list[Any]:
+    """Retrieved chunks (best first) in the order the prompt lays them out: `best-first` as ranked,
+    `best-last` reversed, the best next to the question (the end half of LangChain's LongContextReorder)."""
+    if order not in PROMPT_ORDERS:
+        raise ValueError(f"unknown prompt order {order!r}; choose from {', '.join(PROMPT_ORDERS)}")
+    return list(ranked) if order == "best-first" else list(reversed(ranked))
+
+
+def check_layout(layout: str) -> str:
+    if layout not in PROMPT_LAYOUTS:
+        raise ValueError(f"unknown prompt layout {layout!r}; choose from {', '.join(PROMPT_LAYOUTS)}")
+    return layout
+
+
+def chunk_block(text: str, name: str, layout: str) -> str:
+    """A chunk's text as cached: itself (`plain`), or with its document's header and separator."""
+    if check_layout(layout) == "plain":
+        return text
+    return CHUNK_HEADER.format(name=name) + text + CHUNK_END
+
+
+def block_ids(tokenize: Any, text_ids: list[int], name: str, layout: str) -> list[int]:
+    """A chunk's token ids as cached and fused: its text's ids, between the header's and the separator's
+    (`labelled`; each part tokenized alone, so the text's ids are the chunker's), or the text's alone."""
+    if check_layout(layout) == "plain":
+        return list(text_ids)
+    return list(tokenize(CHUNK_HEADER.format(name=name))) + list(text_ids) + list(tokenize(CHUNK_END))
+
+
+def document_names(names: list[str]) -> str:
+    """"[1] a; [2] b": the number each chunk has in the prompt, first chunk 1."""
+    return "; ".join(f"[{i}] {n}" for i, n in enumerate(names, start=1))
 
 
 def template_halves(tokenizer: Any, system_prompt: str | None) -> tuple[str, str]:
@@ -41,13 +93,17 @@ def history_text(history: Sequence[Sequence[str]]) -> str:
     return HISTORY_TEMPLATE.format(turns=turns)
 
 
-def prompt_texts(tokenizer: Any, question: str, system_prompt: str | None,
-                 history: Sequence[Sequence[str]] = ()) -> tuple[str, str]:
-    """(prefix, question part): the two texts of the prompt around the documents, as tokenized. Earlier
-    turns of a conversation go in the question part, after the documents, so the prefix (and every chunk
-    cache computed after it) is the same with or without them."""
+def prompt_texts(tokenizer: Any, question: str, system_prompt: str | None, names: list[str] | None = None,
+                 layout: str = "plain", history: Sequence[Sequence[str]] = ()) -> tuple[str, str]:
+    """(prefix, question part): the two texts of the prompt around the documents, as tokenized. `names`:
+    the documents' names in prompt order (`labelled`: listed with their numbers before the question).
+    Earlier turns of a conversation go in the question part, after the documents, so the prefix (and every
+    chunk cache computed after it) is the same with or without them."""
     before, after = template_halves(tokenizer, system_prompt)
-    return before, history_text(history) + QUESTION_TEMPLATE.format(question=question) + after
+    asked = history_text(history) + QUESTION_TEMPLATE.format(question=question)
+    if check_layout(layout) == "labelled" and names:
+        asked = INDEX_TEMPLATE.format(labels=document_names(names)) + asked
+    return before, asked + after
 
 
 def overflow(prompt_tokens: int, max_tokens: int, limit: int) -> str | None:

@@ -10,6 +10,7 @@ import pytest
 from kvfuse.bench import report
 from kvfuse.bench.fidelity import (
     FIDELITY_COLUMNS,
+    FLOOR,
     Outcome,
     aggregate,
     kl_divergence,
@@ -43,7 +44,8 @@ OUTCOMES = [
 
 def test_method_plan_runs_vanilla_first_and_fixed_methods_once():
     plan = method_plan(["a3", "pie", "vanilla", "epic"], [0.1, 1.0])
-    assert plan == [("vanilla", 1.0), ("a3", 0.1), ("a3", 1.0), ("pie", 0.0), ("epic", None)]
+    assert plan == [("vanilla", 1.0), (FLOOR, 1.0), ("a3", 0.1), ("a3", 1.0), ("pie", 0.0), ("epic", None)]
+    assert method_plan(["a3", FLOOR], [0.1], floor=False) == [("vanilla", 1.0), ("a3", 0.1)]
 
 
 def test_aggregate_compares_with_vanilla_on_the_same_examples():
@@ -60,6 +62,56 @@ def test_aggregate_compares_with_vanilla_on_the_same_examples():
     assert rows[("musique", "pie", 0.0)]["score_vs_vanilla"] is None
     # a method whose share is fixed by its chunk edges is reported at its measured share
     assert rows[("musique", "epic", 0.064)]["recomputed_share"] == pytest.approx(0.064)
+
+
+def test_value_agreement_and_the_floor_are_paired_on_the_same_examples():
+    # 20 examples: vanilla answers "N."; the floor changes the value of e0 only; a method keeps every value
+    # but talks on after it (whole-answer agreement 0, value agreement 1), another changes e0..e5.
+    outs = []
+    for i in range(20):
+        outs += [_outcome("needle", f"e{i}", "vanilla", 1.0, f"{i}00.", 1.0, 2.0),
+                 _outcome("needle", f"e{i}", FLOOR, 1.0, "999." if i == 0 else f"{i}00.", 1.0, 2.0),
+                 _outcome("needle", f"e{i}", "talks", 0.15, f"{i}00. This number is", 1.0, 1.0),
+                 _outcome("needle", f"e{i}", "moves", 0.15, "5." if i < 6 else f"{i}00.", 1.0, 1.0)]
+    rows = {r["method"]: r for r in aggregate(outs)}
+    assert rows[FLOOR]["same_value_vs_vanilla"] == pytest.approx(0.95) and rows[FLOOR]["floor_gap"] is None
+    talks, moves = rows["talks"], rows["moves"]
+    assert talks["same_answer_vs_vanilla"] == 0.0 and talks["same_value_vs_vanilla"] == 1.0
+    # floor agrees on 19, `talks` on 20: gap −0.05, its interval below the margin: within the floor
+    assert talks["floor_gap"] == pytest.approx(-0.05) and talks["floor_gap_ci"][1] <= 0.05
+    assert talks["within_floor"] == "yes"
+    # `moves` changes 6 values where the floor changes 1 (e0, where both moved): gap 5/20 = 0.25
+    assert moves["same_value_vs_vanilla"] == pytest.approx(0.7) and moves["floor_gap"] == pytest.approx(0.25)
+    lo, hi = moves["floor_gap_ci"]
+    assert lo < 0.25 < hi and moves["within_floor"] == "no"
+    # a gap at the margin the run cannot bound: "not shown"
+    few = [o for o in outs if o.example_id in ("e0", "e6", "e7")]
+    few += [_outcome("needle", "e6", "close", 0.15, "600.", 1.0, 1.0),
+            _outcome("needle", "e7", "close", 0.15, "1.", 1.0, 1.0),
+            _outcome("needle", "e0", "close", 0.15, "000.", 1.0, 1.0)]  # kept where the floor moved
+    close = next(r for r in aggregate(few) if r["method"] == "close")
+    assert close["floor_gap"] == pytest.approx(0.0) and close["within_floor"] == "not shown"
+    # nothing changed on 3 examples: a zero-width interval, yet too few examples to claim it
+    same = [o for o in outs if o.example_id in ("e6", "e7", "e8") and o.method in ("vanilla", FLOOR, "talks")]
+    assert next(r for r in aggregate(same) if r["method"] == "talks")["within_floor"] == "not shown"
+    # without a floor run, no pairing
+    assert next(r for r in aggregate(OUTCOMES) if r["method"] == "a3")["within_floor"] is None
+
+
+def test_the_report_shows_the_floor_when_the_run_has_one(tmp_path: Path):
+    outs = []
+    for i in range(4):
+        outs += [_outcome("needle", f"e{i}", "vanilla", 1.0, f"{i}1.", 1.0, 2.0),
+                 _outcome("needle", f"e{i}", FLOOR, 1.0, f"{i}1.", 1.0, 2.0),
+                 _outcome("needle", f"e{i}", "a3", 0.15, "7." if i == 0 else f"{i}1.", 1.0, 1.0)]
+    payload = {**_payload("fidelity", aggregate(outs)), "outcomes": outcome_dicts(outs)}
+    md, _ = report.write_result(payload, tmp_path / "fidelity.json")
+    text = md.read_text()
+    assert "## Against the model's floor" in text
+    assert "| needle | a3 | 0.150 | 4 | 0.750 | 0.250–1.00 | 0.250 | 0–0.750 | no |" in text
+    # a run without the floor has no such part
+    plain = report.write_result(_payload("fidelity", aggregate(OUTCOMES)), tmp_path / "fidelity-old.json")[0]
+    assert "model's floor" not in plain.read_text()
 
 
 def test_aggregate_counts_examples_above_and_below_vanilla():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfuse.bench.fidelity import FIDELITY_COLUMNS
+from kvfuse.bench.fidelity import FIDELITY_COLUMNS, FLOOR
 from kvfuse.bench.speed import SPEED_COLUMNS
 from kvfuse.cli import main
 
@@ -33,14 +33,15 @@ def model_env(default_llm_path: str):
 def test_fidelity_fast_subset(model_env, tmp_path: Path, capsys):
     out = tmp_path / "fidelity.json"
     # 48-token chunks: musique's 10 passages stay a ~500-token context (the test's cost is its prefills)
-    rc = main(["bench", "fidelity", "--task", "needle,musique", "--n", "2", "--docs", "2", "--doc-tokens", "48",
+    rc = main(["bench", "fidelity", "--task", "needle,musique", "--n", "2", "--docs", "3", "--doc-tokens", "48",
                "--methods", "vanilla,a3", "--ratios", "1.0", "--max-tokens", "16", "--json", str(out),
                "--reference-dir", str(tmp_path / "refs")])
     assert rc == 0
     payload = json.loads(out.read_text())
     rows = payload["rows"]
+    # the floor (vanilla with two fact-free chunks swapped) runs where the facts are known: not on musique
     assert {(r["task"], r["method"], r["ratio"]) for r in rows} == {
-        (t, m, 1.0) for t in ("needle", "musique") for m in ("vanilla", "a3")}
+        (t, m, 1.0) for t in ("needle", "musique") for m in ("vanilla", "a3")} | {("needle", FLOOR, 1.0)}
     for r in rows:
         assert set(FIDELITY_COLUMNS) <= set(r)
         assert r["n"] == 2 and 0.0 <= r["score"] <= 1.0 and r["ttft_s_median"] > 0
@@ -53,14 +54,17 @@ def test_fidelity_fast_subset(model_env, tmp_path: Path, capsys):
         by_example.setdefault((o["task"], o["example_id"]), {})[o["method"]] = o
     assert len(by_example) == 4
     for runs in by_example.values():
+        if FLOOR in runs:  # the neutral change: vanilla again, compared with vanilla's own answer
+            assert runs[FLOOR]["answer_kl_vs_vanilla"] >= 0.0 and runs[FLOOR]["recomputed_tokens"] == runs[FLOOR]["context_tokens"]
         assert runs["a3"]["prediction"] == runs["vanilla"]["prediction"]
         assert runs["a3"]["recomputed_tokens"] == runs["a3"]["context_tokens"]
         assert runs["a3"]["kl_vs_vanilla"] < 1e-3 and runs["a3"]["answer_kl_vs_vanilla"] < 1e-3
     for r in (r for r in rows if r["method"] == "a3"):
         assert r["same_answer_vs_vanilla"] == 1.0 and r["score"] == pytest.approx(
             next(v["score"] for v in rows if v["method"] == "vanilla" and v["task"] == r["task"]))
-    assert payload["vanilla_references"]["computed"] == 4 and payload["vanilla_references"]["reused"] == 0
-    assert "kvfuse bench fidelity --task needle,musique --n 2 --docs 2" in payload["command"]
+    # vanilla on 4 examples and the floor on the 2 needles, each kept for the next run
+    assert payload["vanilla_references"]["computed"] == 6 and payload["vanilla_references"]["reused"] == 0
+    assert "kvfuse bench fidelity --task needle,musique --n 2 --docs 3" in payload["command"]
     assert payload["command"].startswith("KVFUSE_MODEL_CACHE_DIR=")  # the environment override is recorded
     assert "--methods vanilla,a3 " in payload["command"] and "--ratios 1 " in payload["command"]
     assert payload["machine"]["torch"]

@@ -87,6 +87,29 @@ def test_retrieval_order_puts_the_documents_by_cosine_with_the_question(corpus, 
         assert all(x >= y - 1e-6 for x, y in zip(sims, sims[1:], strict=False))
 
 
+def test_best_last_is_the_retrieval_order_reversed_and_names_follow_their_documents(corpus, embedder):
+    from kvfuse.bench.fidelity import neutral_swap
+
+    cfg = tasks.TaskConfig(n=2, docs=6, doc_tokens=200, seed=3)  # 4 facts: two documents hold none
+    ranked = multidoc.build_examples("multikey", corpus, cfg, "retrieval", embedder.embed)
+    last = multidoc.build_examples("multikey", corpus, cfg, "best-last", embedder.embed)
+    for a, b in zip(ranked, last, strict=True):
+        assert b.task == "multikey-docs-best-last" and b.chunks == a.chunks[::-1] and b.titles == a.titles[::-1]
+        assert b.titles == [corpus.essays[p] for p in b.sources] and b.names() == b.titles
+        for fact, where in zip(b.facts, b.fact_chunks, strict=True):
+            assert fact in b.chunks[where]
+        # the floor swaps two documents that hold no fact, the same two every time
+        order = neutral_swap(b)
+        moved = [i for i, j in enumerate(order) if i != j]
+        assert len(moved) == 2 and not set(moved) & set(b.fact_chunks) and order == neutral_swap(b)
+    # where every document holds a fact, or the facts are not known, there is no neutral swap
+    ex = ranked[0]
+    import dataclasses
+
+    assert neutral_swap(dataclasses.replace(ex, fact_chunks=list(range(len(ex.chunks))))) is None
+    assert neutral_swap(dataclasses.replace(ex, fact_chunks=[])) is None
+
+
 def test_retrieval_order_ties_go_to_the_earlier_document():
     q = np.array([1.0, 0.0], dtype=np.float32)
     docs = np.array([[0.0, 1.0], [1.0, 0.0], [0.6, 0.8], [1.0, 0.0]], dtype=np.float32)

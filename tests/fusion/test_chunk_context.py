@@ -20,6 +20,7 @@ from kvfuse.fusion.chunk_context import (
     nearest_context,
     neighbour_contexts,
     neighbour_order,
+    sink_context,
 )
 
 
@@ -67,6 +68,20 @@ def test_exact_preceding_context_makes_pie_vanilla(engine: FusionEngine, prompt:
     assert torch.allclose(reuse.logits, vanilla.logits, atol=1e-3)
     alone = engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids, FusionOptions(method="pie"))
     assert (reuse.logits - vanilla.logits).abs().max() < (alone.logits - vanilla.logits).abs().max() / 10
+
+
+def test_sink_is_one_shared_bos_and_the_chunk_its_slice_after_it(engine: FusionEngine, prompt: Prompt):
+    sink = sink_context(engine.tokenizer)
+    assert sink == [engine.tokenizer.bos_token_id] and check_mode("sink") == "sink"
+    ids = prompt.chunks[1].token_ids
+    full = engine.precompute([sink + ids])[0]
+    after = engine.precompute_after(sink, ids)
+    assert after.after_context and torch.allclose(after.v, full.v[:, :, 1:], atol=1e-5)
+    # the first content token is no longer a sink of its own: its values are not those of the chunk alone
+    alone = engine.precompute([ids])[0]
+    assert not torch.allclose(after.v[:, :, 0], alone.v[:, :, 0], atol=1e-3)
+    fp = engine.fingerprint
+    assert kvblob.chunk_key(fp, "float16", ids, sink) != kvblob.chunk_key(fp, "float16", ids)
 
 
 def test_context_choice():

@@ -262,3 +262,33 @@ def test_engine_from_settings_takes_the_fusion_knobs(default_llm_path: str, monk
     assert (engine.attention_block_rows, engine.precompute_batch_tokens) == (24, 1000)
     assert engine.max_context_tokens == 2048
     assert engine.tf.blocked.block_rows == 24  # the blocked CPU kernel's rows per block
+
+
+def test_labelled_prompt_caches_the_header_with_the_chunk_and_numbers_in_the_question_part(engine):
+    from kvfuse.fusion.prompt import chunk_block
+
+    # the cached block depends on the document only, never on its rank
+    block = chunk_block("Paris is in France.", "geo", "labelled")
+    assert block == "Document (title: geo)\nParis is in France.\n\n"
+    assert chunk_block("Paris is in France.", "geo", "plain") == "Paris is in France."
+    prefix, question = engine.prompt_parts("Why?", "Be brief.", ["geo", "art"], "labelled")
+    docs = block + chunk_block("Art.", "art", "labelled")
+    rendered = engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": docs + "Documents, in order: [1] geo; [2] art.\n\nQuestion: Why?"}],
+        tokenize=False, add_generation_prompt=True)
+    assert engine.tokenizer.decode(prefix) + docs + engine.tokenizer.decode(question) == rendered
+    # plain ignores the names: the prompt as before the layouts existed
+    assert engine.prompt_parts("Why?", "Be brief.", ["geo"], "plain") == engine.prompt_parts("Why?", "Be brief.")
+    with pytest.raises(ValueError, match="prompt layout"):
+        chunk_block("x", "y", "fancy")
+
+
+def test_prompt_order_puts_the_best_first_or_next_to_the_question():
+    from kvfuse.fusion.prompt import in_prompt_order
+
+    ranked = ["top", "second", "third"]
+    assert in_prompt_order(ranked, "best-first") == ranked
+    assert in_prompt_order(ranked, "best-last") == ["third", "second", "top"]
+    with pytest.raises(ValueError, match="prompt order"):
+        in_prompt_order(ranked, "middle")

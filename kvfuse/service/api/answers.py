@@ -22,12 +22,13 @@ from kvfuse.service.rag.retrieval import RetrievalOptions
 from kvfuse.service.wire.protocol import prompt_tokens
 
 
-def source(c: SourceChunk | FoundChunk) -> Source:
-    """A chunk as a citation: where it is, its text and its document's metadata, and how it was found."""
+def source(c: SourceChunk | FoundChunk, label: int | None = None) -> Source:
+    """A chunk as a citation: where it is, its text and its document's metadata, how it was found, and its
+    number in the prompt (`label`, the [n] the labelled prompt gives it)."""
     tokens = c.tokens if isinstance(c, FoundChunk) else len(c.token_ids)
     return Source(document_id=c.document_id, chunk_index=c.chunk_index, score=round(c.score, 6), tokens=tokens,
                   dense_rank=c.dense_rank, keyword_rank=c.keyword_rank, text=c.text, metadata=c.metadata,
-                  page=c.location.get("page"), section=c.location.get("section"))
+                  page=c.location.get("page"), section=c.location.get("section"), label=label)
 
 
 def chunk_out(c: FoundChunk) -> ChunkOut:
@@ -48,7 +49,13 @@ def sources_of(run: QueryRun) -> QuerySources:
                         ratio_source=plan.ratio_source, size_bucket=plan.size_bucket)
     retrieval = RetrievalUsed(mode="explicit" if plan.explicit else plan.retrieval.mode,
                               collections=plan.retrieval.searched)
-    return QuerySources(sources=[source(c) for c in run.sources], dropped_sources=[source(c) for c in run.dropped],
+    # a kept source's number is its place in the prompt (the [n] the labelled prompt gives it); retrieved
+    # sources are listed best first whatever that place (model.prompt_order), named ones as named
+    numbered = list(enumerate(run.sources, start=1))
+    if not plan.explicit and plan.prompt_order == "best-last":
+        numbered.reverse()
+    return QuerySources(sources=[source(c, n) for n, c in numbered],
+                        dropped_sources=[source(c) for c in run.dropped],
                         warning=run.warning, fusion=fusion, retrieval=retrieval)
 
 

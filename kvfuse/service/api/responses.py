@@ -172,6 +172,10 @@ class Source(BaseModel):
     section: str | None = _optional("the heading of the section its text starts in, for a document ingested "
                                     "from a Markdown, HTML or DOCX file")
 
+    label: int | None = Field(None, description=(
+        "its number in the prompt, from 1: the [n] the labelled prompt (model.prompt_layout) gives it and an "
+        "answer may cite; null for a dropped source"))
+
 
 class SearchResults(BaseModel):
     """`POST /v1/search`: the chunks /v1/query would put in the prompt for the same knobs, best first."""

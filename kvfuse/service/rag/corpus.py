@@ -147,6 +147,26 @@ class Corpus:
         for doc_id, texts, rec in self._chunked_documents():
             yield doc_id, self.embedder.embed(texts), rec.metadata, rec.collection
 
+    def prompt_name(self, rec: Any) -> str:
+        """The document's name in the labelled prompt: its `title` metadata, else its id; "" when the
+        prompt is plain (`model.prompt_layout`)."""
+        if self.settings.model.prompt_layout == "plain":
+            return ""
+        doc_id = getattr(rec, "document_id", None) or rec.id  # an ingestion job's record, or the document's
+        return str(rec.metadata.get("title") or doc_id)
+
+    def prompt_blocks(self, chunk_ids: list[list[int]], name: str) -> list[list[int]]:
+        """Chunks' token ids as cached and fused under `model.prompt_layout` (kvfuse/fusion/prompt.py):
+        what ingestion precomputes and keys, and what a query fuses."""
+        from kvfuse.fusion.prompt import block_ids
+
+        layout = self.settings.model.prompt_layout
+        return [block_ids(self.chunker.encode, ids, name, layout) for ids in chunk_ids]
+
+    def prompt_chunk_ids(self, rec: Any) -> list[list[int]]:
+        """A ready document's chunks as fused (`prompt_blocks` of `chunk_token_ids`)."""
+        return self.prompt_blocks(self.chunk_token_ids(rec), self.prompt_name(rec))
+
     def chunk_token_ids(self, rec: Any) -> list[list[int]]:
         """A ready document's chunk token ids: its tokens split by the chunk sizes stored at ingest (so
         chunking settings may change later without invalidating stored KV)."""

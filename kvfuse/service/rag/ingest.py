@@ -256,10 +256,11 @@ class IngestManager:
         await require_worker(self.dispatcher, self.settings.server.worker_start_timeout_s)
         chunks = await asyncio.to_thread(corpus.chunker.chunk, rec.text)
         rec.chunks_total, rec.chunks_done = len(chunks), 0
-        ids = [c.token_ids for c in chunks]
+        raw = [c.token_ids for c in chunks]
+        ids = corpus.prompt_blocks(raw, corpus.prompt_name(rec))  # as fused: the labelled header cached too
         vectors = await asyncio.to_thread(corpus.embedder.embed, [c.text for c in chunks])
         self._check(job)
-        contexts = await asyncio.to_thread(contexts_for, corpus, doc_id, ids, vectors, rec.collection)
+        contexts = await asyncio.to_thread(contexts_for, corpus, doc_id, raw, vectors, rec.collection)
         fp, hashes = self.dispatcher.info["fingerprint"], [kvblob.context_hash(c) for c in contexts]
         keys = [kvblob.chunk_key_from_hash(fp, self.settings.store.kv_dtype, kvblob.token_hash(t), h)
                 for t, h in zip(ids, hashes, strict=True)]
@@ -280,7 +281,7 @@ class IngestManager:
             self._check(job)
         doc = DocumentRecord(id=doc_id, status="ready", metadata=rec.metadata, collection=rec.collection,
                              chunk_keys=keys,
-                             chunk_tokens=[len(t) for t in ids], tokens=sum(len(t) for t in ids),
+                             chunk_tokens=[len(t) for t in raw], tokens=sum(len(t) for t in raw),
                              chunk_contexts=hashes if any(hashes) else [],
                              kv_bytes=kv_bytes, content_hash=content_hash(rec.text))
         self._check(job)

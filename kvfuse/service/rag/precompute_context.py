@@ -8,6 +8,7 @@ context and keys it by both (docs/DESIGN.md, "Context-carrying chunk caches"). M
 - `document`: the last `precompute_context_tokens` tokens before the chunk in its own document.
 - `prefix`: the system prefix of the configured default system prompt (the chat template up to the user's
   content), so no chunk starts a sequence.
+- `sink`: the BOS token alone: one shared attention sink, independent of any system prompt.
 - `neighbours`: the `precompute_neighbours` chunks most similar to it (embedding cosine) among the other
   chunks of its document and the ready chunks of every other document of its collection in the index,
   least similar first, cut to the same budget. Chosen once, at ingestion: later documents do not
@@ -38,6 +39,8 @@ def contexts_for(corpus: Corpus, doc_id: str, chunk_ids: list[list[int]], vector
         return [[] for _ in chunk_ids]
     if mode == "document":
         return chunk_context.document_contexts(chunk_ids, budget)
+    if mode == "sink":
+        return [chunk_context.sink_context(corpus.chunker.tokenizer) for _ in chunk_ids]
     if mode == "prefix":
         from kvfuse.fusion.prompt import template_halves
 

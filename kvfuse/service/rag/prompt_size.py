@@ -43,7 +43,7 @@ async def check_prompt_fits(chunker: Chunker, limit: int | None, question: str, 
     fit `limit` tokens (no check when the limit is not known yet)."""
     if limit is None:
         return
-    prefix, question_part = prompt_texts(chunker.tokenizer, question, system_prompt, history)
+    prefix, question_part = prompt_texts(chunker.tokenizer, question, system_prompt, history=history)
     chars, bound = len(prefix) + len(question_part), limit * chunker.max_token_chars
     if chars > bound:
         raise APIError(400, f"the query and system prompt are {chars} characters long: a model context of {limit} "

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvfuse.chunk_keys import chunk_key_from_hash, token_hash
+from kvfuse.fusion.prompt import in_prompt_order
 from kvfuse.service.dispatch.job_book import (
     Job,
     NoLiveWorker,
@@ -91,6 +92,7 @@ class SourceChunk:
     text: str = ""  # what the chunk covers of its document (rag/chunks.py), for citations
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # its document's
     location: dict[str, Any] = dataclasses.field(default_factory=dict)  # its page or section, from a file
+    name: str = ""  # its document's name in the labelled prompt ("" in the plain one)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class QueryPlan:
     conversation: Conversation | None = None  # a chat's earlier turns kept for the prompt (rag/conversation.py)
     ratio_source: str = "request"  # request | config | auto (held for the target, rag/fidelity.py)
     size_bucket: str | None = None  # the prompt-size bucket an "auto" ratio was held for
+    prompt_order: str = "best-first"  # where the retrieved chunks went (model.prompt_order)
 
 
 @dataclass
@@ -208,7 +211,7 @@ class QueryService:
         else:
             hits = await asyncio.to_thread(retrieve, self.corpus, search_for, top_k or s.retriever.top_k,
                                            retrieval_opts, filters)
-            chunks = await asyncio.to_thread(self._hits_to_chunks, hits)
+            chunks = in_prompt_order(await asyncio.to_thread(self._hits_to_chunks, hits), s.model.prompt_order)
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
             self.metrics.retrieval.observe(retrieval_s)
@@ -220,7 +223,7 @@ class QueryService:
                          explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
                          generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
                          deadline=arrived + s.server.request_timeout_s, conversation=conversation,
-                         ratio_source=source, size_bucket=bucket)
+                         ratio_source=source, size_bucket=bucket, prompt_order=s.model.prompt_order)
 
     def fusion_options(self, fusion: Any | None) -> dict[str, Any]:
         from kvfuse.fusion import available_methods
@@ -273,7 +276,7 @@ class QueryService:
             self.metrics.fingerprint_misses.inc()
             if rec.id not in self._stale_logged:
                 self._stale_logged.add(rec.id)
-                log.warning("document %s has KV of another model (or KV dtype): its chunks are rebuilt from "
+                log.warning("document %s has KV of another model (or KV dtype, or prompt layout): its chunks are rebuilt from "
                             "their tokens at each query until the document is rebuilt for this model", rec.id)
                 self.ingest.resubmit_soon(rec.id, "its KV is from another model")
         return key
@@ -290,11 +293,11 @@ class QueryService:
                 raise document_not_found(doc_id, param="document_ids")
             if rec is None or rec.status != "ready":
                 self._not_ready(doc_id, rec)
-            found = document_chunks(self.corpus, rec)
-            for i, ids in enumerate(self.corpus.chunk_token_ids(rec)):
+            found, name = document_chunks(self.corpus, rec), self.corpus.prompt_name(rec)
+            for i, ids in enumerate(self.corpus.prompt_chunk_ids(rec)):
                 c = found[i]
                 chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids, text=c.text,
-                                          metadata=c.metadata, location=c.location))
+                                          metadata=c.metadata, location=c.location, name=name))
         return chunks
 
     def _not_ready(self, doc_id: str, rec: Any) -> NoReturn:
@@ -318,11 +321,12 @@ class QueryService:
             if c.document_id not in records:
                 records[c.document_id] = self.corpus.store.get_document(c.document_id)
             rec = records[c.document_id]
-            if rec is None or c.chunk_index >= len(rec.chunk_keys):
+            if rec is None or rec.status != "ready" or c.chunk_index >= len(rec.chunk_keys):
                 continue
-            ids = self.corpus.chunk_token_ids(rec)[c.chunk_index]
+            ids = self.corpus.prompt_chunk_ids(rec)[c.chunk_index]
             chunks.append(SourceChunk(c.document_id, c.chunk_index, c.score, self._key(rec, c.chunk_index, ids), ids,
-                                      c.dense_rank, c.keyword_rank, c.text, c.metadata, c.location))
+                                      c.dense_rank, c.keyword_rank, c.text, c.metadata, c.location,
+                                      self.corpus.prompt_name(rec)))
         if not chunks:
             raise APIError(404, "no ready document matches the query (ingest documents first, or relax filters)",
                            code="no_documents")
@@ -333,7 +337,7 @@ class QueryService:
         """Queue the job and wait for the worker's plan (which chunks fit), watching `gone` meanwhile."""
         message = QueryJob(question=plan.question, system_prompt=plan.system_prompt, explicit=plan.explicit,
                            fusion=plan.fusion, generation=plan.generation,
-                           chunks=[ChunkRef(c.key, c.token_ids, c.score) for c in plan.chunks],
+                           chunks=[ChunkRef(c.key, c.token_ids, c.score, c.name) for c in plan.chunks],
                            history=[list(t) for t in plan.conversation.history] if plan.conversation else [])
         try:
             job = self.dispatcher.submit(message)

@@ -56,6 +56,8 @@ class ChunkRef:
     key: str
     token_ids: list[int]
     score: float = 1.0
+    # its document's name in the labelled prompt (kvfuse/fusion/prompt.py); "" for the plain prompt
+    name: str = ""
 
 
 @dataclass

@@ -35,7 +35,9 @@ def plan_query(job: P.QueryJob, engine: Any, scheduler: Scheduler, limit: int, s
     full_prefill, per_chunk = method.full_prefill, method.tokens_per_chunk(fusion)
     if gen.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
-    prefix_ids, question_ids = engine.prompt_parts(job.question, job.system_prompt, job.history)
+    names = [c.name for c in job.chunks]
+    layout = "labelled" if any(names) else "plain"
+    prefix_ids, question_ids = engine.prompt_parts(job.question, job.system_prompt, names, layout, job.history)
     fixed = len(prefix_ids) + len(question_ids) + gen.max_tokens
     too_long = overflow(len(prefix_ids) + len(question_ids), gen.max_tokens, limit)
     if too_long:
@@ -59,6 +61,9 @@ def plan_query(job: P.QueryJob, engine: Any, scheduler: Scheduler, limit: int, s
             total -= cost[i]
         gone = set(dropped)
         kept = [i for i in kept if i not in gone]
+        if layout != "plain":  # the kept chunks are numbered from 1 again
+            question_ids = engine.prompt_parts(job.question, job.system_prompt, [names[i] for i in kept], layout,
+                                             job.history)[1]
     kv_tokens = fixed + total
     kv_budget = scheduler.limits.kv_budget_tokens
     if not scheduler.fits_alone(kv_tokens):

@@ -8,8 +8,9 @@ kvfuse/service/rag/precompute_context.py): a real server ingests over HTTP, and 
   taken for another model's, none is rebuilt).
 - `neighbours`: a one-chunk document is computed after the most similar chunk of the other documents in
   the index, found with the real embedder.
-- Every mode (`none`, `document`, `neighbours`, `prefix`) ingests a document and answers a query over it;
-  under `prefix` every chunk is computed after the system prefix of `model.system_prompt`.
+- Every mode (`none`, `document`, `neighbours`, `prefix`, `sink`) ingests a document and answers a query
+  over it; under `prefix` every chunk is computed after the system prefix of `model.system_prompt`, under
+  `sink` after the BOS token.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def test_document_and_neighbour_contexts_over_http(tmp_path: Path, essays3: dict
     assert short.chunk_contexts == [kvblob.context_hash(nearest[-BUDGET:])]
 
 
-@pytest.mark.parametrize("mode", ["none", "document", "neighbours", "prefix"])
+@pytest.mark.parametrize("mode", ["none", "document", "neighbours", "prefix", "sink"])
 def test_every_mode_ingests_and_answers(tmp_path: Path, essays3: dict[str, str], mode: str,
                                         default_llm_path: str) -> None:
     from kvfuse.fusion import FusionEngine
@@ -142,6 +143,9 @@ def test_every_mode_ingests_and_answers(tmp_path: Path, essays3: dict[str, str],
         assert header.context_hash == rec.chunk_contexts[1]
         torch.testing.assert_close(k, want.k, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v, want.v, atol=1e-4, rtol=1e-4)
+    elif mode == "sink":  # one BOS before every chunk, whatever the system prompt
+        bos = FusionEngine.load(default_llm_path, dtype="float32").tokenizer.bos_token_id
+        assert rec.chunk_contexts == [kvblob.context_hash([bos])] * len(rec.chunk_keys)
     else:
         assert any(rec.chunk_contexts), rec.chunk_contexts
 
