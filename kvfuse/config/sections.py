@@ -253,6 +253,9 @@ class FusionSettings(FusionRequestSettings):
         "chunk precompute: padded tokens per forward batch"))
     attention_block_rows: int = Field(128, ge=1, description=(
         "recompute on CPU: rows per attention block (keys before its first row unmasked, its tail masked)"))
+    sparse_attention: bool = Field(True, description=(
+        "recompute on CUDA: scattered rows through compiled FlexAttention with a block mask by position; "
+        "off: one SDPA call with a dense [rows, keys] mask"))
     # ingest computes samkv's per-chunk artifacts (one more pass per chunk); off, samkv builds them on first use
     samkv_ingest_artifacts: bool = Field(False, description=(
         "ingest: store samkv's per-chunk artifacts with the KV (one more pass per chunk); off: built at "

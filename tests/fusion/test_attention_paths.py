@@ -1,0 +1,156 @@
+"""Every attention path of kvfuse/fusion/attention.py against attention written out by hand in float64,
+for random row sets: the kernel's causal mask, lower-right causal (contiguous rows), the LSE-returning
+call the probe uses, FlexAttention's block mask by position (its plan and padding, run eagerly on the
+CPU: the same function the CUDA path compiles), and the dense mask. The CUDA half (`-m cuda`) runs the
+CUDA kernels (flash's lower-right causal and log-sum-exp, compiled FlexAttention) in bf16 wherever a GPU
+is present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfuse.fusion import attention, attention_flex
+from kvfuse.fusion.attention import Attention
+from kvfuse.fusion.transformer import Rows
+
+H, HKV, D, SCALE = 4, 2, 64, 64**-0.5
+CUDA = torch.cuda.is_available()
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="no CUDA device")])
+
+
+def reference(q, k, v, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) in float64: row i sees keys 0..positions[i]."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    kk, vv = k.repeat_interleave(H // HKV, dim=1), v.repeat_interleave(H // HKV, dim=1)
+    scores = (q @ kk.transpose(-1, -2)) * SCALE
+    hidden = torch.arange(k.shape[2])[None, :] > positions.cpu()[:, None]
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return scores.softmax(-1) @ vv, torch.logsumexp(scores, dim=-1)
+
+
+def row_sets(total: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "scattered": torch.sort(torch.randperm(total, generator=gen)[: total // 5]).values,
+        "scattered-then-question": torch.cat([torch.sort(torch.randperm(total - 30, generator=gen)[:60]).values,
+                                              torch.arange(total - 30, total)]),
+        "dense-start": torch.cat([torch.arange(0, 150), torch.tensor([total - 1])]),
+        "two-rows": torch.tensor([3, total - 1]),
+        "contiguous": torch.arange(total - 37, total),
+        "from-zero": torch.arange(total),
+        "one-row": torch.tensor([total - 1]),
+    }
+
+
+def tensors(rows: int, keys: int, gen: torch.Generator, device="cpu", dtype=torch.float32):
+    q = torch.randn(1, H, rows, D, generator=gen)
+    k, v = torch.randn(1, HKV, keys, D, generator=gen), torch.randn(1, HKV, keys, D, generator=gen)
+    return (t.to(device=device, dtype=dtype) for t in (q, k, v))
+
+
+def rows_at(positions: torch.Tensor, dtype=torch.float32) -> Rows:
+    rows = Rows.__new__(Rows)  # only the positions matter here; cos/sin are the rotary module's
+    rows.positions, rows.dtype, rows.count = positions, dtype, int(positions.numel())
+    rows.stop = int(positions[-1]) + 1
+    rows.contiguous = rows.stop - int(positions[0]) == rows.count
+    rows._mask, rows.plan = None, None
+    return rows
+
+
+@pytest.mark.parametrize("total", [300, 1100])
+@pytest.mark.parametrize("path", ["auto", "dense", "flex-eager"])
+def test_every_path_matches_attention_by_hand(path: str, total: int) -> None:
+    gen = torch.Generator().manual_seed(total)
+    for kind, positions in row_sets(total, gen).items():
+        q, k, v = tensors(positions.numel(), total, gen)
+        rows = rows_at(positions)
+        att = Attention(SCALE, torch.device("cpu"), block_rows=0)
+        k, v = k[:, :, : rows.stop], v[:, :, : rows.stop]
+        if path == "dense":
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, scale=SCALE,
+                                                                   is_causal=rows.mask is None, enable_gqa=True)
+        elif path == "flex-eager":
+            out = attention_flex.FlexRows(SCALE, compiled=False)(q, k, v, attention_flex.plan(positions))
+        else:
+            out = att(q, k, v, rows)
+            assert att.path(rows) == {"contiguous": "lower_right", "one-row": "lower_right",
+                                      "from-zero": "causal"}.get(kind, "dense")
+        want, _ = reference(q, k, v, positions)
+        torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5, msg=f"{path}, {kind}")
+
+
+def test_cuda_picks_flex_for_scattered_rows_and_no_mask_for_contiguous_ones() -> None:
+    att = Attention(SCALE, torch.device("cuda"), block_rows=128)  # nothing is allocated: the choice only
+    assert att.blocked is None  # the blocked kernel is the CPU's
+    for kind, positions in row_sets(300, torch.Generator().manual_seed(0)).items():
+        rows = rows_at(positions)
+        want = {"contiguous": "lower_right", "one-row": "lower_right", "from-zero": "causal"}.get(kind, "flex")
+        assert att.path(rows) == (want if attention_flex.available() else want.replace("flex", "dense"))
+        assert rows._mask is None  # choosing builds no mask
+    assert Attention(SCALE, torch.device("cuda"), sparse=False).path(rows_at(torch.tensor([3, 9]))) == "dense"
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+@pytest.mark.parametrize("rows,keys", [(37, 300), (300, 300), (1, 50), (130, 1100)])
+def test_with_lse_gives_the_output_and_log_sum_exp_of_the_last_rows(device: str, rows: int, keys: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = tensors(rows, keys, gen, device, dtype)
+    out, lse = attention.with_lse(q, k, v, SCALE)
+    want, want_lse = reference(q, k, v, torch.arange(keys - rows, keys))
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=1e-5)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (1, H, rows)
+    torch.testing.assert_close(out.double().cpu(), want, **tol)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, **tol)
+    math_out, math_lse = attention._math_with_lse(q, k, v, SCALE)  # the fallback, the same numbers
+    torch.testing.assert_close(math_lse.double().cpu(), want_lse, **tol)
+    torch.testing.assert_close(math_out.double().cpu(), want, **tol)
+
+
+def test_flex_plan_lists_full_partial_and_skipped_key_blocks() -> None:
+    b = attention_flex.BLOCK
+    positions = torch.cat([torch.arange(0, b), torch.arange(5 * b + 7, 6 * b + 7), torch.tensor([9 * b + 3])])
+    p = attention_flex.plan(positions)
+    assert p.rows == 2 * b + 1 and p.positions.numel() == 3 * b and p.keys == attention_flex.bucket(9 * b + 4)
+    partial_n, partial_i, full_n, full_i = attention_flex.block_tables(p.positions, p.keys)
+    # row block 0 (rows 0..127): key block 0 partial, none full; row block 1 (positions 647..774): key
+    # blocks 0..4 full, 5..6 partial; row block 2 (one real row at 1155, padded with it): 0..8 full, 9 partial
+    assert partial_n.view(-1).tolist() == [1, 2, 1] and full_n.view(-1).tolist() == [0, 5, 9]
+    assert partial_i[0, 0, 1, :2].tolist() == [5, 6] and full_i[0, 0, 1, :5].tolist() == [0, 1, 2, 3, 4]
+    assert partial_i[0, 0, 2, :1].tolist() == [9]
+
+
+def test_buckets_round_up_by_at_most_an_eighth() -> None:
+    assert attention_flex.bucket(1) == 128 and attention_flex.bucket(1024) == 1024
+    sizes = list(range(1025, 70000, 37))
+    buckets = [attention_flex.bucket(n) for n in sizes]
+    assert all(n <= b <= n * 1.125 + 1 and b % 128 == 0 for n, b in zip(sizes, buckets, strict=True))
+    assert len(set(buckets)) <= 8 * 7  # eight per octave from 1k to 64k+
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("sparse", [True, False])
+def test_cuda_paths_in_bf16_match_attention_by_hand(sparse: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    att = Attention(SCALE, torch.device("cuda"), sparse=sparse)
+    for total in (300, 2100):
+        for kind, positions in row_sets(total, gen).items():
+            q, k, v = tensors(positions.numel(), total, gen, "cuda", torch.bfloat16)
+            rows = rows_at(positions.cuda(), torch.bfloat16)
+            out = att(q, k[:, :, : rows.stop], v[:, :, : rows.stop], rows)
+            want, _ = reference(q, k, v, positions)
+            torch.testing.assert_close(out.double().cpu(), want, atol=2e-2, rtol=2e-2, msg=f"{kind} at {total}")
+
+
+@pytest.mark.slow
+def test_compiled_flex_on_the_cpu_matches_the_eager_call() -> None:
+    """The CUDA path's compiled call, compiled for the CPU (about half a minute): the same numbers."""
+    gen = torch.Generator().manual_seed(5)
+    positions = row_sets(700, gen)["scattered-then-question"]
+    q, k, v = tensors(positions.numel(), int(positions[-1]) + 1, gen)
+    p = attention_flex.plan(positions)
+    eager = attention_flex.FlexRows(SCALE, compiled=False)(q, k, v, p)
+    compiled = attention_flex.FlexRows(SCALE, compiled=True)(q, k, v, p)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled.double(), reference(q, k, v, positions)[0], atol=2e-5, rtol=1e-5)
