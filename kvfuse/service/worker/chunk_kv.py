@@ -16,6 +16,7 @@ from kvfuse.config import Settings
 log = logging.getLogger("kvfuse.worker")
 
 _PREFIX_CACHE_ENTRIES = 8  # distinct system prompts kept decoded in the worker
+_UNREAD = object()  # load_or_rebuild reads the chunk itself
 
 
 class ChunkCache:
@@ -74,7 +75,15 @@ class ChunkCache:
         return StoreSource(self.store, key, token_ids,
                            fallback=lambda: self.load_or_rebuild(key, token_ids, write_back=False)[0])
 
-    def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool) -> tuple[Any, bool]:
+    def load_all(self, chunks: list[tuple[str, list[int]]]) -> list[tuple[Any, bool]]:
+        """`load_or_rebuild` (no write-back of a miss) of every (key, token ids), the blobs read on the
+        store's thread pool first (KVStore.load_chunks)."""
+        reads = self.store.load_chunks([key for key, _ in chunks])
+        return [self.load_or_rebuild(key, ids, write_back=False, read=got)
+                for (key, ids), got in zip(chunks, reads, strict=True)]
+
+    def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool,
+                        read: Any = _UNREAD) -> tuple[Any, bool]:
         """A chunk's ChunkKV from the store; recomputed from its token ids on a miss or a corrupt blob.
 
         A miss is not written back by default: the owning document may have been deleted meanwhile, and
@@ -86,7 +95,9 @@ class ChunkCache:
 
         corrupt = False
         try:
-            hit = self.store.load_chunk(key)
+            hit = self.store.load_chunk(key) if read is _UNREAD else read  # `read`: load_all's read of it
+            if isinstance(hit, kvblob.CorruptBlobError):
+                raise hit
         except kvblob.CorruptBlobError as err:
             log.warning("chunk %s is corrupt (%s): rebuilding it from its tokens", key[:16], err)
             hit, corrupt = None, True

@@ -109,15 +109,12 @@ class QuerySequence:
             loaded = [ChunkKV(c.token_ids) for c in chunks]
             prefix = ChunkKV(self.prefix_ids)
         else:
-            loaded = []
-            blocks = get_method(self.fusion.method).own_pipeline  # samkv reads only the blocks it selects
-            for c in chunks:
-                if blocks:
-                    loaded.append(kv.block_source(c.key, c.token_ids))
-                    continue
-                ckv, was_rebuilt = kv.load_or_rebuild(c.key, c.token_ids, write_back=False)
-                loaded.append(ckv)
-                self.rebuilt += was_rebuilt
+            if get_method(self.fusion.method).own_pipeline:  # samkv reads only the blocks it selects
+                loaded = [kv.block_source(c.key, c.token_ids) for c in chunks]
+            else:  # every chunk's blob read at once, on the store's read threads
+                got = kv.load_all([(c.key, c.token_ids) for c in chunks])
+                loaded = [ckv for ckv, _ in got]
+                self.rebuilt += sum(was_rebuilt for _, was_rebuilt in got)
             prefix = kv.prefix_kv(self.prefix_ids)
         self._t_loaded = time.perf_counter()
         self.timings = {"kv_load_s": self._t_loaded - t0}
