@@ -245,6 +245,7 @@ class Bench:
                     "read_s": statistics.median(reads) if reads else 0.0,
                     "split": {"ttft_s": split_ttft, **split.timings},
                     "recomputed_tokens": int(split.stats.get("recomputed_tokens", n_ctx)),
+                    "sparse_attention": e.tf.attention.flex is not None,  # False: FlexAttention off or failed
                     "peak_prefill_mb": peak / 2**20, "decode_tok_s": decode, "ingest_s": ingest_s,
                 })
                 del split

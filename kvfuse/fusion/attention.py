@@ -20,12 +20,15 @@ in fp32. docs/DESIGN.md (Fusion) says which path runs where.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kvfuse.fusion import attention_cpu, attention_flex
 
+log = logging.getLogger(__name__)
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
 
 
@@ -106,7 +109,11 @@ class Attention:
         if path == "lower_right":
             return lower_right(q, k, v, self.scale)
         if path == "flex":
-            if rows.plan is None:
-                rows.plan = attention_flex.plan(rows.positions)
-            return self.flex(q, k, v, rows.plan)
+            try:
+                if rows.plan is None:
+                    rows.plan = attention_flex.plan(rows.positions)
+                return self.flex(q, k, v, rows.plan)
+            except Exception:  # noqa: BLE001 - no Triton, a compile error: the dense mask is always right
+                log.exception("FlexAttention failed: scattered rows take the dense mask from now on")
+                self.flex, rows.plan = None, None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, scale=self.scale, enable_gqa=True)

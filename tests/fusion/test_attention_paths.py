@@ -154,3 +154,21 @@ def test_compiled_flex_on_the_cpu_matches_the_eager_call() -> None:
     compiled = attention_flex.FlexRows(SCALE, compiled=True)(q, k, v, p)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(compiled.double(), reference(q, k, v, positions)[0], atol=2e-5, rtol=1e-5)
+
+
+def test_a_failing_flex_kernel_falls_back_to_the_dense_mask_for_good() -> None:
+    """A fake kernel that raises stands for a GPU image whose Triton cannot compile FlexAttention."""
+    def broken_kernel(*args, **kwargs):
+        raise RuntimeError("no Triton here")
+
+    att = Attention(SCALE, torch.device("cpu"))
+    att.flex = attention_flex.FlexRows(SCALE, compiled=False)
+    att.flex.kernel = broken_kernel
+    gen = torch.Generator().manual_seed(9)
+    positions = row_sets(300, gen)["scattered"]
+    q, k, v = tensors(positions.numel(), int(positions[-1]) + 1, gen)
+    rows = rows_at(positions)
+    assert att.path(rows) == "flex"
+    out = att(q, k, v, rows)
+    assert att.flex is None and att.path(rows) == "dense"
+    torch.testing.assert_close(out.double(), reference(q, k, v, positions)[0], atol=2e-5, rtol=1e-5)

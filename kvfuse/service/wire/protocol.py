@@ -128,6 +128,9 @@ class Result:
     rebuilt_chunks: int = 0
     step: int = 0
     worker: str = ""  # the worker that served it (named in the answer)
+    # Chunks of this query served by each store tier ("device", "hot", "lmdb", ...; "miss": none had it),
+    # and the device tier's bytes after it (kvfuse_kv_tier_* metrics)
+    kv_reads: dict[str, int] = field(default_factory=dict)
 
 
 def prompt_tokens(usage: dict[str, int]) -> int:

@@ -30,6 +30,7 @@ class ChunkCache:
         self.kv_dtype = settings.store.kv_dtype
         self.share_rebuilt = share_rebuilt
         self.rebuilt = 0  # chunks rebuilt from their tokens since start
+        self.last_reads: dict[str, int] = {}  # the last `load_all`: chunks served per tier (and device bytes)
         self._prefixes: OrderedDict[str, Any] = OrderedDict()
 
     def stored_nbytes(self, num_tokens: int) -> int:
@@ -77,8 +78,13 @@ class ChunkCache:
 
     def load_all(self, chunks: list[tuple[str, list[int]]]) -> list[tuple[Any, bool]]:
         """`load_or_rebuild` (no write-back of a miss) of every (key, token ids), the blobs read on the
-        store's thread pool first (KVStore.load_chunks)."""
+        store's thread pool first (KVStore.load_chunks); `last_reads` says which tier served them (the
+        worker loads one query at a time, so the counters' difference is this query's)."""
+        before = dict(self.store.chunks.hits)
         reads = self.store.load_chunks([key for key, _ in chunks])
+        self.last_reads = {tier: n - before.get(tier, 0) for tier, n in self.store.chunks.hits.items()}
+        if self.store.device_tier is not None:
+            self.last_reads["device_bytes"] = self.store.device_tier.stats()["device_bytes"]
         return [self.load_or_rebuild(key, ids, write_back=False, read=got)
                 for (key, ids), got in zip(chunks, reads, strict=True)]
 

@@ -91,6 +91,7 @@ class QuerySequence:
         self.stats: dict[str, int] = {}
         self.timings: dict[str, float] = {}
         self.rebuilt = 0
+        self.kv_reads: dict[str, int] = {}  # chunks served per store tier (ChunkCache.last_reads)
         self._steps: Any = None  # the fused prefill in progress (FusionEngine.fuse_steps)
         self._t_loaded = self._t_first = 0.0
 
@@ -115,6 +116,7 @@ class QuerySequence:
                 got = kv.load_all([(c.key, c.token_ids) for c in chunks])
                 loaded = [ckv for ckv, _ in got]
                 self.rebuilt += sum(was_rebuilt for _, was_rebuilt in got)
+                self.kv_reads = dict(kv.last_reads)
             prefix = kv.prefix_kv(self.prefix_ids)
         self._t_loaded = time.perf_counter()
         self.timings = {"kv_load_s": self._t_loaded - t0}
@@ -150,7 +152,8 @@ class QuerySequence:
         timings = {k: float(v) for k, v in self.timings.items()}
         timings["decode_s"] = time.perf_counter() - self._t_first
         r = self.gen.result(self.stats, timings)
-        return P.Result(self.job.job_id, r.text, r.finish_reason, dict(r.usage), r.timings, self.rebuilt, step)
+        return P.Result(self.job.job_id, r.text, r.finish_reason, dict(r.usage), r.timings, self.rebuilt, step,
+                        kv_reads=self.kv_reads)
 
 
 class IngestTask:
