@@ -9,9 +9,12 @@ evaluated), the key blocks from there to its last row's position are partial (th
 positions only: O(row blocks x key blocks) integers, no [rows, keys] tensor.
 
 Shapes are rounded up into buckets (`bucket`: multiples of BLOCK up to 1024, then eight steps per
-octave) so a compiled kernel is reused across requests of similar size: padded rows repeat the last
-row's position (their outputs are dropped), padded keys lie after every position (never read). Each new
-(rows, keys, heads, dtype) bucket costs one compilation of the kernel (docs/DESIGN.md, Fusion).
+octave) so requests of similar size share one compiled kernel: padded rows repeat the last row's
+position (their outputs are dropped), padded keys are zeros after every position (never read). The
+compile uses torch.compile's automatic dynamic shapes: the first bucket compiles for its sizes, a second
+one compiles once more with symbolic sizes, which then serves every later bucket (the cost of a new
+shape: docs/DESIGN.md, Fusion). The mask closure is matched by its code, not its identity, so a new
+Rows does not recompile.
 
 On CUDA the kernel is compiled (`torch.compile(flex_attention)`); elsewhere the same call runs eagerly,
 which materialises the scores: the CPU tests run this module's plan and padding that way
@@ -106,7 +109,7 @@ class FlexRows:
 
     def __init__(self, scale: float, compiled: bool) -> None:
         self.scale = scale
-        self.kernel = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+        self.kernel = torch.compile(flex_attention) if compiled else flex_attention
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: FlexPlan) -> torch.Tensor:
         """k/v [1, Hkv, stop, D]: every key any row reads."""
