@@ -172,3 +172,21 @@ def test_a_failing_flex_kernel_falls_back_to_the_dense_mask_for_good() -> None:
     out = att(q, k, v, rows)
     assert att.flex is None and att.path(rows) == "dense"
     torch.testing.assert_close(out.double(), reference(q, k, v, positions)[0], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_probe_probabilities_from_the_kernels_log_sum_exp_are_the_softmax(device: str) -> None:
+    """The probe's scores onto the first N keys (the context, seen by every question row), normalised by
+    `with_lse`'s log-sum-exp over all the keys each row sees: the softmax's own probabilities."""
+    from kvfuse.fusion import scoring
+
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rows, keys, n = 30, 500, 400
+    q, k, v = tensors(rows, keys, gen, device, dtype)
+    _, lse = attention.with_lse(q, k, v, SCALE)
+    probs = scoring.probs_from_lse(q, k[:, :, :n], lse, SCALE)
+    want = scoring.attention_probs(q, torch.arange(keys - rows, keys, device=device), k, SCALE)[:, :, :n]
+    assert probs.dtype == torch.float32 and probs.shape == (H, rows, n)
+    tol = dict(atol=1e-3, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(probs, want, **tol)
