@@ -23,12 +23,13 @@ def device(request) -> str:
 
 
 @pytest.fixture
-def open_store(store_settings, device):
+def open_store(settings_factory, device):
+    """A store with the embedded index (the tiers do not touch the index: no Redis needed, on a GPU host too)."""
     opened = []
 
     def make(device_tier_mb: int = 64, read_threads: int = 4, hot_tier_mb: int = 64) -> KVStore:
-        s = store_settings(store={"device_tier_mb": device_tier_mb, "read_threads": read_threads,
-                                  "hot_tier_mb": hot_tier_mb})
+        s = settings_factory(redis_url="", store={"device_tier_mb": device_tier_mb, "read_threads": read_threads,
+                                                  "hot_tier_mb": hot_tier_mb})
         s = s.model_copy(update={"model": s.model.model_copy(update={"device": device})})
         opened.append(KVStore.open(s))
         return opened[-1]
