@@ -190,3 +190,25 @@ def test_probe_probabilities_from_the_kernels_log_sum_exp_are_the_softmax(device
     assert probs.dtype == torch.float32 and probs.shape == (H, rows, n)
     tol = dict(atol=1e-3, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(probs, want, **tol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["anchor", "cacheblend"])
+def test_a_fused_prefill_through_flex_equals_the_blocked_kernel(engine, prompt, method: str) -> None:
+    """The real model's fused prefill at r = 0.15 with the CUDA path's FlexAttention (run eagerly here)
+    in place of the CPU's blocked kernel: the same logits and selection."""
+    from kvfuse.fusion import FusionOptions
+
+    options = FusionOptions(method=method, recompute_ratio=0.15)
+    blocked = engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids, options)
+    kept = engine.tf.attention
+    flex = Attention(engine.tf.scale, torch.device("cpu"))
+    flex.flex = attention_flex.FlexRows(engine.tf.scale, compiled=False)
+    engine.tf.attention = flex
+    try:
+        fused = engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids, options)
+    finally:
+        engine.tf.attention = kept
+    assert flex.flex is not None  # it ran, and did not fall back
+    assert torch.equal(fused.selected, blocked.selected)
+    torch.testing.assert_close(fused.logits, blocked.logits, atol=1e-4, rtol=0)
