@@ -111,21 +111,27 @@ def test_flex_plan_lists_full_partial_and_skipped_key_blocks() -> None:
     b = attention_flex.BLOCK
     positions = torch.cat([torch.arange(0, b), torch.arange(5 * b + 7, 6 * b + 7), torch.tensor([9 * b + 3])])
     p = attention_flex.plan(positions)
-    assert p.rows == 2 * b + 1 and p.positions.numel() == 3 * b and p.keys == attention_flex.bucket(9 * b + 4)
-    partial_n, partial_i, full_n, full_i = attention_flex.block_tables(p.positions, p.keys)
+    assert p.rows == 2 * b + 1 and p.positions.numel() == 4 * b and p.keys == 1280  # 1156 keys: steps of 256
+    partial_n, partial_i, full_n, full_i = attention_flex.block_tables(p.positions, p.keys, p.rows)
     # row block 0 (rows 0..127): key block 0 partial, none full; row block 1 (positions 647..774): key
-    # blocks 0..4 full, 5..6 partial; row block 2 (one real row at 1155, padded with it): 0..8 full, 9 partial
-    assert partial_n.view(-1).tolist() == [1, 2, 1] and full_n.view(-1).tolist() == [0, 5, 9]
+    # blocks 0..4 full, 5..6 partial; row block 2 (one real row at 1155, padded with it): 0..8 full, 9
+    # partial; row block 3 (padding only): nothing
+    assert partial_n.view(-1).tolist() == [1, 2, 1, 0] and full_n.view(-1).tolist() == [0, 5, 9, 0]
     assert partial_i[0, 0, 1, :2].tolist() == [5, 6] and full_i[0, 0, 1, :5].tolist() == [0, 1, 2, 3, 4]
     assert partial_i[0, 0, 2, :1].tolist() == [9]
 
 
-def test_buckets_round_up_by_at_most_an_eighth() -> None:
-    assert attention_flex.bucket(1) == 128 and attention_flex.bucket(1024) == 1024
-    sizes = list(range(1025, 70000, 37))
-    buckets = [attention_flex.bucket(n) for n in sizes]
-    assert all(n <= b <= n * 1.125 + 1 and b % 128 == 0 for n, b in zip(sizes, buckets, strict=True))
-    assert len(set(buckets)) <= 8 * 7  # eight per octave from 1k to 64k+
+def test_buckets_are_few_and_pad_keys_by_under_a_quarter() -> None:
+    assert [attention_flex.bucket_rows(n) for n in (1, 128, 129, 4915)] == [128, 128, 256, 8192]
+    assert attention_flex.bucket_keys(1) == 128 and attention_flex.bucket_keys(1024) == 1024
+    sizes = list(range(1025, 131072, 37))
+    buckets = [attention_flex.bucket_keys(n) for n in sizes]
+    assert all(n <= b < n * 1.25 and b % 128 == 0 for n, b in zip(sizes, buckets, strict=True))
+    assert len(set(buckets)) == 4 * 7  # four per octave from 1k to 128k
+    # at one ratio a keys bucket meets one or two rows buckets: the shapes of 128 to 128k tokens fit the limit
+    shapes = {(attention_flex.bucket_rows(round(0.15 * n) + 30), attention_flex.bucket_keys(n))
+              for n in range(128, 131072, 37)}
+    assert len(shapes) <= attention_flex.MAX_COMPILES
 
 
 @pytest.mark.cuda
