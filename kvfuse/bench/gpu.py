@@ -12,7 +12,7 @@ Per context and method it measures, with the chunks' KV written to a real LMDB s
 - TTFT from the RAM tier: the chunks' KV decoded into (page-locked, on CUDA) host memory, as the
   worker's hot tier holds it; the copy to the device is inside the prefill (kv_loading.LayerLoader);
 - TTFT from LMDB: the store read and decode added (`read_s`);
-- TTFT with the KV already on the device (what a device-resident hot tier holds: no copy at all);
+- TTFT with the KV already on the device (handed out by the store's device tier: no copy at all);
 - TTFT with the recomputed rows through the dense [rows, keys] mask instead of FlexAttention (on CUDA:
   the ratio says what the sparse path gains), and the first, untimed prefill of each shape (compiles);
 - the split of one more run, each phase synchronised: assemble, the full layers and selection
@@ -166,6 +166,20 @@ class Bench:
         peak = torch.cuda.max_memory_allocated(e.device) - before if self.cuda else 0
         return ttft, fused, peak
 
+    def device_tier(self, chunks: list) -> list:
+        """The chunks as the store's device tier hands them out: put in a HotTier on the engine's device
+        (the stored dtype, in device memory) and read back."""
+        from kvfuse.fusion import ChunkKV
+        from kvfuse.store.hot_tier import HotTier
+
+        tier = HotTier(1 << 62, device=str(self.engine.device), name="device")
+        out = []
+        for i, c in enumerate(chunks):
+            tier.put(str(i), (c.k, c.v, None))
+            k, v, _ = tier.get(str(i))
+            out.append(ChunkKV(c.token_ids, k, v))
+        return out
+
     def median_ttft(self, method: str, prefix, chunks, question_ids) -> float:
         return statistics.median(self.prefill(method, prefix, chunks, question_ids)[0] for _ in range(self.repeats))
 
@@ -203,8 +217,6 @@ class Bench:
         return len(caches) * steps / (self.now() - t)
 
     def context(self, context_tokens: int, methods: list[str], progress) -> list[dict[str, Any]]:
-        from kvfuse.fusion import ChunkKV
-
         torch, e = self.torch, self.engine
         prefix_ids, chunk_ids, question_ids = self.prompt(context_tokens)
         rows = []
@@ -214,8 +226,7 @@ class Bench:
             prefix, chunks = hot[0], hot[1:]
             n_ctx = sum(map(len, chunk_ids))
             kv_mb = sum(c.k.numel() * c.k.element_size() * 2 for c in chunks) / 2**20
-            # what a device-resident tier holds (the stored dtype, on the device)
-            on_device = [ChunkKV(c.token_ids, c.k.to(e.device), c.v.to(e.device)) for c in hot]
+            on_device = self.device_tier(hot)  # what the device tier (store.device_tier_mb) hands out
             for method in ["vanilla", *methods]:
                 progress(f"{n_ctx} tokens {method}")
                 first = self.prefill(method, prefix, chunks, question_ids)[0]  # warm-up: kernels, compiles
