@@ -12,6 +12,9 @@ Per context and method it measures, with the chunks' KV written to a real LMDB s
 - TTFT from the RAM tier: the chunks' KV decoded into (page-locked, on CUDA) host memory, as the
   worker's hot tier holds it; the copy to the device is inside the prefill (kv_loading.LayerLoader);
 - TTFT from LMDB: the store read and decode added (`read_s`);
+- TTFT with the KV already on the device (handed out by the store's device tier: no copy at all);
+- TTFT with the recomputed rows through the dense [rows, keys] mask instead of FlexAttention (on CUDA:
+  the ratio says what the sparse path gains), and the first, untimed prefill of each shape (compiles);
 - the split of one more run, each phase synchronised: assemble, the full layers and selection
   (a probe or check layers), recompute, and the KV copy with the part of it the compute waited on;
 - peak device memory above the weights during the prefill; decode tokens/s after the prefill;
@@ -163,6 +166,36 @@ class Bench:
         peak = torch.cuda.max_memory_allocated(e.device) - before if self.cuda else 0
         return ttft, fused, peak
 
+    def device_tier(self, chunks: list) -> list:
+        """The chunks as the store's device tier hands them out: put in a HotTier on the engine's device
+        (the stored dtype, in device memory) and read back."""
+        from kvfuse.fusion import ChunkKV
+        from kvfuse.store.hot_tier import HotTier
+
+        tier = HotTier(1 << 62, device=str(self.engine.device), name="device")
+        out = []
+        for i, c in enumerate(chunks):
+            tier.put(str(i), (c.k, c.v, None))
+            k, v, _ = tier.get(str(i))
+            out.append(ChunkKV(c.token_ids, k, v))
+        return out
+
+    def median_ttft(self, method: str, prefix, chunks, question_ids) -> float:
+        return statistics.median(self.prefill(method, prefix, chunks, question_ids)[0] for _ in range(self.repeats))
+
+    def dense_mask_ttft(self, method: str, prefix, chunks, question_ids) -> float | None:
+        """TTFT with the recomputed rows attended through one dense [rows, keys] mask (the path before
+        FlexAttention), where the engine would take FlexAttention; None where it would not."""
+        attention = self.engine.tf.attention
+        if attention.flex is None or method == "vanilla":
+            return None
+        flex, attention.flex = attention.flex, None
+        try:
+            self.prefill(method, prefix, chunks, question_ids)  # warm-up
+            return self.median_ttft(method, prefix, chunks, question_ids)
+        finally:
+            attention.flex = flex
+
     def profile(self, method: str, prefix, chunks, question_ids, rows: int = 30) -> str:
         """One prefill under the torch profiler: its ops by device time (kernels, copies) and host time."""
         from torch.profiler import ProfilerActivity, profile
@@ -184,7 +217,7 @@ class Bench:
         return len(caches) * steps / (self.now() - t)
 
     def context(self, context_tokens: int, methods: list[str], progress) -> list[dict[str, Any]]:
-        torch = self.torch
+        torch, e = self.torch, self.engine
         prefix_ids, chunk_ids, question_ids = self.prompt(context_tokens)
         rows = []
         with tempfile.TemporaryDirectory(prefix="kvfuse-gpu-") as tmp:
@@ -193,14 +226,17 @@ class Bench:
             prefix, chunks = hot[0], hot[1:]
             n_ctx = sum(map(len, chunk_ids))
             kv_mb = sum(c.k.numel() * c.k.element_size() * 2 for c in chunks) / 2**20
+            on_device = self.device_tier(hot)  # what the device tier (store.device_tier_mb) hands out
             for method in ["vanilla", *methods]:
                 progress(f"{n_ctx} tokens {method}")
-                self.prefill(method, prefix, chunks, question_ids)  # warm-up: kernels, allocator
+                first = self.prefill(method, prefix, chunks, question_ids)[0]  # warm-up: kernels, compiles
                 runs = [self.prefill(method, prefix, chunks, question_ids) for _ in range(self.repeats)]
                 ttft = statistics.median(r[0] for r in runs)
                 fused, peak = runs[-1][1], max(r[2] for r in runs)
                 decode = self.decode_rate([fused.cache], self.decode_tokens - 1)
                 del runs, fused
+                ttft_device = self.median_ttft(method, on_device[0], on_device[1:], question_ids)
+                ttft_dense = self.dense_mask_ttft(method, prefix, chunks, question_ids)
                 cold, reads = [], []
                 if method != "vanilla":  # vanilla reads no KV
                     for _ in range(self.lmdb_repeats):
@@ -216,9 +252,11 @@ class Bench:
                     "method": method, "ratio": None if method == "vanilla" else self.ratio,
                     "context_tokens": n_ctx, "chunks": len(chunks), "chunk_kv_mb": kv_mb,
                     "ttft_s": ttft, "ttft_lmdb_s": statistics.median(cold) if cold else ttft,
+                    "ttft_device_kv_s": ttft_device, "ttft_dense_mask_s": ttft_dense, "first_ttft_s": first,
                     "read_s": statistics.median(reads) if reads else 0.0,
                     "split": {"ttft_s": split_ttft, **split.timings},
                     "recomputed_tokens": int(split.stats.get("recomputed_tokens", n_ctx)),
+                    "sparse_attention": e.tf.attention.flex is not None,  # False: FlexAttention off or failed
                     "peak_prefill_mb": peak / 2**20, "decode_tok_s": decode, "ingest_s": ingest_s,
                 })
                 del split
@@ -227,8 +265,9 @@ class Bench:
             store.close()
         van = rows[0]
         for row in rows:
-            for key in ("ttft_s", "ttft_lmdb_s", "peak_prefill_mb", "decode_tok_s"):
+            for key in ("ttft_s", "ttft_lmdb_s", "ttft_device_kv_s", "peak_prefill_mb", "decode_tok_s"):
                 row[f"{key}_vs_vanilla"] = row[key] / van[key] if van[key] else None
+            row["ttft_s_vs_dense_mask"] = row["ttft_s"] / row["ttft_dense_mask_s"] if row["ttft_dense_mask_s"] else None
             sp = row["split"]
             row["kv_copy_hidden_share"] = (1 - sp["kv_copy_exposed_s"] / sp["kv_copy_s"]
                                            if sp.get("kv_copy_s") else None)
@@ -295,6 +334,9 @@ def run(args) -> int:
     from kvfuse.bench.gpu_report import render
 
     print(render(payload, out))
+    from kvfuse.bench.gpu_report import summary
+
+    print(summary(payload))  # last: what the targets read
     return 0
 
 

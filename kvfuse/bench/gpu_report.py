@@ -45,6 +45,23 @@ def streams_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def summary(payload: dict[str, Any]) -> str:
+    """The short table the targets read: TTFT as a share of vanilla's with the KV in host RAM, on the
+    device and from LMDB, the sparse path against the dense mask, decode; then the streams."""
+    lines = ["| context | method | TTFT s | × vanilla (RAM) | × vanilla (device KV) | × vanilla (LMDB) "
+             "| × dense mask | first call s | decode tok/s |", "|" + "---|" * 9]
+    for r in sorted(payload["rows"], key=lambda r: (r["context_tokens"], method_key(r["method"]))):
+        lines.append(
+            f"| {r['context_tokens']} | {r['method']} | {_f(r['ttft_s'])} | {_f(r['ttft_s_vs_vanilla'], '.2f')} "
+            f"| {_f(r.get('ttft_device_kv_s_vs_vanilla'), '.2f')} | {_f(r['ttft_lmdb_s_vs_vanilla'], '.2f')} "
+            f"| {_f(r.get('ttft_s_vs_dense_mask'), '.2f')} | {_f(r.get('first_ttft_s'))} "
+            f"| {_f(r['decode_tok_s'], '.1f')} |")
+    out = "\n".join(lines)
+    if payload.get("streams"):
+        out += "\n\n" + streams_table(payload["streams"])
+    return out
+
+
 def plot(payload: dict[str, Any], path: Path) -> Path:
     """TTFT against context per method (log-log), and TTFT as a share of vanilla's."""
     plt = pyplot()

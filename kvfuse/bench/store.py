@@ -3,7 +3,11 @@
 For each dtype: encode + store N chunks (one LMDB transaction each, fsync'd as in service), then read
 them back: from disk (the LMDB file's pages evicted from the OS page cache first), cold (not in the hot
 tier, but in the page cache: LMDB memory map -> checksum -> one copy into tensors) and hot (RAM tier);
-and copy the same bytes with a plain memcpy in the same run.
+and copy the same bytes with a plain memcpy in the same run. Then the reads a query makes, every chunk at
+once through `KVStore.load_chunks` on 1, 2, 4, ... threads (`store.read_threads`), the hot tier off:
+cold (the file's pages evicted first, so the bytes come from the disk) and warm (in the page cache).
+"Cold" is per file (posix_fadvise DONTNEED on the LMDB file, not the whole host's cache, which other
+processes share); where the platform cannot, it is reported as None.
 
 "hot read" includes copying k and v out of the hot tier into fresh memory: `load_chunk` itself hands
 out the shared tensors with no copy at all (reported as hot lookup), so the copy is what a caller that
@@ -71,6 +75,7 @@ def run_store_bench(
     repeats: int = 3,
     shape: tuple[int, int, int] = DEFAULT_SHAPE,
     scratch: Path | None = None,
+    threads: tuple[int, ...] = (1, 2, 4),
 ) -> dict:
     """Run the benchmark in a scratch LMDB (removed afterwards); print JSON (json_out) or a table."""
     import torch
@@ -175,6 +180,8 @@ def run_store_bench(
                 bar.update(chunks)
             del bufs
 
+            by_threads = [_threaded_reads(cfg, keys, n, repeats, total_payload) for n in threads]
+            bar.update(chunks)
             hot_gbps, memcpy_gbps = _median_rate(total_payload, hot), _median_rate(total_payload, memcpy)
             results[dtype] = {
                 "chunks": chunks,
@@ -194,6 +201,7 @@ def run_store_bench(
                 "hot_read_torch_clone_gbps": _median_rate(total_payload, hot_torch),
                 "memcpy_torch_clone_gbps": _median_rate(total_payload, memcpy_torch),
                 "hot_hits": hot_stats["hot_hits"],
+                "reads_by_threads": by_threads,
             }
             shutil.rmtree(root / dtype, ignore_errors=True)
     finally:
@@ -217,7 +225,35 @@ def run_store_bench(
         print("dtype     " + "  ".join(f"{c:>15}" for c in cols))
         for dtype, row in results.items():
             print(f"{dtype:<10}" + "  ".join(f"{row[c]:>15}" for c in cols))
+        print("\ndtype     threads   cold GB/s   warm GB/s")
+        for dtype, row in results.items():
+            for r in row["reads_by_threads"]:
+                print(f"{dtype:<10}{r['threads']:>7}{r['cold_read_gbps'] or '–':>12}{r['warm_read_gbps']:>12}")
     return out
+
+
+def _threaded_reads(cfg: Any, keys: list[str], threads: int, repeats: int, nbytes: int) -> dict:
+    """Every chunk read at once on `threads` threads, the hot tier off: cold (the LMDB file's pages
+    evicted first) and warm (the same read again, from the page cache)."""
+    from kvfuse.store.kvstore import KVStore
+
+    cfg = cfg.model_copy(update={"store": cfg.store.model_copy(update={
+        "hot_tier_mb": 0, "device_tier_mb": 0, "read_threads": threads})})
+    cold, warm, evicted = [], [], True
+    for _ in range(repeats):
+        evicted = _evict_file_cache(cfg.lmdb_dir / "data.mdb") and evicted
+        with KVStore.open(cfg) as store:
+            t0 = time.perf_counter()
+            got = store.load_chunks(keys)
+            cold.append(time.perf_counter() - t0)
+            if any(g is None or isinstance(g, Exception) for g in got):
+                raise RuntimeError("a stored chunk did not read back")
+            del got
+            t0 = time.perf_counter()
+            store.load_chunks(keys)
+            warm.append(time.perf_counter() - t0)
+    return {"threads": threads, "cold_read_gbps": _median_rate(nbytes, cold) if evicted else None,
+            "warm_read_gbps": _median_rate(nbytes, warm)}
 
 
 def _cli(args: argparse.Namespace) -> int:
@@ -232,6 +268,7 @@ def _cli(args: argparse.Namespace) -> int:
         dtypes=tuple(d.strip() for d in args.dtypes.split(",") if d.strip()),
         repeats=args.repeats,
         scratch=Path(args.dir) if args.dir else None,
+        threads=tuple(int(t) for t in args.threads.split(",") if t.strip()),
     )
     return 0
 
@@ -246,4 +283,5 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="read passes (the median is reported)")
     p.add_argument("--dir", default=None, help="scratch directory for the LMDB (default: system temp)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", default="1,2,4", help="read thread counts for the query-shaped reads (cold and warm)")
     p.set_defaults(func=_cli)

@@ -206,6 +206,10 @@ class StoreSettings(_Section):
         "initial LMDB map size; it grows instead of failing"))
     lmdb_max_readers: int = Field(256, ge=1, description="concurrent LMDB read transactions")
     hot_tier_mb: int = Field(512, ge=0, description="RAM LRU of decoded chunk KV in front of LMDB; 0 = off")
+    device_tier_mb: int = Field(0, ge=0, description=(
+        "LRU of chunk KV kept on model.device (GPU memory on a CUDA worker) above the RAM tier; 0 = off"))
+    read_threads: int = Field(4, ge=1, description=(
+        "threads reading a query's chunk KV from LMDB at once (copy and checksum release the GIL)"))
     redis_namespace: str = Field("kvfuse", min_length=1, description="key prefix for every Redis key")
     rebuild_index_on_empty: bool = Field(True, description=(
         "rebuild the Redis index from LMDB when Redis comes up empty"))
@@ -303,6 +307,9 @@ class FusionSettings(FusionRequestSettings):
         "chunk precompute: padded tokens per forward batch"))
     attention_block_rows: int = Field(128, ge=1, description=(
         "recompute on CPU: rows per attention block (keys before its first row unmasked, its tail masked)"))
+    sparse_attention: bool = Field(True, description=(
+        "recompute on CUDA: scattered rows through compiled FlexAttention with a block mask by position; "
+        "off: one SDPA call with a dense [rows, keys] mask"))
     # ingest computes samkv's per-chunk artifacts (one more pass per chunk); off, samkv builds them on first use
     samkv_ingest_artifacts: bool = Field(False, description=(
         "ingest: store samkv's per-chunk artifacts with the KV (one more pass per chunk); off: built at "

@@ -20,12 +20,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-_LSE_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+lse_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def causal_mask(positions: torch.Tensor, key_start: int, key_stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [R, key_stop - key_start] of rows at `positions` over keys [key_start, key_stop):
+    0 where a row sees the key (key <= its position), -inf where not."""
+    keys = torch.arange(key_start, key_stop, device=positions.device)
+    hidden = positions[:, None] < keys[None, :]
+    return torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill_(hidden, -torch.inf)
 
 
 def supports(device: torch.device) -> bool:
     """Whether the blocked kernel can run on `device`."""
-    return device.type == "cpu" and _LSE_ATTENTION is not None
+    return device.type == "cpu" and lse_attention is not None
 
 
 @dataclass
@@ -42,13 +50,13 @@ class Block:
     no_tail: torch.Tensor | None  # bool [rows * group]: rows that see none of the tail (their partial is empty)
 
 
-def plan(positions: torch.Tensor, mask: torch.Tensor | None, block_rows: int, group: int) -> list[Block]:
-    """The blocks of rows at sorted `positions` whose dense mask is `mask` ([R, stop] additive, None for
-    rows 0..stop-1), with `group` query heads per KV head folded into each tail mask."""
+def plan(positions: torch.Tensor, block_rows: int, group: int, dtype: torch.dtype) -> list[Block]:
+    """The blocks of rows at sorted `positions`, with `group` query heads per KV head folded into each
+    tail mask (additive, in `dtype`; built from the positions, never from a dense [rows, keys] mask)."""
     count, first, last = int(positions.numel()), int(positions[0]), int(positions[-1])
     if count == 1:  # one row (a decode step): it sees every key up to its position
         return [Block(0, 1, last + 1, last + 1, None, None)]
-    if mask is None or last - first + 1 == count:  # contiguous: keys before the rows, then their causal square
+    if last - first + 1 == count:  # contiguous: keys before the rows, then their causal square
         return [Block(0, count, first, last + 1, None, None)]
     blocks = []
     for a in range(0, count, block_rows):
@@ -56,13 +64,13 @@ def plan(positions: torch.Tensor, mask: torch.Tensor | None, block_rows: int, gr
         visible, key_len = int(positions[a]) + 1, int(positions[b - 1]) + 1
         tail_mask = no_tail = None
         if key_len > visible:
-            tail = mask[a:b, visible:key_len]
+            tail = causal_mask(positions[a:b], visible, key_len, dtype)
             tail_mask, no_tail = tail.repeat(group, 1), torch.isinf(tail).all(dim=1).repeat(group)
         blocks.append(Block(a, b, visible, key_len, tail_mask, no_tail))
     return blocks
 
 
-def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
     """Attention over two key sets from each set's output [..., R, D] and log-sum-exp [..., R]."""
     lse = torch.logaddexp(l1, l2)
     return o1 * torch.exp(l1 - lse).unsqueeze(-1) + o2 * torch.exp(l2 - lse).unsqueeze(-1)
@@ -78,7 +86,7 @@ class BlockedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
         """rows: kvfuse.fusion.transformer.Rows (its blocks are planned once, on the first layer)."""
         if rows.plan is None:
-            rows.plan = plan(rows.positions, rows.mask, self.block_rows, q.shape[1] // k.shape[1])
+            rows.plan = plan(rows.positions, self.block_rows, q.shape[1] // k.shape[1], q.dtype)
         outs = [self._block(q[:, :, b.start : b.stop], k[:, :, : b.key_len], v[:, :, : b.key_len], b, rows)
                 for b in rows.plan]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -91,15 +99,15 @@ class BlockedAttention:
             return out.view(1, h, r, d)
         if vis == 0 and b.tail_mask is None:  # rows 0..n-1: the kernel's own causal mask
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        if vis == 0:  # nothing every row sees: the dense call on the block's slice of the mask
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask[b.start : b.stop, : b.key_len],
-                                                  scale=scale, enable_gqa=True)
+        if vis == 0:  # nothing every row sees: the dense call on the block's own mask
+            mask = causal_mask(rows.positions[b.start : b.stop], 0, b.key_len, q.dtype)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         if b.tail_mask is None:  # causal tail: row i of the square sees tail keys 0..i (heads unfolded)
-            o1, l1 = _LSE_ATTENTION(q, k[:, :, :vis], v[:, :, :vis], scale=scale)
-            o2, l2 = _LSE_ATTENTION(q, k[:, :, vis:], v[:, :, vis:], is_causal=True, scale=scale)
-            return _merge(o1, l1, o2, l2).to(q.dtype)
+            o1, l1 = lse_attention(q, k[:, :, :vis], v[:, :, :vis], scale=scale)
+            o2, l2 = lse_attention(q, k[:, :, vis:], v[:, :, vis:], is_causal=True, scale=scale)
+            return merge(o1, l1, o2, l2).to(q.dtype)
         qf = q.reshape(1, hkv, (h // hkv) * r, d)
-        o1, l1 = _LSE_ATTENTION(qf, k[:, :, :vis], v[:, :, :vis], scale=scale)
-        o2, l2 = _LSE_ATTENTION(qf, k[:, :, vis:], v[:, :, vis:], attn_mask=b.tail_mask, scale=scale)
+        o1, l1 = lse_attention(qf, k[:, :, :vis], v[:, :, :vis], scale=scale)
+        o2, l2 = lse_attention(qf, k[:, :, vis:], v[:, :, vis:], attn_mask=b.tail_mask, scale=scale)
         l2 = l2.masked_fill(b.no_tail, float("-inf"))  # the kernel reports an all-masked row as lse 0, output 0
-        return _merge(o1, l1, o2, l2).to(q.dtype).view(1, h, r, d)
+        return merge(o1, l1, o2, l2).to(q.dtype).view(1, h, r, d)

@@ -32,14 +32,15 @@ _DEFAULTS = FusionSettings()
 class FusionEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, *, dtype: str, max_context_tokens: int = 0,
                  precompute_batch_tokens: int = _DEFAULTS.precompute_batch_tokens,
-                 attention_block_rows: int = _DEFAULTS.attention_block_rows) -> None:
+                 attention_block_rows: int = _DEFAULTS.attention_block_rows,
+                 sparse_attention: bool = _DEFAULTS.sparse_attention) -> None:
         model_loading.check_supported(model.config)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.dtype_name = dtype
         self.dtype = model_loading.torch_dtype(dtype)
         self.device = next(model.parameters()).device
-        self.tf = Transformer(model, attention_block_rows)
+        self.tf = Transformer(model, attention_block_rows, sparse_attention)
         self.rope = self.tf.rope
         self.num_layers = self.tf.num_layers
         self.num_kv_heads = self.tf.num_kv_heads
@@ -79,7 +80,7 @@ class FusionEngine:
         m, f = settings.model, settings.fusion
         kwargs = dict(device=m.device, dtype=m.dtype, threads=m.threads, max_context_tokens=m.max_context_tokens,
                       precompute_batch_tokens=f.precompute_batch_tokens,
-                      attention_block_rows=f.attention_block_rows)
+                      attention_block_rows=f.attention_block_rows, sparse_attention=f.sparse_attention)
         engine = cls.load(resolve_llm(m.llm, settings.models_dir), **{**kwargs, **overrides})
         engine.load_artifacts(settings)
         return engine

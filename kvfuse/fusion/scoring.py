@@ -36,6 +36,35 @@ def attention_probs(q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tens
     return torch.softmax(scores, dim=-1)
 
 
+def probs_from_lse(q: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax probabilities of query rows onto keys every row sees, given each row's log-sum-exp over
+    all the keys it sees (an attention kernel's, kvfuse.fusion.attention.with_lse): exp(q.k * scale -
+    lse). q [1, H, R, D], keys [1, Hkv, N, D] (a view: no copy), lse [1, H, R] fp32 -> [H, R, N] fp32.
+
+    Only the N scored columns are computed; the product is taken in the inputs' dtype with fp32 output
+    (`_scores`), so 16-bit K is never widened to an fp32 copy."""
+    _, h, r, d = q.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    scores = _scores(q[0].reshape(hkv, (h // hkv) * r, d), keys[0].transpose(1, 2))  # [Hkv, g*R, N]
+    return torch.exp(scores.view(h, r, n).mul_(scale).sub_(lse[0, :, :, None]))
+
+
+_OUT_DTYPE_BMM = [True]  # whether this torch build has bmm with an fp32 output for 16-bit inputs here
+
+
+def _scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as fp32: fp32 inputs as they are; 16-bit inputs on CUDA through bmm's fp32 output (fp32
+    accumulation, no widened copy); elsewhere widened first."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    if a.device.type == "cuda" and _OUT_DTYPE_BMM[0]:
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            _OUT_DTYPE_BMM[0] = False
+    return torch.bmm(a.float(), b.float())
+
+
 def apply_probs(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """[H, R, T] probabilities x values [1, Hkv, T, D] -> attention output [1, H, R, D] in fp32."""
     h, r, t = probs.shape

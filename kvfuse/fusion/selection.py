@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvfuse.fusion import scoring
+from kvfuse.fusion import attention, scoring
 from kvfuse.fusion.cache import FusedCache, Layout
 from kvfuse.fusion.transformer import Rows, Transformer
 from kvfuse.fusion.types import FusionOptions
@@ -46,7 +46,7 @@ class SelectionContext:
         self._rows_all: Rows | None = None
         self.hidden: torch.Tensor | None = None  # [1, N + Qn, hidden] at the check layer's input
         self._projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._probe: torch.Tensor | None = None  # [layers run, H, N]
+        self._probe: tuple[range, torch.Tensor] | None = None  # (layers scored, [len(layers), H, N])
         # What a method measured while selecting that says how safe its fusion is (merged into the
         # prefill's stats): anchor's `evidence_coverage`, the share of the question's evidence votes
         # its selection recomputes.
@@ -99,26 +99,38 @@ class SelectionContext:
         each context token, averaged over question rows, from a pass of the question alone over the
         cache as assembled.
 
-        The pass stops after `layers`' last layer (later layers cannot change the scores). It writes
-        the question's K/V into the cache; the recompute that follows overwrites them.
+        The pass stops after `layers`' last layer (later layers cannot change the scores) and scores only
+        `layers`: the layers before them run the attention kernel alone. It writes the question's K/V
+        into the cache; the recompute that follows overwrites them. A request for layers outside the
+        last pass's runs the pass again over both.
         """
-        if self._probe is None or self._probe.shape[0] < layers.stop:
-            self._probe = self._run_probe(layers.stop)
-        return self._probe[layers.start : layers.stop]
+        if self._probe is None or not (self._probe[0].start <= layers.start and layers.stop <= self._probe[0].stop):
+            scored = layers if self._probe is None else range(min(layers.start, self._probe[0].start),
+                                                                   max(layers.stop, self._probe[0].stop))
+            self._probe = (scored, self._run_probe(scored))
+        scored, probe = self._probe
+        return probe[layers.start - scored.start : layers.stop - scored.start]
 
-    def _run_probe(self, stop: int) -> torch.Tensor:
+    def _run_probe(self, scored: range) -> torch.Tensor:
+        """The question rows are the last rows of the keys they see: the attention kernel's lower-right
+        causal call gives their output and, on the scored layers, the log-sum-exp that turns their
+        scores onto the context into probabilities (no softmax over every key, no fp32 copy of K/V)."""
         tf, cache, positions = self.tf, self.cache, self.question_positions
         rows = self.make_rows(positions)
         h = tf.embed(self.ids[positions])
         total = self.layout.total
         per_layer = []
-        for layer in range(stop):
+        for layer in range(scored.stop):
             q, k, v = tf.project(layer, h, rows.cos, rows.sin)
             cache.write(layer, positions, k, v)
-            probs = scoring.attention_probs(q, positions, cache.keys(layer, total), tf.scale)  # [H, Qn, T]
-            per_layer.append(probs[:, :, self.context].mean(dim=1))
-            if layer + 1 < stop:
-                out = scoring.apply_probs(probs, cache.values(layer, total)).to(h.dtype)
+            keys, values = cache.keys(layer, total), cache.values(layer, total)
+            if layer in scored:
+                out, lse = attention.with_lse(q, keys, values, tf.scale)
+                probs = scoring.probs_from_lse(q, keys[:, :, self.context], lse, tf.scale)  # [H, Qn, N]
+                per_layer.append(probs.mean(dim=1))
+            elif layer + 1 < scored.stop:
+                out = tf.attend(cache, layer, rows, q)
+            if layer + 1 < scored.stop:
                 h = tf.finish(layer, h, out)
         return torch.stack(per_layer)
 

@@ -4,16 +4,11 @@ Why not the model's own forward: the HF attention module appends to its cache an
 rows in the middle, so selective recomputation runs the layers here. Norms, projections, MLP and the
 rotary module are the model's; only attention is written out.
 
-Attention (dense, the reference): `Rows` are query rows at sorted global positions. A row attends
-causally by position over the fused cache, i.e. row i sees keys 0..positions[i]. That is one
-`scaled_dot_product_attention` call (GQA via `enable_gqa`) with the mask
-`positions[:, None] >= arange(keys)[None, :]`, built once per `Rows` (one phase: the full layers, the
-probe, the recompute) and shared by every layer. Rows 0..n-1 (a full prefill) use the kernel's own
-causal mask instead.
-
-On CPU the transformer takes `attention_cpu`'s blocked kernel instead, which skips the masked work
-(its gain is measured in docs/DESIGN.md); tests/fusion/test_attention_blocks.py pins it to the dense
-path.
+Attention: `Rows` are query rows at sorted global positions; a row attends causally by position over
+the fused cache, i.e. row i sees keys 0..positions[i]. Which kernel does that for which row set (the
+kernel's causal mask, lower-right causal for contiguous rows, the blocked CPU kernel, FlexAttention on
+CUDA, the dense [rows, keys] mask as the reference) is kvfuse/fusion/attention.py's choice, planned once
+per `Rows` (one phase: the full layers, the probe, the recompute) and shared by every layer.
 
 On CUDA the calls where every row sees every key (`attend_all`: a decode step, the last prompt row)
 keep off the cuDNN attention backend: it builds an execution plan for every new key length, which a
@@ -35,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvfuse.fusion import attention_cpu
+from kvfuse.fusion.attention import Attention
 from kvfuse.fusion.cache import FusedCache
 from kvfuse.fusion.errors import FusionError, UnsupportedModelError
 from kvfuse.fusion.rope import Rope, apply_rope
@@ -46,28 +42,35 @@ _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class Rows:
-    """Query rows at sorted global positions, with what every layer shares for them: cos/sin and the
-    causal mask by position (additive, in the compute dtype, so the kernel never converts it)."""
+    """Query rows at sorted global positions, with what every layer shares for them: cos/sin, and what
+    the attention path plans once (`plan`; the dense mask by position only if the dense path asks)."""
 
     def __init__(self, positions: torch.Tensor, rope: Rope, dtype: torch.dtype) -> None:
         self.positions = positions
+        self.dtype = dtype
         self.count = int(positions.numel())
         self.cos, self.sin = (t.unsqueeze(1) for t in rope.cos_sin(positions, dtype))  # [1, 1, R, D]
         self.stop = int(positions[-1]) + 1  # keys [0, stop) are all any row reads
-        self.mask: torch.Tensor | None = None  # [R, stop]; None: rows 0..stop-1, the kernel's causal mask
-        if self.count != self.stop:
-            keys = torch.arange(self.stop, device=positions.device)
-            hidden = positions[:, None] < keys[None, :]
-            self.mask = torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill_(hidden, -torch.inf)
-        self.plan: object | None = None  # a device kernel's per-phase state (attention_cpu), built on first use
+        self.contiguous = self.stop - int(positions[0]) == self.count  # the last `count` of the keys
+        self._mask: torch.Tensor | None = None
+        self.plan: object | None = None  # an attention path's per-phase state, built on first use
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """The causal mask by position [R, stop], additive in the compute dtype (so the kernel never
+        converts it); None for rows 0..stop-1 (the kernel's own causal mask). Built on first use."""
+        if self._mask is None and self.count != self.stop:
+            self._mask = attention_cpu.causal_mask(self.positions, 0, self.stop, self.dtype)
+        return self._mask
 
 
 class Transformer:
     """The decoder of a Llama/Mistral/Qwen2-family model, run layer by layer on `Rows`.
 
-    attention_block_rows: rows per block of the blocked CPU kernel (0: always the dense path)."""
+    attention_block_rows: rows per block of the blocked CPU kernel (0: none); sparse_attention: scattered
+    rows through FlexAttention on CUDA (kvfuse/fusion/attention.py)."""
 
-    def __init__(self, model: torch.nn.Module, attention_block_rows: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, attention_block_rows: int = 0, sparse_attention: bool = True) -> None:
         base = model.model
         self.model = model
         self.config = model.config
@@ -85,8 +88,7 @@ class Transformer:
         weight = self.embed_tokens.weight
         self.dtype = weight.dtype
         self.rope = Rope(base.rotary_emb, cfg, weight.device)
-        self.blocked = (attention_cpu.BlockedAttention(attention_block_rows, self.scale)
-                        if attention_block_rows > 0 and attention_cpu.supports(weight.device) else None)
+        self.attention = Attention(self.scale, weight.device, attention_block_rows, sparse_attention)
 
     def _check_structure(self) -> None:
         for i, layer in enumerate(self.layers):
@@ -121,11 +123,7 @@ class Transformer:
     def attend(self, cache: FusedCache, layer: int, rows: Rows, q: torch.Tensor) -> torch.Tensor:
         """Attention of the rows q [1, H, R, D] over the fused cache, each row causally by global
         position: [1, H, R, D]."""
-        k, v = cache.keys(layer, rows.stop), cache.values(layer, rows.stop)
-        if self.blocked is not None:
-            return self.blocked(q, k, v, rows)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, is_causal=rows.mask is None,
-                                              scale=self.scale, enable_gqa=True)
+        return self.attention(q, cache.keys(layer, rows.stop), cache.values(layer, rows.stop), rows)
 
     def attend_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Rows q [1, H, R, D] that all see every key of k/v [1, Hkv, T, D]: [1, H, R, D].

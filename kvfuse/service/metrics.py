@@ -54,6 +54,10 @@ class Metrics:
                                   registry=r)
         self.worker_load = Gauge("kvfuse_worker_load", "Queries running or waiting on each live worker",
                                  ["worker"], registry=r)
+        self.kv_tier_reads = Counter("kvfuse_kv_tier_reads", "Chunk KV reads of queries by the store tier that "
+                                     "served them (device, hot, lmdb, ...; miss: rebuilt)", ["tier"], registry=r)
+        self.kv_device_tier_bytes = Gauge("kvfuse_kv_device_tier_bytes", "Bytes of chunk KV held in the worker's "
+                                          "device tier (store.device_tier_mb)", registry=r)
         self.worker_restarts = Counter("kvfuse_worker_restarts", "Times the worker process was restarted",
                                        registry=r)
         # The quality contract (rag/fidelity.py): shadow checks of fused answers against a full prefill.

@@ -3,11 +3,12 @@
 Modelled on LMCache's storage backends: each tier answers `contains/get/put/remove` for content keys
 (kvfuse.kvblob.chunk_key), and a `TieredStore` composes them fastest first:
 
-    RAM hot tier (hot_tier.HotTier)  ->  LMDB blob tier (lmdb_tier.LmdbTier)  [->  shared_tier.RedisTier]
+    [device tier (hot_tier.HotTier on the GPU) ->]  RAM hot tier (hot_tier.HotTier)  ->
+    LMDB blob tier (lmdb_tier.LmdbTier)  [->  shared_tier.RedisTier]
 
 A read goes down the tiers until one has the chunk and writes it back into every tier above, so the next
 read stops higher up (read-through, write-back on a lower-tier hit). A put goes to the storage tiers
-below the cache, and only clears the cache's copy: a freshly computed chunk is not necessarily about to
+below the caches, and only clears the caches' copies: a freshly computed chunk is not necessarily about to
 be read, and the hot tier is kept for what queries read. A miss in every tier is the caller's to rebuild
 from the chunk's token ids.
 
@@ -18,6 +19,7 @@ good as any other; tiers that keep bytes verify what they read and raise Corrupt
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
@@ -75,18 +77,20 @@ class ChunkStore(ABC):
 
 
 class TieredStore(ChunkStore):
-    """A cache tier over storage tiers, read in that order (see the module docstring)."""
+    """Cache tiers over storage tiers, read in that order (see the module docstring): the first `caches`
+    tiers given are caches. Reads may run on several threads at once (KVStore.load_chunks)."""
 
     name = "tiered"
 
-    def __init__(self, cache: ChunkStore, *stores: ChunkStore) -> None:
-        if not stores:
-            raise ValueError("a tiered store needs at least one storage tier under its cache")
-        self.cache = cache
-        self.stores = stores
-        self.tiers: tuple[ChunkStore, ...] = (cache, *stores)
+    def __init__(self, *tiers: ChunkStore, caches: int = 1) -> None:
+        if len(tiers) <= caches or caches < 1:
+            raise ValueError("a tiered store needs a cache and at least one storage tier under it")
+        self.caches, self.stores = tiers[:caches], tiers[caches:]
+        self.cache = self.caches[-1]  # the lowest cache (the RAM tier)
+        self.tiers: tuple[ChunkStore, ...] = tiers
         # Reads served by each tier, and misses in all of them (what shows where KV came from).
         self.hits: dict[str, int] = {t.name: 0 for t in self.tiers} | {"miss": 0}
+        self._count = threading.Lock()
 
     def contains(self, key: str) -> bool:
         return any(t.contains(key) for t in self.tiers)
@@ -95,11 +99,13 @@ class TieredStore(ChunkStore):
         for i, tier in enumerate(self.tiers):
             entry = tier.get(key)
             if entry is not None:
-                self.hits[tier.name] += 1
-                for upper in self.tiers[:i]:
+                with self._count:
+                    self.hits[tier.name] += 1
+                for upper in reversed(self.tiers[:i]):  # the RAM tier first: the device tier copies from it
                     upper.put(key, entry)
                 return entry
-        self.hits["miss"] += 1
+        with self._count:
+            self.hits["miss"] += 1
         return None
 
     def get_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
@@ -119,7 +125,8 @@ class TieredStore(ChunkStore):
 
     def put(self, key: str, entry: Entry) -> bool:
         added = [store.put(key, entry) for store in self.stores]
-        self.cache.remove(key)
+        for cache in self.caches:
+            cache.remove(key)
         return any(added)
 
     def remove(self, key: str) -> bool:
@@ -129,4 +136,5 @@ class TieredStore(ChunkStore):
         """Forget the cached copies of chunks a storage tier dropped by its own rules (the last document
         using them went): the storage tiers are not touched again."""
         for key in keys:
-            self.cache.remove(key)
+            for cache in self.caches:
+                cache.remove(key)

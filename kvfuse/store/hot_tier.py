@@ -1,6 +1,11 @@
 """RAM tier in front of LMDB: decoded chunk KV, least recently used evicted first, bounded in bytes.
 
-It lives in the worker process, which reads KV; tensors it hands out are shared, never copied."""
+It lives in the worker process, which reads KV; tensors it hands out are shared, never copied.
+
+The same class is the device tier above it (`store.device_tier_mb`): given a device, it keeps its
+entries there (on a CUDA worker, GPU memory: a hit then needs no copy to the device at all, the
+LayerLoader reads the layers in place). On a CPU worker the device is the host and entries are kept
+as they come (the tests run it so)."""
 
 from __future__ import annotations
 
@@ -13,10 +18,12 @@ from kvfuse.store.chunk_store import ChunkStore, Entry, slice_blocks
 class HotTier(ChunkStore):
     """Thread-safe LRU by bytes. Entries are shared with callers, who must not modify them in place."""
 
-    name = "hot"
-
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, *, device: str | None = None, name: str = "hot") -> None:
+        """device: where entries are kept (None: as they come, in host memory); name: the tier's name in
+        the tiered store's counters and in `stats` (keys `<name>_hits` ...)."""
         self.budget_bytes = budget_bytes
+        self.device = device
+        self.name = name
         self._items: OrderedDict[str, tuple[Entry, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -46,6 +53,9 @@ class HotTier(ChunkStore):
         size = entry[0].nbytes + entry[1].nbytes
         if size > self.budget_bytes:
             return False
+        if self.device is not None:  # from page-locked memory the copy is asynchronous: ordered on the stream
+            k, v, header = entry
+            entry = (k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True), header)
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
@@ -72,11 +82,12 @@ class HotTier(ChunkStore):
 
     def stats(self) -> dict:
         with self._lock:
+            n = self.name
             return {
-                "hot_budget_bytes": self.budget_bytes,
-                "hot_bytes": self._bytes,
-                "hot_items": len(self._items),
-                "hot_hits": self.hits,
-                "hot_misses": self.misses,
-                "hot_evictions": self.evictions,
+                f"{n}_budget_bytes": self.budget_bytes,
+                f"{n}_bytes": self._bytes,
+                f"{n}_items": len(self._items),
+                f"{n}_hits": self.hits,
+                f"{n}_misses": self.misses,
+                f"{n}_evictions": self.evictions,
             }

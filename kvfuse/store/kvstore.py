@@ -1,7 +1,8 @@
 """KVStore: the one object the service opens; it wires the store's parts together and adds nothing.
 
-  chunks   chunk_store.TieredStore: RAM hot tier over the LMDB blob tier (where chunk KV is read from),
-           over the shared Redis tier on a fleet worker (shared_tier.py)
+  chunks   chunk_store.TieredStore: [the device tier over] the RAM hot tier over the LMDB blob tier (where
+           chunk KV is read from), over the shared Redis tier on a fleet worker (shared_tier.py); a
+           query's chunks are read on a thread pool (`load_chunks`)
   catalog  catalog.DocumentCatalog: document records, texts, chunk refs, the index (embedded or Redis)
   env      lmdb_env.LmdbEnv: the LMDB environment both keep their data in (the source of truth)
 
@@ -12,6 +13,7 @@ fusion engine copies them into its own cache anyway).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from torch import Tensor
 
@@ -34,6 +36,10 @@ class KVStore:
         self.settings = settings
         self.env = env
         self.hot = HotTier(s.hot_tier_mb << 20)
+        # KV on the model's device (GPU memory on a CUDA worker): a hit needs no copy to the device at all
+        self.device_tier = (HotTier(s.device_tier_mb << 20, device=settings.model.device, name="device")
+                            if s.device_tier_mb > 0 and keep_blobs else None)
+        self._readers: ThreadPoolExecutor | None = None
         if keep_blobs:
             self.blobs = LmdbTier(env, verify=s.verify_checksums, pin=settings.model.device.startswith("cuda"))
         else:  # a fleet's API: the blobs live on the workers (remote_blobs.py)
@@ -42,7 +48,9 @@ class KVStore:
             self.blobs = RemoteBlobs(env, verify=s.verify_checksums, shared=shared)
         self.shared = shared
         # A fleet worker reads down to the shared tier (shared_tier.py) before rebuilding a chunk.
-        self.chunks = TieredStore(self.hot, self.blobs, *([shared] if shared is not None and keep_blobs else []))
+        caches = (self.hot,) if self.device_tier is None else (self.device_tier, self.hot)
+        self.chunks = TieredStore(*caches, self.blobs, *([shared] if shared is not None and keep_blobs else []),
+                                  caches=len(caches))
         self.catalog = DocumentCatalog(
             env, self.blobs, index, forget=self.chunks.evict, rebuild_on_empty=s.rebuild_index_on_empty,
             require_index=require_index,
@@ -79,7 +87,10 @@ class KVStore:
         self.close()
 
     def close(self) -> None:
-        self.hot.clear()
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+        for cache in self.chunks.caches:
+            cache.clear()
         self.catalog.close()
         self.env.close()
 
@@ -114,6 +125,23 @@ class KVStore:
         """(k, v, header) from the first tier that has it (kvfuse.store.chunk_store); None = miss. Raises
         CorruptBlobError (rebuild it from the chunk's token ids)."""
         return self.chunks.get(key)
+
+    def load_chunks(self, keys: Sequence[str]) -> list[Entry | None | kvblob.CorruptBlobError]:
+        """`load_chunk` of every key, read on `store.read_threads` threads (the copy out of the memory map
+        and its checksum release the GIL, so reads from LMDB overlap): per key its entry, None (a miss)
+        or the CorruptBlobError its read raised, in order."""
+        def read(key: str) -> Entry | None | kvblob.CorruptBlobError:
+            try:
+                return self.chunks.get(key)
+            except kvblob.CorruptBlobError as err:
+                return err
+
+        threads = self.settings.store.read_threads
+        if threads <= 1 or len(keys) <= 1:
+            return [read(k) for k in keys]
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(threads, thread_name_prefix="kvfuse-read")
+        return list(self._readers.map(read, keys))
 
     def blob_fingerprint(self, key: str) -> str | None:
         """The model fingerprint in a stored blob's header (None if the blob is not stored or unreadable)."""
@@ -170,5 +198,7 @@ class KVStore:
                 "chunks": self.blobs.count(txn),
                 "kv_bytes": self.blobs.kv_bytes(txn),
             }
-        out |= {"index": self.catalog.index.kind} | self.env.sizes() | self.hot.stats()
+        out |= {"index": self.catalog.index.kind} | self.env.sizes()
+        for cache in self.chunks.caches:
+            out |= cache.stats()
         return out | {f"tier_hits_{k}": v for k, v in self.chunks.hits.items()}

@@ -20,6 +20,6 @@ for f in Path(".gpu/tok").iterdir():
     shutil.copy(f, d / f.name)
 PY
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m cuda -k "not greedy and not bf16_decodes" \
-  tests/fusion/test_low_precision.py 2>&1 | tee "$out/cuda-tests.txt" | tail -15
+  tests/fusion/test_attention_paths.py tests/fusion/test_low_precision.py tests/store/test_device_tier.py 2>&1 | tee "$out/cuda-tests.txt" | tail -15
 timeout "${BENCH_TIMEOUT:-300}" python3 -m kvfuse.cli bench gpu --tokenizer .gpu/tok --json "$out/gpu.json" "$@" \
   2>&1 | tee "$out/bench.log" | grep -v "method/s"

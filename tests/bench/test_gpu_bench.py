@@ -26,7 +26,9 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape(tmp_path: Path, default_llm
     assert sorted((r["context_tokens"], r["method"]) for r in rows) == sorted(
         (c, m) for c in (512, 1024) for m in ["vanilla", *METHODS])
     for r in rows:
-        assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0
+        assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0 and r["first_ttft_s"] > 0
+        assert r["ttft_device_kv_s"] > 0 and r["ttft_device_kv_s_vs_vanilla"] > 0  # KV on the device (here: host)
+        assert r["ttft_dense_mask_s"] is None  # FlexAttention is the CUDA path: nothing to compare here
         if r["method"] == "vanilla":
             assert r["ttft_s_vs_vanilla"] == 1.0 and r["recomputed_tokens"] == r["context_tokens"]
             assert r["read_s"] == 0.0  # a full prefill reads no KV
@@ -44,3 +46,7 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape(tmp_path: Path, default_llm
     lines = out.with_suffix(".md").read_text().splitlines()
     assert sum(line.startswith("| 1024 |") for line in lines) == 1 + len(METHODS)
     assert out.with_suffix(".png").stat().st_size > 0
+    # the short table comes last: one line per context and method, then the streams
+    tail = run.stdout.strip().splitlines()
+    assert tail[-1].startswith("| 3 |") and "× vanilla (device KV)" in run.stdout
+    assert sum(line.startswith("| 1024 | ") for line in tail) == 2 * (1 + len(METHODS))  # full table + summary

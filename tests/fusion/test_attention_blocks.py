@@ -1,6 +1,7 @@
-"""Attention over the fused cache, both paths, against attention written out by hand: the dense
-reference path of `Transformer.attend` (one masked SDPA call) and the blocked CPU kernel
-(`attention_cpu`), which must give the same result."""
+"""Attention over the fused cache on the default model's shape against attention written out by hand:
+the paths without the blocked kernel (the dense mask, causal, lower-right causal) and the blocked CPU
+kernel (`attention_cpu`), which must give the same result. Every path on random shapes, FlexAttention
+included: tests/fusion/test_attention_paths.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from kvfuse.fusion import attention_cpu
+from kvfuse.fusion.attention import Attention
 from kvfuse.fusion.cache import FusedCache
 from kvfuse.fusion.transformer import Rows, Transformer
 
@@ -51,12 +53,8 @@ def test_attention_matches_attention_by_hand(engine, path: str, kind: str) -> No
     q = torch.randn(1, tf.num_heads, positions.numel(), tf.head_dim, generator=gen)
     rows = Rows(positions, engine.rope, torch.float32)
     k, v = cache.keys(0, rows.stop), cache.values(0, rows.stop)
-    if path == "dense":
-        blocked, tf.blocked = tf.blocked, None
-        try:
-            out = tf.attend(cache, 0, rows, q)
-        finally:
-            tf.blocked = blocked
+    if path == "dense":  # the transformer's paths without the blocked kernel
+        out = Attention(tf.scale, torch.device("cpu"))(q, k, v, rows)
     else:
         out = attention_cpu.BlockedAttention(16, tf.scale)(q, k, v, rows)
         if kind == "scattered":  # 70 rows in blocks of 16

@@ -261,7 +261,7 @@ def test_engine_from_settings_takes_the_fusion_knobs(default_llm_path: str, monk
     engine = FusionEngine.from_settings(settings)
     assert (engine.attention_block_rows, engine.precompute_batch_tokens) == (24, 1000)
     assert engine.max_context_tokens == 2048
-    assert engine.tf.blocked.block_rows == 24  # the blocked CPU kernel's rows per block
+    assert engine.tf.attention.blocked.block_rows == 24  # the blocked CPU kernel's rows per block
 
 
 def test_labelled_prompt_caches_the_header_with_the_chunk_and_numbers_in_the_question_part(engine):

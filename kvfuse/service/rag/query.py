@@ -419,6 +419,11 @@ class QueryService:
                     m.hit_tokens.inc(outcome.cached_tokens)
                     m.query_tokens.inc(prompt_tokens(u))
                     m.rebuilt_chunks.inc(p.get("rebuilt_chunks", 0))
+                    for tier, n in p.get("kv_reads", {}).items():
+                        if tier == "device_bytes":
+                            m.kv_device_tier_bytes.set(n)
+                        elif n:
+                            m.kv_tier_reads.labels(tier).inc(n)
                     m.requests.labels(p["finish_reason"] if p["finish_reason"] == "cancelled" else "ok").inc()
                     yield "result", outcome
                 else:  # Cancelled: ended before the worker started it

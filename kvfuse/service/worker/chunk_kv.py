@@ -16,6 +16,7 @@ from kvfuse.config import Settings
 log = logging.getLogger("kvfuse.worker")
 
 _PREFIX_CACHE_ENTRIES = 8  # distinct system prompts kept decoded in the worker
+_UNREAD = object()  # load_or_rebuild reads the chunk itself
 
 
 class ChunkCache:
@@ -29,6 +30,7 @@ class ChunkCache:
         self.kv_dtype = settings.store.kv_dtype
         self.share_rebuilt = share_rebuilt
         self.rebuilt = 0  # chunks rebuilt from their tokens since start
+        self.last_reads: dict[str, int] = {}  # the last `load_all`: chunks served per tier (and device bytes)
         self._prefixes: OrderedDict[str, Any] = OrderedDict()
 
     def stored_nbytes(self, num_tokens: int) -> int:
@@ -74,7 +76,20 @@ class ChunkCache:
         return StoreSource(self.store, key, token_ids,
                            fallback=lambda: self.load_or_rebuild(key, token_ids, write_back=False)[0])
 
-    def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool) -> tuple[Any, bool]:
+    def load_all(self, chunks: list[tuple[str, list[int]]]) -> list[tuple[Any, bool]]:
+        """`load_or_rebuild` (no write-back of a miss) of every (key, token ids), the blobs read on the
+        store's thread pool first (KVStore.load_chunks); `last_reads` says which tier served them (the
+        worker loads one query at a time, so the counters' difference is this query's)."""
+        before = dict(self.store.chunks.hits)
+        reads = self.store.load_chunks([key for key, _ in chunks])
+        self.last_reads = {tier: n - before.get(tier, 0) for tier, n in self.store.chunks.hits.items()}
+        if self.store.device_tier is not None:
+            self.last_reads["device_bytes"] = self.store.device_tier.stats()["device_bytes"]
+        return [self.load_or_rebuild(key, ids, write_back=False, read=got)
+                for (key, ids), got in zip(chunks, reads, strict=True)]
+
+    def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool,
+                        read: Any = _UNREAD) -> tuple[Any, bool]:
         """A chunk's ChunkKV from the store; recomputed from its token ids on a miss or a corrupt blob.
 
         A miss is not written back by default: the owning document may have been deleted meanwhile, and
@@ -86,7 +101,9 @@ class ChunkCache:
 
         corrupt = False
         try:
-            hit = self.store.load_chunk(key)
+            hit = self.store.load_chunk(key) if read is _UNREAD else read  # `read`: load_all's read of it
+            if isinstance(hit, kvblob.CorruptBlobError):
+                raise hit
         except kvblob.CorruptBlobError as err:
             log.warning("chunk %s is corrupt (%s): rebuilding it from its tokens", key[:16], err)
             hit, corrupt = None, True

@@ -97,6 +97,7 @@ class QuerySequence:
         self.stats: dict[str, int] = {}
         self.timings: dict[str, float] = {}
         self.rebuilt = 0
+        self.kv_reads: dict[str, int] = {}  # chunks served per store tier (ChunkCache.last_reads)
         self._steps: Any = None  # the fused prefill in progress (FusionEngine.fuse_steps)
         self.shadow_steps: list[Any] | None = None  # the answer's logits, kept for a shadow check (shadow.py)
         self._t_loaded = self._t_first = 0.0
@@ -116,15 +117,13 @@ class QuerySequence:
             loaded = [ChunkKV(c.token_ids) for c in chunks]
             prefix = ChunkKV(self.prefix_ids)
         else:
-            loaded = []
-            blocks = get_method(self.fusion.method).own_pipeline  # samkv reads only the blocks it selects
-            for c in chunks:
-                if blocks:
-                    loaded.append(kv.block_source(c.key, c.token_ids))
-                    continue
-                ckv, was_rebuilt = kv.load_or_rebuild(c.key, c.token_ids, write_back=False)
-                loaded.append(ckv)
-                self.rebuilt += was_rebuilt
+            if get_method(self.fusion.method).own_pipeline:  # samkv reads only the blocks it selects
+                loaded = [kv.block_source(c.key, c.token_ids) for c in chunks]
+            else:  # every chunk's blob read at once, on the store's read threads
+                got = kv.load_all([(c.key, c.token_ids) for c in chunks])
+                loaded = [ckv for ckv, _ in got]
+                self.rebuilt += sum(was_rebuilt for _, was_rebuilt in got)
+                self.kv_reads = dict(kv.last_reads)
             prefix = kv.prefix_kv(self.prefix_ids)
         self._t_loaded = time.perf_counter()
         self.timings = {"kv_load_s": self._t_loaded - t0}
@@ -163,7 +162,7 @@ class QuerySequence:
         r = self.gen.result(self.stats, timings)
         logprobs = r.logprobs if self.gen_options.logprobs is not None else None
         return P.Result(self.job.job_id, r.text, r.finish_reason, dict(r.usage), r.timings, self.rebuilt, step,
-                        logprobs=logprobs)
+                        logprobs=logprobs, kv_reads=self.kv_reads)
 
 
 class IngestTask:

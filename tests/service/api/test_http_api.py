@@ -546,6 +546,8 @@ def test_corrupt_blob_is_rebuilt_from_the_tokens_at_query_time(holder: Holder, c
         resp = client.post("/v1/query", json={**Q, "document_ids": ["sun"], "max_tokens": 2})
         assert resp.status_code == 200, resp.text
     assert metric(client, "kvfuse_rebuilt_chunks_total") == rebuilt + 1  # rebuilt once, then stored again
+    # the second query read the stored copy again: counted under the tier that served it
+    assert metric(client, 'kvfuse_kv_tier_reads_total{tier="lmdb"}') >= 1
     assert client.delete("/v1/documents/sun").status_code == 200
 
 
