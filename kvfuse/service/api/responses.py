@@ -168,9 +168,10 @@ class Source(BaseModel):
     keyword_rank: int | None = Field(None, description="its rank (from 1) in the keyword list; null: not in it")
     text: str = Field("", description="the text the chunk covers of its document")
     metadata: dict[str, Any] = Field({}, description="its document's metadata")
-    page: int | None = _optional("the page (from 1) its text starts on, for a document ingested from a PDF")
-    section: str | None = _optional("the heading of the section its text starts in, for a document ingested "
-                                    "from a Markdown, HTML or DOCX file")
+    page: int | None = Field(None, description="the page (from 1) its text starts on, for a document ingested "
+                                                "from a PDF; null otherwise")
+    section: str | None = Field(None, description="the heading of the section its text starts in, for a document "
+                                                  "ingested from a Markdown, HTML or DOCX file; null otherwise")
 
     label: int | None = Field(None, description=(
         "its number in the prompt, from 1: the [n] the labelled prompt (model.prompt_layout) gives it and an "
@@ -191,8 +192,9 @@ class ChunkOut(BaseModel):
     chunk_index: int
     text: str
     tokens: int
-    page: int | None = _optional("the page (from 1) its text starts on (documents from PDF files)")
-    section: str | None = _optional("the heading of the section its text starts in (Markdown, HTML, DOCX)")
+    page: int | None = Field(None, description="the page (from 1) its text starts on (PDF files); else null")
+    section: str | None = Field(None, description="the heading of the section its text starts in (Markdown, "
+                                                  "HTML, DOCX); else null")
 
 
 class ChunkList(BaseModel):
