@@ -10,6 +10,7 @@ import torch
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import eviction, model_loading
 from kvfuse.fusion.cache import FusedCache, Layout
+from kvfuse.fusion.cache_decode import decode_caches
 from kvfuse.fusion.errors import ContextOverflowError
 from kvfuse.fusion.generation import Generation
 from kvfuse.fusion.kv_loading import LayerLoader
@@ -324,7 +325,7 @@ class FusionEngine:
         read once for the whole batch; each sequence attends over its own cache alone."""
         if len(caches) != token_ids.numel():
             raise ValueError(f"{len(caches)} caches but {token_ids.numel()} tokens")
-        return self.tf.decode(caches, token_ids.to(self.device))
+        return decode_caches(self.tf, caches, token_ids.to(self.device))
 
     def generate(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
                  fusion: FusionOptions | None = None, gen: GenerationOptions | None = None,

@@ -146,8 +146,10 @@ class QuerySequence:
         self.timings.update(fused.timings, ttft_s=self._t_first - self._t_loaded)
         return spent, text
 
-    def accept(self, logits: Any) -> str:
-        return self.gen.accept(logits)
+    def accept_token(self, token: int, logits: Any) -> str:
+        """Take the token the batch chose for this request from its row `logits` [vocab] of the step
+        (kept within reach for per-token log-probabilities)."""
+        return self.gen.accept_token(token)
 
     def result(self, step: int) -> P.Result:
         timings = {k: float(v) for k, v in self.timings.items()}
