@@ -34,12 +34,15 @@ log = logging.getLogger("kvfuse.fusion")
 class DecodeRunner:
     """Decode steps over `pool` with the layers of `tf` (kvfuse.fusion.transformer.Transformer)."""
 
-    def __init__(self, tf, pool: KVPool, *, cuda_graphs: bool = False, compile: bool = False) -> None:
+    def __init__(self, tf, pool: KVPool, *, cuda_graphs: bool = False, compile_backend: str | None = None) -> None:
+        """compile_backend: run the step through torch.compile with this backend (None: eagerly)."""
         self.tf, self.pool = tf, pool
         self.num_heads, self.num_kv_heads, self.head_dim = tf.num_heads, tf.num_kv_heads, tf.head_dim
         self.use_graphs = cuda_graphs and pool.device.type == "cuda"
-        self.bucketed = self.use_graphs or compile
-        self.forward_fn = torch.compile(self.forward, fullgraph=True, dynamic=False) if compile else self.forward
+        self.bucketed = self.use_graphs or compile_backend is not None
+        self.forward_fn = self.forward
+        if compile_backend is not None:
+            self.forward_fn = torch.compile(self.forward, fullgraph=True, dynamic=False, backend=compile_backend)
         self._graphs: dict[tuple[int, int], _CapturedStep] = {}
         self._graph_generation = -1
         self._graph_memory = None  # one CUDA memory pool shared by every captured graph
@@ -48,7 +51,7 @@ class DecodeRunner:
     def from_settings(cls, tf, fusion) -> DecodeRunner:
         """A runner over a new, empty pool for `tf`, run as `fusion` (kvfuse.config FusionSettings) says."""
         return cls(tf, KVPool.for_transformer(tf), cuda_graphs=fusion.decode_cuda_graphs,
-                   compile=fusion.decode_compile)
+                   compile_backend="inductor" if fusion.decode_compile else None)
 
     # -- the step -----------------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor, seen: torch.Tensor,
