@@ -130,3 +130,27 @@ def test_the_step_compiles_as_one_graph(engine, prompts) -> None:
         tokens = want.argmax(-1)
     assert counters["stats"]["unique_graphs"] == 1
     assert eager.pool.lengths == compiled.pool.lengths
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_give_the_eager_steps_logits(default_llm_path, prompts) -> None:
+    """On CUDA the step replays graphs captured per (batch bucket, window bucket): the eager step's
+    logits, through a capture, replays, a slot released (a smaller bucket) and a pool regrown (graphs
+    of the old buffers dropped)."""
+    from kvfuse.fusion import FusionEngine
+
+    gpu = FusionEngine.load(default_llm_path, device="cuda", dtype="float32")
+    eager, graphs = _runner(gpu), _runner(gpu, cuda_graphs=True)
+    for runner in (eager, graphs):
+        for i, p in enumerate(prompts):
+            runner.pool.admit(i, _fused(gpu, p, "anchor").cache)
+    tokens = torch.tensor([5, 7, 9], device="cuda")
+    for step in range(STEPS - 1):
+        if step == 2:
+            for runner in (eager, graphs):
+                runner.pool.release(1)
+            tokens = tokens[[0, 2]]
+        want, got = eager.step(tokens), graphs.step(tokens)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        tokens = want.argmax(-1)
+    assert graphs._graphs and graphs.use_graphs  # captured, and no capture fell back to eager
