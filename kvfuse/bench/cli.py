@@ -1,4 +1,4 @@
-"""`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, gpu and report.
+"""`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, gpu, decode and report.
 
 Nothing heavy is imported until a subcommand runs, so `kvfuse --help` stays instant."""
 
@@ -293,3 +293,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvfuse.bench import store
 
     store.register(bsub)  # `bench store`: KV blob write and read rates per dtype
+
+    from kvfuse.bench import decode
+
+    decode.register(bsub)  # `bench decode`: the decode step vs the weight-read bound

@@ -310,6 +310,12 @@ class FusionSettings(FusionRequestSettings):
     sparse_attention: bool = Field(True, description=(
         "recompute on CUDA: scattered rows through compiled FlexAttention with a block mask by position; "
         "off: one SDPA call with a dense [rows, keys] mask"))
+    decode_cuda_graphs: bool = Field(True, description=(
+        "decode on CUDA: capture the batched decode step as CUDA graphs per batch-size bucket (no effect "
+        "on CPU)"))
+    decode_compile: bool = Field(False, description=(
+        "decode: run the batched decode step through torch.compile (each batch-size and length bucket "
+        "compiles once)"))
     # ingest computes samkv's per-chunk artifacts (one more pass per chunk); off, samkv builds them on first use
     samkv_ingest_artifacts: bool = Field(False, description=(
         "ingest: store samkv's per-chunk artifacts with the KV (one more pass per chunk); off: built at "

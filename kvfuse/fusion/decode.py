@@ -1,35 +1,7 @@
-"""Decoding helpers: token choice (greedy / seeded nucleus sampling), incremental detokenization that
-never splits a UTF-8 character, and stop strings that are never partially emitted."""
+"""Decoding helpers: incremental detokenization that never splits a UTF-8 character, and stop strings
+that are never partially emitted. Token choice is `sampling.py`'s, batched on the device."""
 
 from __future__ import annotations
-
-import torch
-
-
-class Sampler:
-    def __init__(self, temperature: float, top_p: float, seed: int | None, device: torch.device) -> None:
-        self.temperature = temperature
-        self.top_p = top_p
-        self.generator: torch.Generator | None = None
-        if temperature > 0:
-            self.generator = torch.Generator(device=device)
-            if seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(seed)
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        if self.temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        if self.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < self.top_p
-            sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-            choice = torch.multinomial(sorted_probs, 1, generator=self.generator)
-            return int(order[choice])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
 class IncrementalDetokenizer:

@@ -10,6 +10,7 @@ import torch
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import eviction, model_loading
 from kvfuse.fusion.cache import FusedCache, Layout
+from kvfuse.fusion.cache_decode import decode_caches
 from kvfuse.fusion.errors import ContextOverflowError
 from kvfuse.fusion.generation import Generation
 from kvfuse.fusion.kv_loading import LayerLoader
@@ -322,12 +323,11 @@ class FusionEngine:
 
     @torch.inference_mode()
     def decode_batch(self, caches: list[FusedCache], token_ids: torch.Tensor) -> torch.Tensor:
-        """One decode step for B sequences at once: token_ids [B] (one per cache) are appended, each at
-        its own cache's next position; returns the next-token logits [B, vocab] (fp32). The weights are
-        read once for the whole batch; each sequence attends over its own cache alone."""
+        """The per-cache step (fusion/cache_decode.py): token_ids [B], one per cache, each appended at its
+        cache's next position -> next-token logits [B, vocab] (fp32). The worker's step is model_runner's."""
         if len(caches) != token_ids.numel():
             raise ValueError(f"{len(caches)} caches but {token_ids.numel()} tokens")
-        return self.tf.decode(caches, token_ids.to(self.device))
+        return decode_caches(self.tf, caches, token_ids.to(self.device))
 
     def generate(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
                  fusion: FusionOptions | None = None, gen: GenerationOptions | None = None,

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from kvfuse.fusion.decode import IncrementalDetokenizer, Sampler, StopMatcher
+from kvfuse.fusion import sampling
+from kvfuse.fusion.decode import IncrementalDetokenizer, StopMatcher
 from kvfuse.fusion.logprobs import TokenLogprob, token_logprob
+from kvfuse.fusion.sampling import RowSampling
 from kvfuse.fusion.types import FinishReason, GenerationOptions, GenerationResult
 
 
 class Generation:
     """Turns successive next-token logits into text deltas until the request is finished.
 
-    Call `accept(logits)` with the prefill's logits, then with each decode step's row; feed
-    `last_token` to the next decode step while `finished` is None.
+    Call `accept(logits)` with the prefill's logits, then with each decode step's row (or
+    `accept_token` with the token a batched `sampling.choose` picked from that row); feed `last_token`
+    to the next decode step while `finished` is None.
     """
 
     def __init__(self, tokenizer, stop_token_ids: set[int], options: GenerationOptions,
@@ -29,7 +32,7 @@ class Generation:
             raise ValueError("max_tokens must be at least 1")
         self.options = options
         self.stop_token_ids = stop_token_ids
-        self.sampler = Sampler(options.temperature, options.top_p, options.seed, torch.device(device))
+        self.sampling = RowSampling.create(options.temperature, options.top_p, options.seed, torch.device(device))
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(list(options.stop))
         self.token_ids: list[int] = []
@@ -45,16 +48,26 @@ class Generation:
         return max(0, self.accepted - 1)
 
     def accept(self, logits: torch.Tensor) -> str:
-        """Choose the next token from `logits` [vocab]; returns the text now safe to emit (may be "")."""
+        """Choose the next token from `logits` [vocab] (a batch of one of `sampling.choose`, so the same
+        tokens as in any batch); returns the text now safe to emit (may be "")."""
+        if self.finished is not None:
+            raise RuntimeError("the generation is finished")
+        return self.accept_token(int(sampling.choose(logits.view(1, -1), [self.sampling])[0]), logits)
+
+    def accept_token(self, token: int, logits: torch.Tensor | None = None) -> str:
+        """Take the token chosen for this request (by a batched `sampling.choose` over its logits row
+        `logits` [vocab], needed only when the request asks for log-probabilities); returns the text now
+        safe to emit (may be "")."""
         if self.finished is not None:
             raise RuntimeError("the generation is finished")
         self.accepted += 1
-        token = self.sampler(logits)
         self.last_token = token
         if token in self.stop_token_ids:
             return self._finish("stop")
         self.token_ids.append(token)
         if self.options.logprobs is not None:
+            if logits is None:
+                raise ValueError("log-probabilities were asked for: accept_token needs the token's logits row")
             self.logprobs.append(token_logprob(logits, token, self.options.logprobs))
         text, stopped = self.stops.feed(self.detok.push(token))
         if stopped:

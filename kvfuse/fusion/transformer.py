@@ -16,8 +16,9 @@ decode step (one more key each time) would pay on every step; the flash kernel n
 prefill phases keep it: on long prompts its attention ran about twice as fast as flash
 (docs/results/gpu/README.md).
 
-A decode step (`Transformer.decode`) runs B sequences at once: one new row each, every row seeing all
-of its own cache, so it needs no mask.
+Decoding lives apart: the service's batched step over the worker's KV pool in `model_runner.py`, the
+per-cache step (each sequence over its own `FusedCache`) in `cache_decode.py`; both reuse `project`,
+`finish` and `logits` from here.
 
 Only the last prompt row feeds the logits, so the model's last layer writes every row's K/V but runs
 attention and MLP for the last row alone (`Transformer.layer(..., last_only=True)`).
@@ -32,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from kvfuse.fusion import attention_cpu
 from kvfuse.fusion.attention import Attention
 from kvfuse.fusion.cache import FusedCache
-from kvfuse.fusion.errors import FusionError, UnsupportedModelError
+from kvfuse.fusion.errors import UnsupportedModelError
 from kvfuse.fusion.rope import Rope, apply_rope
 
 # Every row sees every key (decode): no cuDNN, which plans anew for each key length (module docstring).
@@ -167,32 +168,3 @@ class Transformer:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden [B, hidden] -> float32 logits [B, vocab]."""
         return self.lm_head(self.norm(h)).float()
-
-    # -- batched decoding -------------------------------------------------------------------------------
-    def decode(self, caches: list[FusedCache], token_ids: torch.Tensor) -> torch.Tensor:
-        """One decode step for B sequences, each with its own fused cache: token_ids [B] -> logits
-        [B, vocab] (fp32).
-
-        The B new tokens go through embedding, norms, projections and MLP as one matrix [B, 1, hidden]
-        (the weights are read once per step, whatever B). Each token is rotated to its own sequence's
-        position (its cache's `next_position`: `length`, or further on after eviction), its K/V written
-        at slot `length`, and it attends over its own cache alone; then every cache's `length` grows by
-        one. The caches may differ in length (an evicted one is shorter)."""
-        full = [i for i, c in enumerate(caches) if c.length >= c.capacity]
-        if full:
-            raise FusionError(f"the fused cache of sequence {full[0]} is full")
-        slots = torch.tensor([c.length for c in caches], device=token_ids.device)
-        positions = torch.tensor([c.next_position for c in caches], device=token_ids.device)
-        cos, sin = (t.view(-1, 1, 1, t.shape[-1]) for t in self.rope.cos_sin(positions, self.dtype))  # [B, 1, 1, D]
-        h = self.embed_tokens(token_ids.view(-1, 1))  # [B, 1, hidden]
-        for layer in range(self.num_layers):
-            q, k, v = self.project(layer, h, cos, sin)  # [B, H | Hkv, 1, D]
-            outs = []
-            for i, cache in enumerate(caches):
-                cache.write(layer, slots[i : i + 1], k[i : i + 1], v[i : i + 1])
-                end = cache.length + 1
-                outs.append(self.attend_all(q[i : i + 1], cache.keys(layer, end), cache.values(layer, end)))
-            h = self.finish(layer, h, torch.cat(outs))
-        for cache in caches:
-            cache.length += 1
-        return self.logits(h[:, -1])

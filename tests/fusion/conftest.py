@@ -31,3 +31,14 @@ def hf_greedy(engine: FusionEngine, prompt: Prompt) -> list[int]:
         out = engine.model.generate(torch.tensor([prompt.ids]), max_new_tokens=8, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt.ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def prompts(engine: FusionEngine, essays) -> list[Prompt]:
+    """Three prompts of different contexts and lengths (the batched decode tests' batch)."""
+    texts = dict(essays)
+    return [
+        make_prompt(engine, texts["apple"], "What does the author think of the App Store?", [64, 48, 56]),
+        make_prompt(engine, list(texts.values())[3], "Who is the essay about?", [30]),
+        make_prompt(engine, list(texts.values())[7], "What is the main point?", [90, 20, 41, 12]),
+    ]

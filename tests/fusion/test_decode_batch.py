@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fusion_helpers import make_prompt
 
 from kvfuse.fusion import FusionError, FusionOptions
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def prompts(engine, essays):
-    texts = dict(essays)
-    return [
-        make_prompt(engine, texts["apple"], "What does the author think of the App Store?", [64, 48, 56]),
-        make_prompt(engine, list(texts.values())[3], "Who is the essay about?", [30]),
-        make_prompt(engine, list(texts.values())[7], "What is the main point?", [90, 20, 41, 12]),
-    ]
 
 
 def _fused(engine, prompt, method):

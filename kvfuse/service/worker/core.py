@@ -53,6 +53,7 @@ class Worker:
 
     def __init__(self, settings: Settings, conn: Connection) -> None:
         from kvfuse.fusion import FusionEngine
+        from kvfuse.fusion.model_runner import DecodeRunner
 
         self.settings = settings
         self.conn = conn
@@ -62,6 +63,8 @@ class Worker:
         self.kv = ChunkCache(self.engine, self.store, settings, share_rebuilt=self.SHARE_REBUILT)
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
         self.scheduler = Scheduler(SchedulerLimits.from_settings(settings.server))
+        # The running sequences' KV once their prefill is complete, and the batched step over it.
+        self.decoder = DecodeRunner.from_settings(self.engine.tf, settings.fusion)
         self.step_no = 0
         # Shadow checks run only when the scheduler is idle, a slice at a time (shadow.py).
         self.shadow = ShadowChecks(settings.fidelity, self.engine,
@@ -132,6 +135,7 @@ class Worker:
         req = self.scheduler.remove(job_id)
         if req is None:
             return  # already ended
+        self.decoder.pool.release(job_id)
         if req.status is P.JobStatus.DECODING:
             seq: QuerySequence = req.data
             tail = seq.gen.cancel()
@@ -163,8 +167,13 @@ class Worker:
         try:
             seq.start(self.engine, self.kv)
         except Exception as err:  # noqa: BLE001 - fails this request only
-            self.scheduler.retire(req.job_id)
+            self._retire(req.job_id)
             self.send(self._error(req.job_id, err))
+
+    def _retire(self, job_id: int) -> None:
+        """A running request ended (finished, failed): its KV budget and its pool slot are free."""
+        self.scheduler.retire(job_id)
+        self.decoder.pool.release(job_id)
 
     def _prefill(self, budget: int) -> None:
         """Advance the prefilling sequences, oldest first, by up to `budget` rows x layers in all; a
@@ -175,29 +184,41 @@ class Worker:
             seq: QuerySequence = req.data
             try:
                 spent, text = seq.advance(self.engine, budget)
+                if text is not None and seq.gen.finished is None:
+                    self.decoder.pool.admit(req.job_id, seq.cache)  # decodes from the pool from now on
             except Exception as err:  # noqa: BLE001 - fails this request only
-                self.scheduler.retire(req.job_id)
+                self._retire(req.job_id)
                 self.send(self._error(req.job_id, err))
                 continue
             budget -= spent
             if text is not None:
                 self.scheduler.prefilled(req.job_id, kv_tokens=seq.cache.capacity)  # smaller if evicted
+                seq.cache = None  # its KV was copied into the pool
                 self._emit(req, text)
 
     def _decode(self, batch: list[Request]) -> None:
+        """One step for every sequence in the pool (the decoding requests, in slot order): one forward,
+        the tokens chosen on the device for the whole batch and copied to the host once."""
         import torch
 
-        seqs: list[QuerySequence] = [r.data for r in batch]
+        from kvfuse.fusion import sampling
+
+        by_job = {r.job_id: r for r in batch}
         try:
+            order = [by_job[owner] for owner in self.decoder.pool.owners]
+            if len(order) != len(batch):
+                raise RuntimeError(f"{len(batch)} decoding requests but {len(order)} pool slots")
+            seqs: list[QuerySequence] = [r.data for r in order]
             tokens = torch.tensor([s.gen.last_token for s in seqs], dtype=torch.long)
-            logits = self.engine.decode_batch([s.cache for s in seqs], tokens)
+            logits = self.decoder.step(tokens)
+            chosen = sampling.choose(logits, [s.gen.sampling for s in seqs]).tolist()  # the one host sync
         except Exception as err:  # noqa: BLE001 - the batch's sequences fail; the worker goes on
             for r in batch:
-                self.scheduler.retire(r.job_id)
+                self._retire(r.job_id)
                 self.send(self._error(r.job_id, err))
             return
-        for i, r in enumerate(batch):
-            self._emit(r, r.data.accept(logits[i]))
+        for i, r in enumerate(order):
+            self._emit(r, r.data.accept_token(chosen[i], logits[i]))
 
     def _emit(self, req: Request, text: str) -> None:
         seq: QuerySequence = req.data
@@ -205,7 +226,7 @@ class Worker:
             logprobs = seq.gen.take_logprobs() if seq.gen.options.logprobs is not None else None
             self.send(P.Delta(req.job_id, text, self.step_no, logprobs))
         if seq.gen.finished is not None:
-            self.scheduler.retire(req.job_id)
+            self._retire(req.job_id)
             self.send(seq.result(self.step_no))
             for msg in self.shadow.offer(seq, self.step_no):
                 self.send(msg)

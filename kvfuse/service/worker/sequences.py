@@ -153,8 +153,15 @@ class QuerySequence:
         return spent, text
 
     def accept(self, logits: Any) -> str:
+        """Choose and take the first token from the prefill's logits."""
         ShadowChecks.record(self, logits)
         return self.gen.accept(logits)
+
+    def accept_token(self, token: int, logits: Any) -> str:
+        """Take the token the batch chose for this request from its row `logits` [vocab] of the step (kept
+        for a shadow check and for per-token log-probabilities)."""
+        ShadowChecks.record(self, logits)
+        return self.gen.accept_token(token, logits)
 
     def result(self, step: int) -> P.Result:
         timings = {k: float(v) for k, v in self.timings.items()}

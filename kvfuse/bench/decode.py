@@ -1,0 +1,169 @@
+"""`kvfuse bench decode`: the decode step against the weight-read bound of this machine, per path.
+
+The bound: one decode step of one stream must read every weight once, so it cannot take less than
+copying the weights' bytes (`weight_bytes`, tied embeddings counted once) at the machine's memcpy rate,
+measured in the same run (a weight-sized float32 buffer copied, median of five). Each row is a ratio to
+that bound and to the same path's one-stream tokens/s, so the figures hold on a busy machine as ratios.
+
+Paths, timed in turn within every repeat so that drift hits them alike:
+- `per-cache`: each sequence over its own fused cache, one attention call apiece, and the token chosen
+  on the host row by row (the step `FusionEngine.decode_batch` runs; the service's before the pool);
+- `pool`: the caches placed into a `KVPool`, one attention call per layer for the batch
+  (`DecodeRunner`), the tokens chosen on the device for the batch (`sampling.choose`), one host copy;
+- `pool-compiled` (`--compile`): the same step through `torch.compile` (its compile is a warm-up).
+
+The cache of every stream is one real prefill (vanilla) of `--context-tokens` seeded random tokens,
+copied. docs/results/decode/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+WARMUP_STEPS = 2
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of the model's parameters, each stored tensor once (tied embeddings are one tensor)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """GB/s of copying an `nbytes` float32 buffer into another (median of `repeats`)."""
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _prefill(engine: Any, tokens: int, room: int, seed: int) -> Any:
+    import torch
+
+    from kvfuse.fusion import FusionOptions
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(100, engine.model.config.vocab_size - 100, (tokens,), generator=gen).tolist()
+    return engine.fuse(None, [], ids, FusionOptions(method="vanilla"), max_tokens=room)
+
+
+def _time_path(engine: Any, cache: Any, path: str, streams: int, steps: int) -> list[float]:
+    """Seconds per step of `steps` steps of `streams` copies of `cache` (after the warm-up steps)."""
+    import torch
+
+    from kvfuse.fusion import sampling
+    from kvfuse.fusion.kv_pool import KVPool
+    from kvfuse.fusion.model_runner import DecodeRunner
+
+    caches = [cache.clone() for _ in range(streams)]
+    tokens = [7 + i for i in range(streams)]
+    rows = [sampling.RowSampling(0.0, 1.0) for _ in range(streams)]
+    if path == "per-cache":
+        def step() -> list[int]:
+            logits = engine.decode_batch(caches, torch.tensor(tokens))
+            return [int(torch.argmax(row)) for row in logits]
+    else:
+        runner = DecodeRunner(engine.tf, KVPool.for_transformer(engine.tf),
+                              compile_backend="inductor" if path == "pool-compiled" else None)
+        for i, c in enumerate(caches):
+            runner.pool.admit(i, c)
+
+        def step() -> list[int]:
+            return sampling.choose(runner.step(torch.tensor(tokens)), rows).tolist()
+    times = []
+    with torch.inference_mode():
+        for i in range(WARMUP_STEPS + steps):
+            t = time.perf_counter()
+            tokens = step()
+            if i >= WARMUP_STEPS:
+                times.append(time.perf_counter() - t)
+    return times
+
+
+def run(args: Any) -> dict:
+    from kvfuse.bench.machine import load_info, machine_info
+    from kvfuse.config import get_settings
+    from kvfuse.fusion import FusionEngine
+
+    settings = get_settings()
+    engine = FusionEngine.from_settings(settings)
+    nbytes = weight_bytes(engine.model)
+    room = (WARMUP_STEPS + args.steps) + 8
+    cache = _prefill(engine, args.context_tokens, room, args.seed).cache
+    paths = ["per-cache", "pool"] + (["pool-compiled"] if args.compile else [])
+    times: dict[tuple[str, int], list[float]] = {}
+    rates = []
+    for _ in range(args.repeats):
+        rates.append(memcpy_gbps(nbytes))
+        for streams in args.streams:
+            for path in paths:
+                times.setdefault((path, streams), []).extend(_time_path(engine, cache, path, streams, args.steps))
+    rate = statistics.median(rates)
+    bound_ms = nbytes / (rate * 1e9) * 1e3
+    rows = []
+    for (path, streams), ts in times.items():
+        step_ms = statistics.median(ts) * 1e3
+        rows.append({"path": path, "streams": streams, "step_ms": round(step_ms, 2),
+                     "tok_s": round(streams / step_ms * 1e3, 2), "step_vs_bound": round(step_ms / bound_ms, 3)})
+    for row in rows:
+        one = next((r for r in rows if r["path"] == row["path"] and r["streams"] == 1), None)
+        row["tok_s_vs_one_stream"] = round(row["tok_s"] / one["tok_s"], 3) if one else None
+    return {"params": {"context_tokens": args.context_tokens, "streams": args.streams, "steps": args.steps,
+                       "repeats": args.repeats, "compile": args.compile, "seed": args.seed,
+                       "model": settings.model.llm, "dtype": settings.model.dtype},
+            "machine": machine_info(), "load_at_end": load_info(), "weight_bytes": nbytes,
+            "memcpy_gbps": round(rate, 2), "memcpy_gbps_runs": [round(r, 2) for r in rates],
+            "weight_read_bound_ms": round(bound_ms, 2), "rows": rows}
+
+
+def table(result: dict) -> str:
+    lines = [f"weights {result['weight_bytes'] / 1e6:.0f} MB, memcpy {result['memcpy_gbps']} GB/s -> weight-read "
+             f"bound {result['weight_read_bound_ms']} ms/step",
+             "| path | streams | step ms | tokens/s | step / bound | tokens/s vs 1 stream |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['path']} | {r['streams']} | {r['step_ms']} | {r['tok_s']} | {r['step_vs_bound']} | "
+                     f"{r['tok_s_vs_one_stream']} |")
+    return "\n".join(lines)
+
+
+def command(args: Any) -> int:
+    from kvfuse.bench.machine import command_line
+
+    result = run(args)
+    result["command"] = command_line("kvfuse bench decode", args.parser, args)
+    text = table(result)
+    print(text)
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        out.with_suffix(".md").write_text(f"    {result['command']}\n\n{text}\n")
+    return 0
+
+
+def register(bsub: Any) -> None:
+    """Add `kvfuse bench decode` (imports nothing heavy)."""
+    from kvfuse.bench.args import csv_list
+
+    p = bsub.add_parser("decode", help="decode step per path vs the weight-read bound and vs one stream")
+    p.add_argument("--context-tokens", type=int, default=1024, help="tokens in every stream's cache")
+    p.add_argument("--streams", type=csv_list(int), default=[1, 6], help="stream counts (batch sizes)")
+    p.add_argument("--steps", type=int, default=16, help="timed steps per path, stream count and repeat")
+    p.add_argument("--repeats", type=int, default=3, help="rounds over every path (median of all steps)")
+    p.add_argument("--compile", action="store_true", help="also time the step through torch.compile")
+    p.add_argument("--seed", type=int, default=0, help="the prompt's random tokens")
+    p.add_argument("--json", default="", help="result file (.md beside it); empty = print only")
+    p.set_defaults(func=command, parser=p)
