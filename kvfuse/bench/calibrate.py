@@ -78,7 +78,7 @@ class Calibration:
 
     def chunks(self, q: CalQuery) -> list[tuple[str, list[int]]]:
         """(key, token ids) of the query's chunks, named or retrieved, keyed for the running model."""
-        from kvfuse.service.rag.query import chunk_key_now
+        from kvfuse.service.rag.sources import chunk_key_now
 
         fp, dtype = self.engine.fingerprint, self.settings.store.kv_dtype
         picks: list[tuple[Any, int]] = []

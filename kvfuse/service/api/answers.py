@@ -17,8 +17,9 @@ from kvfuse.service.api.responses import (
     Usage,
 )
 from kvfuse.service.rag.chunks import FoundChunk
-from kvfuse.service.rag.query import QueryOutcome, QueryRun, SourceChunk
+from kvfuse.service.rag.query import QueryOutcome, QueryRun
 from kvfuse.service.rag.retrieval import RetrievalOptions
+from kvfuse.service.rag.sources import SourceChunk
 from kvfuse.service.wire.protocol import prompt_tokens
 
 

@@ -2,7 +2,7 @@
 
 prepare(): validate knobs, check the prompt can fit the context (prompt_size.py, before any embedding),
 retrieve (dense, keyword or hybrid: retrieval.py) or take the caller's documents in order, and
-gather each chunk's store key and token ids (split from the document's tokens by the stored chunk sizes,
+gather each chunk's store key and token ids (sources.py; split from the document's tokens by the stored chunk sizes,
 so chunking settings may change later without invalidating stored KV). start(): queue the job and wait
 for the worker's plan (which chunks fit the context), so errors still get a proper HTTP status. Then
 `events()` streams the deltas and the final result.
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-from kvfuse.chunk_keys import chunk_key_from_hash, token_hash
 from kvfuse.fusion.prompt import in_prompt_order
 from kvfuse.service.dispatch.job_book import (
     Job,
@@ -28,11 +26,11 @@ from kvfuse.service.dispatch.job_book import (
     WorkerJobError,
     WorkerUnavailable,
 )
-from kvfuse.service.errors import APIError, document_not_found, retry_after
-from kvfuse.service.rag.chunks import document_chunks, found_chunks
+from kvfuse.service.errors import APIError, retry_after
 from kvfuse.service.rag.conversation import Conversation, fit_history
 from kvfuse.service.rag.prompt_size import check_prompt_fits, context_limit
 from kvfuse.service.rag.retrieval import RetrievalOptions, check_question, retrieval_options, retrieve
+from kvfuse.service.rag.sources import SourceChunk, Sources
 from kvfuse.service.wire.protocol import (
     ERR_CONTEXT_OVERFLOW,
     ERR_INDEX_UNAVAILABLE,
@@ -56,7 +54,6 @@ if TYPE_CHECKING:
 
 Gone = Callable[[], Awaitable[bool]]  # whether the client has gone (a request's is_disconnected)
 
-log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.25
 _MAX_STOP = 4  # stop strings per request, OpenAI's limit
@@ -78,21 +75,6 @@ async def next_unless_gone(agen: AsyncIterator[Any], gone: Gone | None) -> Any:
             nxt.cancel()  # the worker job is cancelled by the caller or by the generator's cleanup
             await asyncio.gather(nxt, return_exceptions=True)
             raise ClientGone()
-
-
-@dataclass
-class SourceChunk:
-    document_id: str
-    chunk_index: int
-    score: float
-    key: str
-    token_ids: list[int]
-    dense_rank: int | None = None
-    keyword_rank: int | None = None
-    text: str = ""  # what the chunk covers of its document (rag/chunks.py), for citations
-    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # its document's
-    location: dict[str, Any] = dataclasses.field(default_factory=dict)  # its page or section, from a file
-    name: str = ""  # its document's name in the labelled prompt ("" in the plain one)
 
 
 @dataclass
@@ -156,13 +138,6 @@ def cached_tokens(plan: QueryPlan, usage: dict) -> int:
     return max(0, usage.get("prefix_tokens", 0) + usage.get("context_tokens", 0) - usage.get("recomputed_tokens", 0))
 
 
-def chunk_key_now(fingerprint: str, kv_dtype: str, rec: Any, i: int, token_ids: list[int]) -> str:
-    """Chunk i's key under the model `fingerprint`: its tokens and the context its KV was computed after
-    (from the document's record). The service's queries and `kvfuse calibrate` key chunks this way."""
-    context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
-    return chunk_key_from_hash(fingerprint, kv_dtype, token_hash(token_ids), context)
-
-
 class QueryService:
     """Queries from the request's knobs to the worker's last message, over the corpus (attached once
     loaded) and the dispatcher; a stale document found on the way is handed to ingestion to rebuild."""
@@ -175,10 +150,11 @@ class QueryService:
         self.dispatcher = dispatcher
         self.ingest = ingest
         self.corpus: Corpus | None = None
-        self._stale_logged: set[str] = set()  # documents with KV of another model, logged once each
+        self.sources: Sources | None = None
 
     def attach(self, corpus: Corpus) -> None:
         self.corpus = corpus
+        self.sources = Sources(self.settings, self.metrics, self.dispatcher, self.ingest, corpus)
 
     # -- preparation ---------------------------------------------------------------------------------------
     async def prepare(self, *, question: str, system_prompt: str | None, top_k: int | None,
@@ -207,11 +183,11 @@ class QueryService:
         retrieval_opts = retrieval_options(s, retrieval, visible)
         t0 = time.perf_counter()
         if document_ids is not None:
-            chunks = await asyncio.to_thread(self._explicit_chunks, document_ids, visible)
+            chunks = await asyncio.to_thread(self.sources.named, document_ids, visible)
         else:
             hits = await asyncio.to_thread(retrieve, self.corpus, search_for, top_k or s.retriever.top_k,
                                            retrieval_opts, filters)
-            chunks = in_prompt_order(await asyncio.to_thread(self._hits_to_chunks, hits), s.model.prompt_order)
+            chunks = in_prompt_order(await asyncio.to_thread(self.sources.retrieved, hits), s.model.prompt_order)
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
             self.metrics.retrieval.observe(retrieval_s)
@@ -262,75 +238,6 @@ class QueryService:
                 "top_p": g.top_p if gen.top_p is None else gen.top_p, "seed": gen.seed, "stop": stop,
                 "logprobs": logprobs}
 
-
-    def _key(self, rec: Any, i: int, token_ids: list[int]) -> str:
-        """Chunk i's key under the model running now (and the context its KV was computed after, from the
-        record), never the key recorded at ingest: KV stored for
-        another model (weights, tokenizer, dtypes) is a miss, rebuilt from the tokens. A document built
-        for another model is counted, logged once, and rebuilt for this one in the background."""
-        fp = self.dispatcher.info.get("fingerprint")
-        if not fp:  # no worker yet: the query waits for one, which will have this model
-            return rec.chunk_keys[i]
-        key = chunk_key_now(fp, self.settings.store.kv_dtype, rec, i, token_ids)
-        if key != rec.chunk_keys[i]:
-            self.metrics.fingerprint_misses.inc()
-            if rec.id not in self._stale_logged:
-                self._stale_logged.add(rec.id)
-                log.warning("document %s has KV of another model (or KV dtype, or prompt layout): its chunks are rebuilt from "
-                            "their tokens at each query until the document is rebuilt for this model", rec.id)
-                self.ingest.resubmit_soon(rec.id, "its KV is from another model")
-        return key
-
-    def _explicit_chunks(self, document_ids: list[str], visible: frozenset[str] | None) -> list[SourceChunk]:
-        if len(set(document_ids)) != len(document_ids):
-            raise APIError(422, "document_ids contains duplicates", code="invalid_value", param="document_ids")
-        chunks: list[SourceChunk] = []
-        for doc_id in document_ids:
-            rec = self.corpus.store.get_document(doc_id)
-            job = self.ingest.unfinished(doc_id)
-            owner = job.rec.collection if job is not None else rec.collection if rec is not None else None
-            if visible is not None and owner not in visible:
-                raise document_not_found(doc_id, param="document_ids")
-            if rec is None or rec.status != "ready":
-                self._not_ready(doc_id, rec)
-            found, name = document_chunks(self.corpus, rec), self.corpus.prompt_name(rec)
-            for i, ids in enumerate(self.corpus.prompt_chunk_ids(rec)):
-                c = found[i]
-                chunks.append(SourceChunk(doc_id, i, 1.0, self._key(rec, i, ids), ids, text=c.text,
-                                          metadata=c.metadata, location=c.location, name=name))
-        return chunks
-
-    def _not_ready(self, doc_id: str, rec: Any) -> NoReturn:
-        """Why a named document cannot be used: a document still being ingested (first version, so no
-        record yet, or one that has none good) is 409 with Retry-After, as GET /v1/documents/{id} says
-        `processing`; a failed one is 409 without; an unknown one 404."""
-        job = self.ingest.unfinished(doc_id)
-        if job is not None:
-            raise APIError(409, f"document {doc_id!r} is being ingested (job {job.id}) and is not ready yet; "
-                           "retry later", code="document_not_ready", param="document_ids",
-                           headers=retry_after(self.settings))
-        if rec is None:
-            raise document_not_found(doc_id, param="document_ids")
-        raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
-                       param="document_ids")
-
-    def _hits_to_chunks(self, hits: list[Any]) -> list[SourceChunk]:
-        chunks = []
-        records: dict[str, Any] = {}
-        for c in found_chunks(self.corpus, hits):  # those deleted or re-ingested since the search left out
-            if c.document_id not in records:
-                records[c.document_id] = self.corpus.store.get_document(c.document_id)
-            rec = records[c.document_id]
-            if rec is None or rec.status != "ready" or c.chunk_index >= len(rec.chunk_keys):
-                continue
-            ids = self.corpus.prompt_chunk_ids(rec)[c.chunk_index]
-            chunks.append(SourceChunk(c.document_id, c.chunk_index, c.score, self._key(rec, c.chunk_index, ids), ids,
-                                      c.dense_rank, c.keyword_rank, c.text, c.metadata, c.location,
-                                      self.corpus.prompt_name(rec)))
-        if not chunks:
-            raise APIError(404, "no ready document matches the query (ingest documents first, or relax filters)",
-                           code="no_documents")
-        return chunks
 
     # -- running -------------------------------------------------------------------------------------------
     async def start(self, plan: QueryPlan, gone: Gone | None) -> QueryRun:

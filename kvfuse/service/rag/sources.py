@@ -1,0 +1,133 @@
+"""The chunks a query is answered from, as the worker will read them: each with its store key under the
+model running now, its token ids as the prompt renders them, and what a citation shows (its text, its
+document's metadata, its page or section, its document's name in the labelled prompt).
+
+A key is never the one recorded at ingest: KV stored for another model (weights, tokenizer, dtypes) or
+another prompt layout is a miss, rebuilt from the tokens, and its document is rebuilt in the background.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from kvfuse.chunk_keys import chunk_key_from_hash, token_hash
+from kvfuse.service.errors import APIError, document_not_found, retry_after
+from kvfuse.service.rag.chunks import document_chunks, found_chunks
+
+if TYPE_CHECKING:
+    from kvfuse.config import Settings
+    from kvfuse.service.metrics import Metrics
+    from kvfuse.service.rag.corpus import Corpus
+    from kvfuse.service.rag.ingest import IngestManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SourceChunk:
+    document_id: str
+    chunk_index: int
+    score: float
+    key: str
+    token_ids: list[int]
+    dense_rank: int | None = None
+    keyword_rank: int | None = None
+    text: str = ""  # what the chunk covers of its document (rag/chunks.py), for citations
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # its document's
+    location: dict[str, Any] = dataclasses.field(default_factory=dict)  # its page or section, from a file
+    name: str = ""  # its document's name in the labelled prompt ("" in the plain one)
+
+
+def chunk_key_now(fingerprint: str, kv_dtype: str, rec: Any, i: int, token_ids: list[int]) -> str:
+    """Chunk i's key under the model `fingerprint`: its tokens and the context its KV was computed after
+    (from the document's record). The service's queries and `kvfuse calibrate` key chunks this way."""
+    context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
+    return chunk_key_from_hash(fingerprint, kv_dtype, token_hash(token_ids), context)
+
+
+class Sources:
+    """Chunks from a query's documents or hits, keyed under the model running now (`dispatcher.info`)."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, dispatcher: Any, ingest: IngestManager,
+                 corpus: Corpus) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.dispatcher = dispatcher
+        self.ingest = ingest
+        self.corpus = corpus
+        self._stale_logged: set[str] = set()  # documents with KV of another model, logged once each
+
+    def key(self, rec: Any, i: int, token_ids: list[int]) -> str:
+        """Chunk i's key under the model running now (and the context its KV was computed after, from the
+        record), never the key recorded at ingest: KV stored for
+        another model (weights, tokenizer, dtypes) is a miss, rebuilt from the tokens. A document built
+        for another model is counted, logged once, and rebuilt for this one in the background."""
+        fp = self.dispatcher.info.get("fingerprint")
+        if not fp:  # no worker yet: the query waits for one, which will have this model
+            return rec.chunk_keys[i]
+        key = chunk_key_now(fp, self.settings.store.kv_dtype, rec, i, token_ids)
+        if key != rec.chunk_keys[i]:
+            self.metrics.fingerprint_misses.inc()
+            if rec.id not in self._stale_logged:
+                self._stale_logged.add(rec.id)
+                log.warning("document %s has KV of another model (or KV dtype, or prompt layout): its chunks are rebuilt from "
+                            "their tokens at each query until the document is rebuilt for this model", rec.id)
+                self.ingest.resubmit_soon(rec.id, "its KV is from another model")
+        return key
+
+    def named(self, document_ids: list[str], visible: frozenset[str] | None) -> list[SourceChunk]:
+        """The chunks of the caller's `document_ids`, in order: each document must exist, be ready and lie
+        in a `visible` collection (None = every one)."""
+        if len(set(document_ids)) != len(document_ids):
+            raise APIError(422, "document_ids contains duplicates", code="invalid_value", param="document_ids")
+        chunks: list[SourceChunk] = []
+        for doc_id in document_ids:
+            rec = self.corpus.store.get_document(doc_id)
+            job = self.ingest.unfinished(doc_id)
+            owner = job.rec.collection if job is not None else rec.collection if rec is not None else None
+            if visible is not None and owner not in visible:
+                raise document_not_found(doc_id, param="document_ids")
+            if rec is None or rec.status != "ready":
+                self.not_ready(doc_id, rec)
+            found, name = document_chunks(self.corpus, rec), self.corpus.prompt_name(rec)
+            for i, ids in enumerate(self.corpus.prompt_chunk_ids(rec)):
+                c = found[i]
+                chunks.append(SourceChunk(doc_id, i, 1.0, self.key(rec, i, ids), ids, text=c.text,
+                                          metadata=c.metadata, location=c.location, name=name))
+        return chunks
+
+    def not_ready(self, doc_id: str, rec: Any) -> NoReturn:
+        """Why a named document cannot be used: a document still being ingested (first version, so no
+        record yet, or one that has none good) is 409 with Retry-After, as GET /v1/documents/{id} says
+        `processing`; a failed one is 409 without; an unknown one 404."""
+        job = self.ingest.unfinished(doc_id)
+        if job is not None:
+            raise APIError(409, f"document {doc_id!r} is being ingested (job {job.id}) and is not ready yet; "
+                           "retry later", code="document_not_ready", param="document_ids",
+                           headers=retry_after(self.settings))
+        if rec is None:
+            raise document_not_found(doc_id, param="document_ids")
+        raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
+                       param="document_ids")
+
+    def retrieved(self, hits: list[Any]) -> list[SourceChunk]:
+        """The chunks of a retrieval's hits, best first; those deleted or re-ingested since are left out."""
+        chunks = []
+        records: dict[str, Any] = {}
+        for c in found_chunks(self.corpus, hits):  # those deleted or re-ingested since the search left out
+            if c.document_id not in records:
+                records[c.document_id] = self.corpus.store.get_document(c.document_id)
+            rec = records[c.document_id]
+            if rec is None or rec.status != "ready" or c.chunk_index >= len(rec.chunk_keys):
+                continue
+            ids = self.corpus.prompt_chunk_ids(rec)[c.chunk_index]
+            chunks.append(SourceChunk(c.document_id, c.chunk_index, c.score, self.key(rec, c.chunk_index, ids), ids,
+                                      c.dense_rank, c.keyword_rank, c.text, c.metadata, c.location,
+                                      self.corpus.prompt_name(rec)))
+        if not chunks:
+            raise APIError(404, "no ready document matches the query (ingest documents first, or relax filters)",
+                           code="no_documents")
+        return chunks
