@@ -76,8 +76,11 @@ class Calibration:
     def close(self) -> None:
         self.store.close()
 
-    def chunks(self, q: CalQuery) -> list[tuple[str, list[int]]]:
-        """(key, token ids) of the query's chunks, named or retrieved, keyed for the running model."""
+    def chunks(self, q: CalQuery) -> list[tuple[str, list[int], str]]:
+        """(key, token ids, document name) of the query's chunks, named or retrieved, keyed for the running
+        model and rendered and ordered as the service's prompt has them (`model.prompt_layout`,
+        `model.prompt_order`)."""
+        from kvfuse.fusion.prompt import in_prompt_order
         from kvfuse.service.rag.sources import chunk_key_now
 
         fp, dtype = self.engine.fingerprint, self.settings.store.kv_dtype
@@ -95,12 +98,13 @@ class Calibration:
                 self.corpus.load()
                 self._retrieval_loaded = True
             s = self.settings
-            for h in retrieve(self.corpus, q.query, s.retriever.top_k, retrieval_options(s, None), None):
+            hits = retrieve(self.corpus, q.query, s.retriever.top_k, retrieval_options(s, None), None)
+            for h in in_prompt_order(hits, s.model.prompt_order):
                 picks.append((self.store.get_document(h.document_id), h.chunk_index))
         out = []
         for rec, i in picks:
-            ids = self.corpus.chunk_token_ids(rec)[i]
-            out.append((chunk_key_now(fp, dtype, rec, i, ids), ids))
+            ids = self.corpus.prompt_chunk_ids(rec)[i]
+            out.append((chunk_key_now(fp, dtype, rec, i, ids), ids, self.corpus.prompt_name(rec)))
         return out
 
     def run(self, q: CalQuery, methods: list[str], ratios: list[float], metric: str
@@ -113,10 +117,11 @@ class Calibration:
         e, be = self.engine, self.backend
         chunks = self.chunks(q)
         system = q.system_prompt if q.system_prompt is not None else self.settings.model.system_prompt
-        prefix_ids, question_ids = e.prompt_parts(q.query, system)
-        full = be.greedy(ChunkKV(prefix_ids), [ChunkKV(ids) for _, ids in chunks], question_ids,
+        names = [name for _, _, name in chunks]
+        prefix_ids, question_ids = e.prompt_parts(q.query, system, names, self.settings.model.prompt_layout)
+        full = be.greedy(ChunkKV(prefix_ids), [ChunkKV(ids) for _, ids, _ in chunks], question_ids,
                          be.options("vanilla", None), self.max_tokens)
-        stored = [self.kv.load_or_rebuild(key, ids, write_back=False)[0] for key, ids in chunks]
+        stored = [self.kv.load_or_rebuild(key, ids, write_back=False)[0] for key, ids, _ in chunks]
         prefix = self.kv.prefix_kv(prefix_ids)
         out = {}
         for method in methods:
@@ -124,7 +129,7 @@ class Calibration:
                 ans = be.greedy(prefix, stored, question_ids, be.options(method, r), self.max_tokens, keep_steps=True)
                 logits = teacher_forced_logits(e, full.fused, ans.tokens)
                 out[(method, r)] = (same_answer(ans.text, full.text, metric), answer_kl(logits, ans.steps), ans.ttft_s)
-        return sum(len(ids) for _, ids in chunks), full.ttft_s, out
+        return sum(len(ids) for _, ids, _ in chunks), full.ttft_s, out
 
 
 def calibrate(settings: Any, queries: list[CalQuery], methods: list[str], ratios: list[float], target: float,

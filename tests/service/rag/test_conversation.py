@@ -32,7 +32,7 @@ def test_retrieval_searches_every_user_message_kept() -> None:
 
 def test_the_history_goes_after_the_documents_and_leaves_the_prefix_alone(tokenizer) -> None:
     prefix, question = prompt_texts(tokenizer, "And when is the harvest?", "Answer briefly.")
-    prefix_h, question_h = prompt_texts(tokenizer, "And when is the harvest?", "Answer briefly.", TURNS)
+    prefix_h, question_h = prompt_texts(tokenizer, "And when is the harvest?", "Answer briefly.", history=TURNS)
     assert prefix_h == prefix
     assert question_h.endswith(question) and "User: Who founded the Veldmark orchard?\nAssistant: The Aalders" \
         in question_h
