@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.config import Settings
@@ -170,50 +170,46 @@ class Corpus:
     def chunk_token_ids(self, rec: Any) -> list[list[int]]:
         """A ready document's chunk token ids: its tokens split by the chunk sizes stored at ingest (so
         chunking settings may change later without invalidating stored KV)."""
-        cache_key = (rec.id, rec.content_hash)
-        if cache_key in self._doc_tokens:
-            self._doc_tokens.move_to_end(cache_key)
-            return self._doc_tokens[cache_key]
-        text = self.store.get_text(rec.id)
-        if text is None:
-            raise APIError(404, f"document {rec.id!r} has no stored text", code="document_not_found")
-        ids = self.chunker.encode(text)
-        if len(ids) != sum(rec.chunk_tokens):
-            raise APIError(500, f"document {rec.id!r} no longer tokenizes as it did at ingestion: re-ingest it",
-                           code="tokenizer_changed")
-        out, pos = [], 0
-        for n in rec.chunk_tokens:
-            out.append(list(ids[pos : pos + n]))
-            pos += n
-        self._doc_tokens[cache_key] = out
-        while len(self._doc_tokens) > _DOC_TOKEN_CACHE:
-            self._doc_tokens.popitem(last=False)
-        return out
+        def split(text: str) -> list[list[int]]:
+            ids = self.chunker.encode(text)
+            _check_tokenizes_as_stored(rec, len(ids))
+            out, pos = [], 0
+            for n in rec.chunk_tokens:
+                out.append(list(ids[pos : pos + n]))
+                pos += n
+            return out
+
+        return self._per_version(self._doc_tokens, rec, split)
 
     def chunk_texts(self, rec: Any) -> list[str]:
         """A ready document's chunk texts: the spans of its stored text that its chunks' tokens cover (cut at
         the first character of the next chunk's first token, so the texts tile the document). What
         citations, /v1/search and the chunk listing show; the tokens stay what the model reads."""
-        cache_key = (rec.id, rec.content_hash)
-        if cache_key in self._chunk_texts:
-            self._chunk_texts.move_to_end(cache_key)
-            return self._chunk_texts[cache_key]
+        def spans(text: str) -> list[str]:
+            offsets = self.chunker.token_starts(text)
+            _check_tokenizes_as_stored(rec, len(offsets))
+            starts, pos = [], 0
+            for n in rec.chunk_tokens:
+                starts.append(0 if pos == 0 else offsets[pos])
+                pos += n
+            return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+
+        return self._per_version(self._chunk_texts, rec, spans)
+
+    def _per_version(self, memo: OrderedDict, rec: Any, compute: Callable[[str], Any]) -> Any:
+        """`compute(the document's stored text)`, kept per document version in `memo` (least recently used
+        dropped beyond the cache's size)."""
+        key = (rec.id, rec.content_hash)
+        if key in memo:
+            memo.move_to_end(key)
+            return memo[key]
         text = self.store.get_text(rec.id)
         if text is None:
             raise APIError(404, f"document {rec.id!r} has no stored text", code="document_not_found")
-        offsets = self.chunker.token_starts(text)
-        if len(offsets) != sum(rec.chunk_tokens):
-            raise APIError(500, f"document {rec.id!r} no longer tokenizes as it did at ingestion: re-ingest it",
-                           code="tokenizer_changed")
-        starts, pos = [], 0
-        for n in rec.chunk_tokens:
-            starts.append(0 if pos == 0 else offsets[pos])
-            pos += n
-        out = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
-        self._chunk_texts[cache_key] = out
-        while len(self._chunk_texts) > _DOC_TOKEN_CACHE:
-            self._chunk_texts.popitem(last=False)
-        return out
+        memo[key] = value = compute(text)
+        while len(memo) > _DOC_TOKEN_CACHE:
+            memo.popitem(last=False)
+        return value
 
     async def document_index_available(self) -> bool:
         """Whether the store's document index (Redis, when configured) answers now."""
@@ -250,3 +246,9 @@ class Corpus:
             self.index.save()
         if self.keyword.remove(doc_id):
             self.keyword.save()
+
+
+def _check_tokenizes_as_stored(rec: Any, tokens: int) -> None:
+    if tokens != sum(rec.chunk_tokens):
+        raise APIError(500, f"document {rec.id!r} no longer tokenizes as it did at ingestion: re-ingest it",
+                       code="tokenizer_changed")
