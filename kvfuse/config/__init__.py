@@ -4,7 +4,8 @@ Sources, highest priority first: explicit overrides passed to `load_settings`, e
 `KVFUSE_*` (nested keys joined with `__`), then the YAML file (`KVFUSE_CONFIG`, else `config.yaml` in the
 working directory, else the copy shipped beside the package). `config.yaml` lists every key with its
 default; each field's description is the reference, rendered into docs/configuration.md by
-`kvfuse config docs` (kvfuse/config_docs.py). The sections live in `sections.py`.
+`kvfuse config docs` (kvfuse/config_docs.py). The sections live in `sections.py` (what the model,
+retrieval, storage and fusion do) and `serving.py` (the server, its keys, Redis and the fleet).
 """
 
 from __future__ import annotations
@@ -27,19 +28,17 @@ from kvfuse.config.sections import (  # the sections are part of this module's i
     DEFAULT_COLLECTION,
     BenchSettings,
     FidelitySettings,
-    FleetSettings,
     FusionMethodName,
     FusionRequestSettings,
     FusionSettings,
     GenerationSettings,
     ModelSettings,
-    RedisSettings,
     RetrievalRequestSettings,
     RetrieverSettings,
-    ServerSettings,
     StoreSettings,
     string_list,
 )
+from kvfuse.config.serving import FleetSettings, RedisSettings, ServerSettings  # part of the interface too
 
 __all__ = [
     "DEFAULT_COLLECTION", "REPO_CONFIG", "BenchSettings", "ConfigError", "FidelitySettings", "FleetSettings",

@@ -38,121 +38,13 @@ def string_list(v: Any) -> Any:
 DEFAULT_COLLECTION = "default"
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A settings section: unknown keys are errors, not silently ignored."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class KeyScope(_Section):
-    """What one API key may do (server.api_keys as a mapping, or server.api_keys_file)."""
-
-    collections: list[str] | None = Field(None, min_length=1, description=(
-        "the collections the key sees (absent = every collection)"))
-    access: Literal["read", "write"] = Field("write", description=(
-        "read: list, read, query and search; write: also ingest and delete"))
-
-
-class ServerSettings(_Section):
-    """The HTTP server: address, API keys, request limits, the query queue and batch, the worker
-    processes, and ingestion jobs and their retries."""
-
-    host: str = Field("127.0.0.1", description="bind address (`kvfuse serve --host` overrides)")
-    port: int = Field(8000, ge=1, le=65535, description="bind port (`kvfuse serve --port` overrides)")
-    api_keys: Annotated[list[str] | dict[str, KeyScope], NoDecode] = Field([], description=(
-        'accepted API keys; env: comma-separated (k1,k2) or a JSON list (["k1", "k2"]), each with full access, '
-        'or a JSON object of scoped keys ({"k1": {"collections": ["a"], "access": "read"}}); empty = no auth '
-        '(loopback only unless allowed below)'))
-    api_keys_file: str = Field("", description=(
-        "a JSON or YAML file of API keys, each key -> {collections: [names], access: read | write}; "
-        "collections left out = every one, access left out = write (docs/deploy.md, \"Exposing kvfuse\")"))
-    allow_unauthenticated_public: bool = Field(False, description=(
-        "allow binding a non-loopback address with no API key"))
-    metrics_public: bool = Field(False, description=(
-        "serve /metrics without an API key (for a Prometheus scrape; the metrics name no document)"))
-    max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, description="larger request bodies get 413")
-    sse_ping_s: float = Field(15.0, gt=0, description=(
-        "seconds between keep-alive comments on a quiet event stream (a long prefill), so proxies keep it open"))
-    max_document_chars: int = Field(2_000_000, gt=0, description="larger documents get 413")
-    max_batch_documents: int = Field(256, gt=0, description="documents per batch ingest request")
-    request_timeout_s: float = Field(300.0, gt=0, description=(
-        "a query that runs longer ends with 504 / an SSE error event"))
-    queue_size: int = Field(16, ge=1, description="queries waiting for admission beyond this get 429")
-    retry_after_s: int = Field(1, ge=0, description="Retry-After header sent with 429")
-    ingest_wait_timeout_s: float = Field(600.0, gt=0, description=(
-        "`?wait=true` gives up after this long (the job goes on)"))
-    job_history_s: float = Field(7 * 86400.0, ge=0, description=(
-        "finished ingestion jobs stay readable (GET /v1/jobs/{id}) this long; unfinished ones resume after "
-        "a restart"))
-    precompute_batch_chunks: int = Field(4, ge=1, description=(
-        "chunks per KV precompute job sent to the worker"))
-    worker_start_timeout_s: float = Field(300.0, gt=0, description=(
-        "ingestion waits this long for the model worker to come up"))
-    worker_cancel_grace_s: float = Field(30.0, gt=0, description=(
-        "a cancelled job still running after this long gets its worker killed"))
-    worker_stop_timeout_s: float = Field(10.0, gt=0, description=(
-        "shutdown waits this long for the worker before killing it"))
-    workers: int = Field(1, ge=0, description=(
-        "local worker processes (one per model.devices entry in turn); 0 = dispatch to `kvfuse worker`s "
-        "through Redis (needs redis_url)"))
-    max_running_requests: int = Field(16, ge=1, description=(
-        "queries decoding together in one batched step; more wait in the queue"))
-    kv_budget_tokens: int = Field(65536, ge=1, description=(
-        "KV tokens (prompt + max_tokens) all running queries may hold; a query alone over it gets 400"))
-    prefill_tokens_per_step: int = Field(2048, ge=1, description=(
-        "prefill work per engine step, in prompt tokens through every layer: a long prompt is spread over "
-        "steps while running streams decode"))
-    ingest_step_share: float = Field(0.25, gt=0.0, le=1.0, description=(
-        "share of engine steps guaranteed to KV precompute while queries run"))
-    # An ingestion interrupted by something that passes (kvfuse/service/rag/ingest_retry.py) runs again: a
-    # worker crash at most ingest_retry_attempts tries in all, an unreachable document index (Redis) at
-    # most ingest_index_attempts; the pause before each retry doubles from backoff_s up to backoff_max_s.
-    ingest_retry_attempts: int = Field(3, ge=1, description=(
-        "tries of an ingestion job that worker crashes interrupt; the last crash fails it with the reason"))
-    ingest_index_attempts: int = Field(20, ge=1, description=(
-        "tries of an ingestion job while the document index (Redis) does not answer; it waits between them"))
-    ingest_retry_backoff_s: float = Field(1.0, ge=0, description=(
-        "pause before an ingestion job's first retry; it doubles at each retry"))
-    ingest_retry_backoff_max_s: float = Field(30.0, ge=0, description=(
-        "the longest pause between an ingestion job's retries"))
-    url: str = Field("", description="server URL for `kvfuse ingest/query`; empty = http://<host>:<port>")
-
-    @property
-    def base_url(self) -> str:
-        """Where clients reach the server: `url`, else http://host:port (a wildcard host means loopback)."""
-        if self.url:
-            return self.url.rstrip("/")
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
-
-    @field_validator("api_keys", mode="before")
-    @classmethod
-    def _split_keys(cls, v: Any) -> Any:
-        if isinstance(v, str) and v.strip().startswith("{"):
-            try:
-                return json.loads(v)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"starts with '{{' but is not a JSON object ({err})") from None
-        return string_list(v)
-
-
-class RedisSettings(_Section):
-    """How kvfuse authenticates to Redis (`redis_url`): every client (the document index, the fleet's job
-    streams and heartbeats, the shared chunk KV tier) is built from these by kvfuse/store/redis_access.py.
-    A user and password in `redis_url` itself are used as well; giving a password both there and here is
-    refused."""
-
-    username: str = Field("", description="ACL user (empty = the URL's, else Redis's `default` user)")
-    password: str = Field("", description="password (empty = the URL's or password_file's)")
-    password_file: str = Field("", description=(
-        "a file holding the password (a docker or Kubernetes secret); surrounding whitespace is dropped"))
-    tls_ca_file: str = Field("", description=(
-        "CA certificate(s) that sign the server's certificate, for a rediss:// URL (empty = the system's)"))
-    tls_cert_file: str = Field("", description="client certificate, when Redis requires one (tls-auth-clients)")
-    tls_key_file: str = Field("", description="the client certificate's private key")
-    tls_check_hostname: bool = Field(True, description=(
-        "require the server certificate to name the URL's host"))
-
-
-class ModelSettings(_Section):
+class ModelSettings(Section):
     """The LLM and the embedder: which models, on which device, in which compute dtype."""
 
     llm: str = Field("default", description=(
@@ -196,7 +88,7 @@ class ModelSettings(_Section):
         raise ValueError("must be cpu, cuda or cuda:N")
 
 
-class StoreSettings(_Section):
+class StoreSettings(Section):
     """The chunk KV store: LMDB (the source of truth), the RAM hot tier in front of it, the Redis index, and
     what each chunk's KV is computed after at ingestion."""
 
@@ -230,7 +122,7 @@ class StoreSettings(_Section):
         "neighbours mode: the chunk's n most similar chunks"))
 
 
-class RetrievalRequestSettings(_Section):
+class RetrievalRequestSettings(Section):
     """The retrieval knobs a request may set (`retrieval` on /v1/query and /v1/chat/completions), declared
     once: the request schema is derived from these fields (names, defaults, bounds)."""
 
@@ -270,7 +162,7 @@ class RetrieverSettings(RetrievalRequestSettings):
         "... and this many chunks (a smaller index is all fresh rows, scored without a build)"))
 
 
-class FusionRequestSettings(_Section):
+class FusionRequestSettings(Section):
     """The fusion knobs a request may set, declared once: `kvfuse.fusion.FusionOptions` and the HTTP
     request's `fusion` object are derived from these fields (names, defaults, bounds)."""
 
@@ -325,7 +217,7 @@ class FusionSettings(FusionRequestSettings):
         "kvfuse/artifacts/kvlink"))
 
 
-class GenerationSettings(_Section):
+class GenerationSettings(Section):
     """Decoding defaults; a query may set `max_tokens`, `temperature` and `top_p` itself."""
 
     max_tokens: int = Field(256, ge=1, description="default completion length")
@@ -337,7 +229,7 @@ class GenerationSettings(_Section):
         "turns are dropped and the answer's warning says so; 0 = the last user message only"))
 
 
-class BenchSettings(_Section):
+class BenchSettings(Section):
     """Where `kvfuse bench` finds its evaluation data and keeps vanilla's reference outputs."""
 
     # The evaluation data is not part of the package; relative paths resolve from the working directory.
@@ -350,7 +242,7 @@ class BenchSettings(_Section):
         "overrides"))
 
 
-class FidelitySettings(_Section):
+class FidelitySettings(Section):
     """The quality contract (docs/DESIGN.md, "The quality contract"; docs/usage.md): shadow checks of
     fused answers against a full prefill, and a recompute ratio held at a target agreement."""
 
@@ -397,25 +289,3 @@ class FidelitySettings(_Section):
         if self.min_ratio > self.max_ratio:
             raise ValueError(f"min_ratio {self.min_ratio} is above max_ratio {self.max_ratio}")
         return self
-
-
-class FleetSettings(_Section):
-    """Scale-out over Redis (docs/DESIGN.md, "Scale-out"): `kvfuse serve --workers 0` dispatches to
-    `kvfuse worker` processes on any host; used only when `redis_url` is set."""
-
-    namespace: str = Field("kvfuse:fleet", min_length=1, description=(
-        "key prefix of the job streams, heartbeats and the shared chunk KV tier"))
-    worker_name: str = Field("", description="a worker's name in answers and /ready (empty = host-pid)")
-    heartbeat_s: float = Field(1.0, gt=0, description="how often a worker renews its heartbeat")
-    heartbeat_ttl_s: float = Field(5.0, gt=0, description=(
-        "a worker silent this long is dead: its pending jobs are claimed back"))
-    reply_ttl_s: float = Field(30.0, gt=0, description=(
-        "a job's reply stream outlives its reader by this much (then the job is dropped)"))
-    shared_tier_mb: int = Field(1024, ge=0, description=(
-        "cap of the shared chunk KV tier in Redis; when full new chunks stay host-local (0 = off)"))
-    # Query routing (kvfuse/service/dispatch/routing.py): a worker's score is the share of the query's chunks
-    # it holds minus this times its jobs over its running slots; 0 = locality alone.
-    route_load_weight: float = Field(8.0, ge=0, description=(
-        "a query goes to the worker with the best share of its chunks held minus this x (its jobs / its "
-        "max_running_requests); at 16 slots a worker holding every chunk keeps a query until it has 2 jobs "
-        "more than one holding none (0 = locality alone)"))

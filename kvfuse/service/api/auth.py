@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from kvfuse.config import ServerSettings
-from kvfuse.config.sections import KeyScope
+from kvfuse.config.serving import KeyScope
 from kvfuse.service.errors import APIError, collection_not_found, document_not_found
 from kvfuse.store.redis_access import read_secret
 
