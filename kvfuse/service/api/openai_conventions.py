@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.model_files import DEFAULT, DEFAULT_LLM_NAME
-from kvfuse.service.api.responses import ChoiceLogprobs, TokenLogprob, TopLogprob
+from kvfuse.service.api.openai_responses import ChoiceLogprobs, TokenLogprob, TopLogprob
 from kvfuse.service.errors import APIError
 from kvfuse.service.rag.prompt_size import PROMPT_TOO_LONG
 from kvfuse.service.wire.protocol import ERR_CONTEXT_OVERFLOW, ERR_MAX_TOKENS

@@ -29,8 +29,7 @@ from kvfuse.service.api.openai_conventions import (
     openai_error,
     served_names,
 )
-from kvfuse.service.api.query_routes import CLIENT_CLOSED, collect_answer, start_query
-from kvfuse.service.api.responses import (
+from kvfuse.service.api.openai_responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -41,6 +40,7 @@ from kvfuse.service.api.responses import (
     ModelCard,
     ModelList,
 )
+from kvfuse.service.api.query_routes import CLIENT_CLOSED, collect_answer, start_query
 from kvfuse.service.api.schemas import ChatIn, documented_body, parse_json, validate
 from kvfuse.service.errors import APIError
 from kvfuse.service.rag.conversation import ROLES

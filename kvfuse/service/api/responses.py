@@ -3,7 +3,8 @@
 Endpoints declare these as `response_model`, so the OpenAPI schema at `/openapi.json` and the bytes on the
 wire come from the same place. Extra fields may be added; the documented ones (docs/usage.md)
 keep their names and meaning. A query answer is `QueryAnswer`: the JSON body of `POST /v1/query` and,
-word for word, the data of the stream's final `done` event. Errors have their own model in errors.py.
+word for word, the data of the stream's final `done` event. Errors have their own model in errors.py; the
+OpenAI endpoints' shapes are in openai_responses.py.
 """
 
 from __future__ import annotations
@@ -262,117 +263,6 @@ class QueryAnswer(BaseModel):
     fusion: FusionUsed
     retrieval: RetrievalUsed
     worker: str | None = Field(None, description="the worker that served the answer (its fleet name, or host-pid)")
-
-
-# -- OpenAI-compatible ---------------------------------------------------------------------------------------
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "kvfuse"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class ChatUsage(BaseModel):
-    """OpenAI's usage, with kvfuse's reuse figures where OpenAI clients look for them."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-    recomputed_tokens: int
-
-    @classmethod
-    def of(cls, u: Usage) -> ChatUsage:
-        return cls(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                   total_tokens=u.prompt_tokens + u.completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
-                   recomputed_tokens=u.recomputed_tokens)
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(BaseModel):
-    """OpenAI's `logprobs` of a choice: each generated token's, with `top_logprobs` alternatives. The
-    model's own distribution, before temperature and top-p (kvfuse/fusion/logprobs.py)."""
-
-    content: list[TokenLogprob] | None
-    refusal: None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletion(BaseModel):
-    """`POST /v1/chat/completions` (not streamed): OpenAI's shape plus the query answer's sources,
-    timings and fusion."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: ChatUsage
-    sources: list[Source]
-    dropped_sources: list[Source]
-    warning: str | None
-    timings: Timings
-    fusion: FusionUsed
-
-
-class ChunkDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChunkChoice(BaseModel):
-    index: int
-    delta: ChunkDelta
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: ChoiceLogprobs | None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One event of a streamed chat completion, sent with only the fields it was given
-    (`model_dump(exclude_unset=True)`): `sources` and `warning` ride on the first chunk, `timings` and
-    `fusion` on the one with the finish reason, `usage` on a last chunk with no choices."""
-
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: ChatUsage | None = None
-    sources: list[Source] | None = None
-    warning: str | None = None
-    timings: Timings | None = None
-    fusion: FusionUsed | None = None
 
 
 # -- service -----------------------------------------------------------------------------------------------
