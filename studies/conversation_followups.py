@@ -123,7 +123,7 @@ def answers_table(max_tokens: int, per_kind: int) -> str:
     last user message alone; an answer counts when it holds the fact."""
     import httpx
 
-    from kvfuse.service.cli import local_server
+    from kvfuse.service.cli_client import local_server
 
     rows: dict[tuple[str, str], list[bool]] = {}
     with local_server(600) as url, httpx.Client(base_url=url, timeout=300) as http:

@@ -25,7 +25,7 @@ from kvfuse.service.api.schemas import (
     parse_json,
     validate,
 )
-from kvfuse.service.cli import collect_files, doc_id_for
+from kvfuse.service.cli_client import collect_files, doc_id_for
 from kvfuse.service.errors import APIError
 
 
@@ -174,7 +174,7 @@ def test_in_range_cli_numbers_pass() -> None:
 
 def test_cli_query_sends_the_retrieval_mode_and_collections_it_is_given() -> None:
     from kvfuse.cli import build_parser
-    from kvfuse.service.cli import query_body
+    from kvfuse.service.cli_client import query_body
 
     plain = query_body(build_parser().parse_args(["query", "q"]))
     assert plain == {"query": "q", "stream": True}  # every other option is the server's default
