@@ -81,9 +81,6 @@ def run_store_bench(
     import torch
     from tqdm import tqdm
 
-    from kvfuse import kvblob
-    from kvfuse.store.kvstore import KVStore
-
     layers, kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(0)
     sources = [
@@ -98,111 +95,7 @@ def run_store_bench(
     root = Path(tempfile.mkdtemp(prefix="kvfuse-bench-store-", dir=scratch))
     try:
         for dtype in dtypes:
-            payload = 2 * layers * kv_heads * tokens * head_dim * kvblob.dtype_size(dtype)
-            total_payload = payload * chunks
-            cfg = settings.model_copy(update={
-                "data_dir": root / dtype,
-                "redis_url": "",  # the blob path is measured, not the index
-                "store": settings.store.model_copy(update={
-                    "hot_tier_mb": (total_payload >> 20) + 64,  # every chunk fits: hot reads all hit
-                    "lmdb_map_size_mb": max(settings.store.lmdb_map_size_mb, (2 * total_payload >> 20) + 64),
-                }),
-            })
-            keys, blob_bytes = [], 0
-            with KVStore.open(cfg) as store:
-                t_encode = t_put = 0.0
-                for k, v, ids in sources:
-                    t0 = time.perf_counter()
-                    key = kvblob.chunk_key("bench-model", dtype, ids)
-                    blob = kvblob.encode(k, v, model_fingerprint="bench-model", token_ids=ids, dtype=dtype)
-                    t1 = time.perf_counter()
-                    store.put_chunk(key, blob)
-                    t_put += time.perf_counter() - t1
-                    t_encode += t1 - t0
-                    keys.append(key)
-                    blob_bytes += len(blob)
-                    bar.update()
-
-            disk = []  # nothing cached: the file's pages are evicted before each pass
-            for _ in range(repeats):
-                evicted = _evict_file_cache(cfg.lmdb_dir / "data.mdb")
-                with KVStore.open(cfg) as store:
-                    t0 = time.perf_counter()
-                    for key in keys:
-                        store.load_chunk(key)
-                    disk.append(time.perf_counter() - t0)
-                bar.update(chunks)
-
-            cold, hot, hot_torch, lookup, memcpy, memcpy_torch = [], [], [], [], [], []
-            with KVStore.open(cfg) as store:
-                for _ in range(repeats):
-                    store.hot.clear()
-                    t0 = time.perf_counter()
-                    for key in keys:
-                        store.load_chunk(key)
-                    cold.append(time.perf_counter() - t0)
-                    bar.update(chunks)
-
-                    t0 = time.perf_counter()
-                    for key in keys:
-                        store.load_chunk(key)
-                    lookup.append(time.perf_counter() - t0)
-
-                    t0 = time.perf_counter()
-                    for key in keys:
-                        k, v, _ = store.load_chunk(key)
-                        _np_copy(k)
-                        _np_copy(v)
-                    hot.append(time.perf_counter() - t0)
-
-                    t0 = time.perf_counter()
-                    for key in keys:
-                        k, v, _ = store.load_chunk(key)
-                        k.clone()
-                        v.clone()
-                    hot_torch.append(time.perf_counter() - t0)
-                    bar.update(chunks)
-                hot_stats = store.hot.stats()
-
-            # memcpy of the same bytes in the same pieces (k-sized, v-sized), from bytearray-backed memory
-            # as in the hot tier
-            bufs = [torch.frombuffer(bytearray(payload // 2), dtype=torch.uint8).random_(generator=gen)
-                    for _ in range(2 * chunks)]
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                for b in bufs:
-                    _np_copy(b)
-                memcpy.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                for b in bufs:
-                    b.clone()
-                memcpy_torch.append(time.perf_counter() - t0)
-                bar.update(chunks)
-            del bufs
-
-            by_threads = [_threaded_reads(cfg, keys, n, repeats, total_payload) for n in threads]
-            bar.update(chunks)
-            hot_gbps, memcpy_gbps = _median_rate(total_payload, hot), _median_rate(total_payload, memcpy)
-            results[dtype] = {
-                "chunks": chunks,
-                "tokens_per_chunk": tokens,
-                "blob_bytes": blob_bytes // chunks,
-                "bytes_per_token": round(blob_bytes / chunks / tokens, 1),
-                "payload_bytes_per_token": payload // tokens,
-                "write_gbps": _gbps(blob_bytes, t_encode + t_put),
-                "encode_gbps": _gbps(blob_bytes, t_encode),
-                "lmdb_put_gbps": _gbps(blob_bytes, t_put),
-                "cold_read_gbps": _median_rate(total_payload, cold),
-                "disk_read_gbps": _median_rate(total_payload, disk) if evicted else None,
-                "hot_read_gbps": hot_gbps,
-                "hot_lookup_gbps": _median_rate(total_payload, lookup),
-                "memcpy_gbps": memcpy_gbps,
-                "hot_vs_memcpy": round(hot_gbps / memcpy_gbps, 3),
-                "hot_read_torch_clone_gbps": _median_rate(total_payload, hot_torch),
-                "memcpy_torch_clone_gbps": _median_rate(total_payload, memcpy_torch),
-                "hot_hits": hot_stats["hot_hits"],
-                "reads_by_threads": by_threads,
-            }
+            results[dtype] = _bench_dtype(settings, root, dtype, sources, shape, tokens, repeats, threads, bar, gen)
             shutil.rmtree(root / dtype, ignore_errors=True)
     finally:
         bar.close()
@@ -221,14 +114,7 @@ def run_store_bench(
     if json_out:
         print(json.dumps(out, indent=2))
     else:
-        cols = ("bytes_per_token", "write_gbps", "cold_read_gbps", "hot_read_gbps", "memcpy_gbps", "hot_vs_memcpy")
-        print("dtype     " + "  ".join(f"{c:>15}" for c in cols))
-        for dtype, row in results.items():
-            print(f"{dtype:<10}" + "  ".join(f"{row[c]:>15}" for c in cols))
-        print("\ndtype     threads   cold GB/s   warm GB/s")
-        for dtype, row in results.items():
-            for r in row["reads_by_threads"]:
-                print(f"{dtype:<10}{r['threads']:>7}{r['cold_read_gbps'] or '–':>12}{r['warm_read_gbps']:>12}")
+        _print_table(results)
     return out
 
 
@@ -285,3 +171,159 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", default="1,2,4", help="read thread counts for the query-shaped reads (cold and warm)")
     p.set_defaults(func=_cli)
+
+
+def _print_table(results: dict[str, dict]) -> None:
+    cols = ("bytes_per_token", "write_gbps", "cold_read_gbps", "hot_read_gbps", "memcpy_gbps", "hot_vs_memcpy")
+    print("dtype     " + "  ".join(f"{c:>15}" for c in cols))
+    for dtype, row in results.items():
+        print(f"{dtype:<10}" + "  ".join(f"{row[c]:>15}" for c in cols))
+    print("\ndtype     threads   cold GB/s   warm GB/s")
+    for dtype, row in results.items():
+        for r in row["reads_by_threads"]:
+            print(f"{dtype:<10}{r['threads']:>7}{r['cold_read_gbps'] or '–':>12}{r['warm_read_gbps']:>12}")
+
+
+def _bench_dtype(settings: Any, root: Path, dtype: str, sources: list, shape: tuple[int, int, int], tokens: int,
+                 repeats: int, threads: tuple[int, ...], bar: Any, gen: Any) -> dict:
+    """One dtype's figures: write, cold (page cache evicted) and hot reads, memcpy of the same bytes, and
+    threaded reads, in a scratch LMDB under `root`."""
+    from kvfuse import kvblob
+
+    layers, kv_heads, head_dim = shape
+    chunks = len(sources)
+    payload = 2 * layers * kv_heads * tokens * head_dim * kvblob.dtype_size(dtype)
+    total_payload = payload * chunks
+    cfg = settings.model_copy(update={
+        "data_dir": root / dtype,
+        "redis_url": "",  # the blob path is measured, not the index
+        "store": settings.store.model_copy(update={
+            "hot_tier_mb": (total_payload >> 20) + 64,  # every chunk fits: hot reads all hit
+            "lmdb_map_size_mb": max(settings.store.lmdb_map_size_mb, (2 * total_payload >> 20) + 64),
+        }),
+    })
+    keys, blob_bytes, t_encode, t_put = _write(cfg, dtype, sources, bar)
+    disk, evicted = _disk_reads(cfg, keys, repeats, bar)
+    cold, lookup, hot, hot_torch, hot_stats = _tier_reads(cfg, keys, repeats, bar)
+    memcpy, memcpy_torch = _memcpy(payload, chunks, repeats, bar, gen)
+    by_threads = [_threaded_reads(cfg, keys, n, repeats, total_payload) for n in threads]
+    bar.update(chunks)
+    hot_gbps, memcpy_gbps = _median_rate(total_payload, hot), _median_rate(total_payload, memcpy)
+    return {
+        "chunks": chunks,
+        "tokens_per_chunk": tokens,
+        "blob_bytes": blob_bytes // chunks,
+        "bytes_per_token": round(blob_bytes / chunks / tokens, 1),
+        "payload_bytes_per_token": payload // tokens,
+        "write_gbps": _gbps(blob_bytes, t_encode + t_put),
+        "encode_gbps": _gbps(blob_bytes, t_encode),
+        "lmdb_put_gbps": _gbps(blob_bytes, t_put),
+        "cold_read_gbps": _median_rate(total_payload, cold),
+        "disk_read_gbps": _median_rate(total_payload, disk) if evicted else None,
+        "hot_read_gbps": hot_gbps,
+        "hot_lookup_gbps": _median_rate(total_payload, lookup),
+        "memcpy_gbps": memcpy_gbps,
+        "hot_vs_memcpy": round(hot_gbps / memcpy_gbps, 3),
+        "hot_read_torch_clone_gbps": _median_rate(total_payload, hot_torch),
+        "memcpy_torch_clone_gbps": _median_rate(total_payload, memcpy_torch),
+        "hot_hits": hot_stats["hot_hits"],
+        "reads_by_threads": by_threads,
+    }
+
+
+def _write(cfg: Any, dtype: str, sources: list, bar: Any) -> tuple[list[str], int, float, float]:
+    """Encode and store every chunk: (keys, blob bytes, encode seconds, LMDB put seconds)."""
+    from kvfuse import kvblob
+    from kvfuse.store.kvstore import KVStore
+
+    keys, blob_bytes = [], 0
+    with KVStore.open(cfg) as store:
+        t_encode = t_put = 0.0
+        for k, v, ids in sources:
+            t0 = time.perf_counter()
+            key = kvblob.chunk_key("bench-model", dtype, ids)
+            blob = kvblob.encode(k, v, model_fingerprint="bench-model", token_ids=ids, dtype=dtype)
+            t1 = time.perf_counter()
+            store.put_chunk(key, blob)
+            t_put += time.perf_counter() - t1
+            t_encode += t1 - t0
+            keys.append(key)
+            blob_bytes += len(blob)
+            bar.update()
+    return keys, blob_bytes, t_encode, t_put
+
+
+def _disk_reads(cfg: Any, keys: list[str], repeats: int, bar: Any) -> tuple[list[float], bool]:
+    """Reads with nothing cached (the file's pages evicted before each pass): (seconds per pass, evicted)."""
+    from kvfuse.store.kvstore import KVStore
+
+    evicted = False
+    disk = []
+    for _ in range(repeats):
+        evicted = _evict_file_cache(cfg.lmdb_dir / "data.mdb")
+        with KVStore.open(cfg) as store:
+            t0 = time.perf_counter()
+            for key in keys:
+                store.load_chunk(key)
+            disk.append(time.perf_counter() - t0)
+        bar.update(len(keys))
+    return disk, evicted
+
+
+def _tier_reads(cfg: Any, keys: list[str], repeats: int, bar: Any) -> tuple[list, list, list, list, dict]:
+    """(cold: the hot tier cleared, lookup, hot with a numpy copy, hot with a torch clone, the hot tier's stats)."""
+    from kvfuse.store.kvstore import KVStore
+
+    chunks = len(keys)
+    cold, hot, hot_torch, lookup = [], [], [], []
+    with KVStore.open(cfg) as store:
+        for _ in range(repeats):
+            store.hot.clear()
+            t0 = time.perf_counter()
+            for key in keys:
+                store.load_chunk(key)
+            cold.append(time.perf_counter() - t0)
+            bar.update(chunks)
+
+            t0 = time.perf_counter()
+            for key in keys:
+                store.load_chunk(key)
+            lookup.append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            for key in keys:
+                k, v, _ = store.load_chunk(key)
+                _np_copy(k)
+                _np_copy(v)
+            hot.append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            for key in keys:
+                k, v, _ = store.load_chunk(key)
+                k.clone()
+                v.clone()
+            hot_torch.append(time.perf_counter() - t0)
+            bar.update(chunks)
+        hot_stats = store.hot.stats()
+    return cold, lookup, hot, hot_torch, hot_stats
+
+
+def _memcpy(payload: int, chunks: int, repeats: int, bar: Any, gen: Any) -> tuple[list[float], list[float]]:
+    """memcpy of the same bytes in the same pieces (k-sized, v-sized), from bytearray-backed memory as in
+    the hot tier: (numpy copy seconds, torch clone seconds) per pass."""
+    import torch
+
+    memcpy, memcpy_torch = [], []
+    bufs = [torch.frombuffer(bytearray(payload // 2), dtype=torch.uint8).random_(generator=gen)
+            for _ in range(2 * chunks)]
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for b in bufs:
+            _np_copy(b)
+        memcpy.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for b in bufs:
+            b.clone()
+        memcpy_torch.append(time.perf_counter() - t0)
+        bar.update(chunks)
+    return memcpy, memcpy_torch
