@@ -165,7 +165,8 @@ def test_query_streams_with_the_essay_as_first_source(client: httpx.Client) -> N
     done = events[-2][1]
     assert done["usage"]["completion_tokens"] >= 1 and done["usage"]["cached_tokens"] > 0
     assert set(done["timings"]) >= {"retrieval_ms", "kv_load_ms", "ttft_ms", "decode_ms", "total_ms"}
-    assert done["fusion"] == {"method": "anchor", "recompute_ratio": 0.15}  # the configured default
+    assert done["fusion"] == {"method": "anchor", "recompute_ratio": 0.15, "ratio_source": "config",
+                              "size_bucket": None}  # the configured default
     # The first and last events are the documented models; the last is a whole answer.
     QuerySources.model_validate(events[0][1])
     assert QueryAnswer.model_validate(done).sources == QuerySources.model_validate(events[0][1]).sources
@@ -182,7 +183,7 @@ def test_query_json_with_explicit_documents_and_fusion_method(client: httpx.Clie
     n_nft = client.get("/v1/documents/nft").json()["chunks"]
     assert doc_order == ["nft"] * n_nft + ["todo"] * (len(doc_order) - n_nft)
     assert [s["chunk_index"] for s in body["sources"][:n_nft]] == list(range(n_nft))
-    assert body["fusion"] == {"method": "epic", "recompute_ratio": 0.2}
+    assert body["fusion"] == {"method": "epic", "recompute_ratio": 0.2, "ratio_source": "request", "size_bucket": None}
     u = body["usage"]
     assert u["prompt_tokens"] > u["cached_tokens"] > 0 and u["recomputed_tokens"] > 0
     assert u["prompt_tokens"] > u["context_tokens"] > u["recomputed_tokens"]  # the documents' tokens
