@@ -59,8 +59,10 @@ class KVPool:
         return cls(tf.num_layers, tf.num_kv_heads, tf.head_dim, tf.dtype, tf.embed_tokens.weight.device)
 
     def _alloc(self, slots: int, tokens: int) -> torch.Tensor:
+        """Zeroed, not empty: the step attends over every slot's whole window and masks the positions past
+        a slot's length, which get weight 0, and 0 x NaN from uninitialised memory is NaN."""
         shape = (self.num_layers, slots, self.num_kv_heads, tokens, self.head_dim)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # -- state --------------------------------------------------------------------------------------------
     @property

@@ -59,6 +59,8 @@ def test_pooled_step_gives_each_sequence_its_own_logits(engine, prompts, method)
             tokens[i].append(int(torch.argmax(logits[i])))
     assert tokens == [t for _, t in alone]
     assert runner.pool.lengths == [f.cache.length + STEPS - 1 for f in fused]
+    # positions past a slot's length are masked, never uninitialised: 0 x NaN would poison the row
+    assert torch.isfinite(runner.pool.k).all() and torch.isfinite(runner.pool.v).all()
 
 
 def test_a_released_slot_moves_the_last_in_and_is_reused(engine, prompts) -> None:
