@@ -30,7 +30,14 @@ def start_redis(port: int, workdir: Path, *extra: str, password: str | None = No
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(workdir), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port, password=password, socket_connect_timeout=0.5)
+    return answering(proc, redis.Redis(port=port, password=password, socket_connect_timeout=0.5),
+                     f"redis-server did not start on port {port}")
+
+
+def answering(proc: subprocess.Popen, client, failure: str) -> subprocess.Popen:
+    """`proc` once `client` gets an answer to PING (5 s at most); else `proc` is killed and `failure` raised."""
+    import redis
+
     for _ in range(100):
         try:
             client.ping()
@@ -38,7 +45,7 @@ def start_redis(port: int, workdir: Path, *extra: str, password: str | None = No
         except redis.ConnectionError:
             time.sleep(0.05)
     proc.kill()
-    raise RuntimeError(f"redis-server did not start on port {port}")
+    raise RuntimeError(failure)
 
 
 def answers(url: str) -> bool:

@@ -175,9 +175,8 @@ def compose_redis_script(name: str, secret: Path, acl: Path, *extra: str) -> str
 
 def start_compose_redis(name: str, root: Path, port: int, password: str, *extra: str) -> subprocess.Popen:
     """A redis-server started by the compose file's own command on `port`, once its user `kvfuse` answers."""
-    import time
-
     import redis
+    from redis_server import answering
 
     secret = root / "redis_password"
     secret.write_text(password + "\n")
@@ -185,14 +184,7 @@ def start_compose_redis(name: str, root: Path, port: int, password: str, *extra:
                                   "--dir", str(root), "--appendonly", "no", "--save", "", *extra)
     proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = redis.Redis(port=port, username="kvfuse", password=password, socket_connect_timeout=0.5)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"the compose file's redis-server did not start on {port}")
+    return answering(proc, client, f"the compose file's redis-server did not start on {port}")
 
 
 def test_the_compose_redis_refuses_anyone_but_its_user_and_admin_commands(tmp_path: Path):
