@@ -106,13 +106,18 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
         h.close()
 
 
-@pytest.fixture(scope="module")
-def chunks(essays, default_llm_path: str) -> list[list[int]]:
+def essay_chunks(essays, default_llm_path: str, count: int) -> list[list[int]]:
+    """The first `count` 64-token chunks of the "apple" essay, as token ids of the default model."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_llm_path)
     ids = tok(dict(essays)["apple"], add_special_tokens=False)["input_ids"]
-    return [ids[i : i + 64] for i in range(0, 64 * 40, 64)]
+    return [ids[i : i + 64] for i in range(0, 64 * count, 64)]
+
+
+@pytest.fixture(scope="module")
+def chunks(essays, default_llm_path: str) -> list[list[int]]:
+    return essay_chunks(essays, default_llm_path, 40)
 
 
 def query(chunks: list[list[int]], picks: list[int], *, method: str = "anchor", max_tokens: int = 8,

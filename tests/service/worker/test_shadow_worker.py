@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from test_scheduler_worker import MODEL_CACHE, Harness, Outcome, query
+from test_scheduler_worker import MODEL_CACHE, Harness, Outcome, essay_chunks, query
 
 from kvfuse.config import load_settings
 from kvfuse.service.wire import protocol as P
@@ -36,11 +36,7 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
 
 @pytest.fixture(scope="module")
 def chunks(essays, default_llm_path: str) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_llm_path)
-    ids = tok(dict(essays)["apple"], add_special_tokens=False)["input_ids"]
-    return [ids[i : i + 64] for i in range(0, 64 * 12, 64)]
+    return essay_chunks(essays, default_llm_path, 12)
 
 
 def until_verdicts(h: Harness, n: int) -> list:
