@@ -252,6 +252,9 @@ class FidelitySettings(Section):
     metric: Literal["text", "value"] = Field("value", description=(
         "answer agreement: `text` (same normalised answer) or `value` (same extracted answer: first number, "
         "else first sentence)"))
+    shadow_slice_tokens: int = Field(32, ge=1, description=(
+        "prompt rows a shadow check's prefill runs per slice (through every layer): a live request that "
+        "arrives during a check waits for at most one such slice, or one decode step"))
     shadow_queue: int = Field(32, ge=1, description=(
         "pending shadow checks a worker keeps (their token ids); when full the oldest is dropped, counted"))
     target_agreement: float = Field(0.0, ge=0.0, lt=1.0, description=(

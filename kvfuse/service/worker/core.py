@@ -67,8 +67,7 @@ class Worker:
         self.decoder = DecodeRunner.from_settings(self.engine.tf, settings.fusion)
         self.step_no = 0
         # Shadow checks run only when the scheduler is idle, a slice at a time (shadow.py).
-        self.shadow = ShadowChecks(settings.fidelity, self.engine,
-                                   self.scheduler.limits.prefill_tokens_per_step * self.engine.num_layers)
+        self.shadow = ShadowChecks(settings.fidelity, self.engine)
 
     # -- helpers -------------------------------------------------------------------------------------------
     def open_store(self, settings: Settings) -> Any:

@@ -8,11 +8,13 @@ the answer's tokens and those distributions; the query itself is retired as usua
 bounded queue (`fidelity.shadow_queue`): when it is full the oldest is dropped and counted.
 
 A check runs only while the scheduler has nothing to do, in slices, and the worker reads its pipe
-between slices, so a request that arrives waits for at most one slice:
+between slices, so a request that arrives waits for at most one slice. A slice is small by design, far
+smaller than a live prefill's engine step: at most `fidelity.shadow_slice_tokens` prompt rows through
+every decoder layer, or one decode step (docs/results/contract/ has what a larger slice cost under load).
 
-1. the full prefill of the same token ids (`vanilla`, `FusionEngine.fuse_steps`), up to the engine
-   step's prefill budget per slice (`server.prefill_tokens_per_step` prompt tokens' worth of decoder
-   layers, at least one layer: the same bound a live prefill puts on the running streams);
+1. the full prefill of the same token ids, a piece of `shadow_slice_tokens` consecutive positions at a
+   time (chunked prefill, kvfuse/fusion/piecewise_prefill.py: the same cache and logits as one whole
+   prefill), one piece per slice;
 2. teacher forcing: the fused answer's tokens through the full prefill's cache, a layer at a time
    within the same budget, giving P_full at every answer token; answer KL = mean KL(P_full ‖ P_fused);
 3. when the fused answer was greedy, the full prefill's own greedy answer, compared with the fused one
@@ -59,13 +61,14 @@ class ShadowCheck:
 class ShadowChecks:
     """The worker's shadow checks: which queries to watch, the pending queue, the check in progress."""
 
-    def __init__(self, fidelity: Any, engine: Any, slice_work: int) -> None:
-        """fidelity: config.FidelitySettings; slice_work: rows x layers per slice (the prefill budget of
-        one engine step)."""
+    def __init__(self, fidelity: Any, engine: Any) -> None:
+        """fidelity: config.FidelitySettings. A slice's work, rows x layers: `shadow_slice_tokens` rows
+        through every layer (a teacher-forced answer longer than that may overshoot by under one layer)."""
         self.rate = fidelity.shadow_rate
         self.metric = fidelity.metric
         self.engine = engine
-        self.slice_work = slice_work
+        self.piece_rows = fidelity.shadow_slice_tokens
+        self.slice_work = fidelity.shadow_slice_tokens * engine.num_layers
         self.queue: deque[ShadowCheck] = deque(maxlen=fidelity.shadow_queue)
         self._credit = 0.0
         self._run: Generator[tuple[int, bool], None, P.ShadowResult] | None = None
@@ -149,17 +152,14 @@ class ShadowChecks:
     def _check(self, check: ShadowCheck) -> Generator[tuple[int, bool], None, P.ShadowResult]:
         import torch
 
-        from kvfuse.fusion import ChunkKV, FusionOptions
         from kvfuse.fusion.generation import Generation
+        from kvfuse.fusion.piecewise_prefill import prefill_steps
         from kvfuse.fusion.teacher_forcing import answer_kl, teacher_forced_steps
         from kvfuse.fusion.types import GenerationOptions
 
         engine = self.engine
-        prefix, *chunks, question = check.prompt
-        full = FusionOptions(method="vanilla", evict_capacity=0)
         room = max(check.max_tokens, len(check.answer_tokens))
-        steps = engine.fuse_steps(ChunkKV(prefix), [ChunkKV(c) for c in chunks], question, full, max_tokens=room)
-        fused = yield from _within_slices(steps)
+        fused = yield from _within_slices(prefill_steps(engine, check.prompt, self.piece_rows, max_tokens=room))
         prompt_len = fused.cache.length
         logits = yield from _within_slices(teacher_forced_steps(engine, fused, check.answer_tokens))
         kl = answer_kl(logits, check.fused_steps.float())
