@@ -262,44 +262,82 @@ def config_dict(cfg: LoadConfig) -> dict[str, Any]:
 
 
 # -- the command ---------------------------------------------------------------------------------------------
+class LoadRun:
+    """One result file: every measured row (tagged with the server's shadow rate when the run sweeps
+    them), each server's `GET /v1/fidelity` at its end, saved after every row."""
+
+    def __init__(self, args: Any, json_path: Path, methods: list[str]) -> None:
+        from kvfuse.bench.machine import command_line, machine_info
+
+        self.args, self.json_path, self.methods = args, json_path, methods
+        self.command = command_line("kvfuse bench load", args.parser, args)
+        self.machine = machine_info()
+        self.created = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        self.rows: list[dict[str, Any]] = []
+        self.params: dict[str, Any] = {}
+        self.fidelity: dict[str, Any] = {}
+
+    def measure(self, url: str, api_key: str | None, essays: list[tuple[str, str]], tag: dict[str, Any]) -> None:
+        """Ingest the documents into the server at `url`, then run every method and level against it."""
+        a = self.args
+        doc_ids, context, ingest_s = ingest_documents(url, api_key, essays, a.context_tokens, a.docs)
+        cfg = LoadConfig(url=url, api_key=api_key, document_ids=doc_ids, methods=self.methods,
+                         concurrency=a.concurrency, rounds=a.rounds, max_tokens=a.max_tokens, rate=a.rate,
+                         open_requests=a.open_requests, seed=a.seed)
+        self.params = {**config_dict(cfg), "context_tokens": context, "ingest_s": ingest_s and round(ingest_s, 3),
+                       **({"shadow_rates": a.shadow_rates} if a.shadow_rates else {})}
+        done = len(self.rows)
+
+        def on_row(rows: list[dict[str, Any]]) -> None:
+            self.rows[done:] = [{**tag, **r} for r in rows]
+            self.save()
+
+        run_load(cfg, on_row)
+
+    def save(self, partial: bool = True) -> None:
+        from kvfuse.bench.machine import load_info
+
+        self.json_path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"kind": "load", "command": self.command, "created": self.created,
+                   "machine": {**self.machine, **load_info()}, "params": self.params, "partial": partial,
+                   "rows": self.rows, **({"fidelity": self.fidelity} if self.fidelity else {})}
+        self.json_path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+
+
+def fidelity_snapshot(url: str) -> dict[str, Any]:
+    """The server's `GET /v1/fidelity` (how many checks had run by the end of its load)."""
+    import httpx
+
+    return httpx.get(f"{url}/v1/fidelity", timeout=30).json()
+
+
 def command(args: Any) -> int:
     from kvfuse.bench import load_report, report
     from kvfuse.bench.data import load_essays, resolve_data_dir
-    from kvfuse.bench.machine import command_line, load_info, machine_info
 
+    if args.url and args.shadow_rates:
+        print("kvfuse bench load: --shadow-rates starts its own servers; it cannot measure --url", file=sys.stderr)
+        return 2
     json_path = Path(args.json)
-    methods = list(dict.fromkeys([*args.methods, "vanilla"]))
-    command_text = command_line("kvfuse bench load", args.parser, args)
-
-    def run(url: str, api_key: str | None) -> list[dict[str, Any]]:
-        essays = list(load_essays(resolve_data_dir(args.data_dir)))
-        random.Random(args.seed).shuffle(essays)
-        doc_ids, context, ingest_s = ingest_documents(url, api_key, essays, args.context_tokens, args.docs)
-        cfg = LoadConfig(url=url, api_key=api_key, document_ids=doc_ids, methods=methods,
-                         concurrency=args.concurrency, rounds=args.rounds, max_tokens=args.max_tokens,
-                         rate=args.rate, open_requests=args.open_requests, seed=args.seed)
-        machine = machine_info()
-        created = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-
-        def save(rows: list[dict[str, Any]], partial: bool = True) -> None:
-            json_path.parent.mkdir(parents=True, exist_ok=True)
-            payload = {"kind": "load", "command": command_text, "created": created,
-                       "machine": {**machine, **load_info()},
-                       "params": {**config_dict(cfg), "context_tokens": context, "ingest_s": ingest_s and round(ingest_s, 3)},
-                       "partial": partial, "rows": rows}
-            json_path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-
-        rows = run_load(cfg, save)
-        save(rows, partial=False)
-        return rows
-
+    run = LoadRun(args, json_path, list(dict.fromkeys([*args.methods, "vanilla"])))
+    essays = list(load_essays(resolve_data_dir(args.data_dir)))
+    random.Random(args.seed).shuffle(essays)
     if args.url:
-        rows = run(args.url, args.api_key)
+        run.measure(args.url, args.api_key, essays, {})
     else:
-        with LocalServer() as server:
-            rows = run(server.url, None)
+        # One server per shadow rate, one after another (a server left running would go on checking in
+        # the next one's time): the same load against each, so p95 TTFT compares within one run.
+        for rate in args.shadow_rates or [None]:
+            env = {} if rate is None else {"KVFUSE_FIDELITY__SHADOW_RATE": str(rate)}
+            with LocalServer(env) as server:
+                run.measure(server.url, None, essays, {} if rate is None else {"shadow_rate": rate})
+                if rate is not None:
+                    run.fidelity[str(rate)] = fidelity_snapshot(server.url)
+    run.save(partial=False)
     md, png = report.render(json.loads(json_path.read_text(encoding="utf-8")), json_path)
-    print(report.markdown_table(rows, load_report.LOAD_TABLE))
+    print(report.markdown_table(run.rows, load_report.table(run.rows)))
+    if args.shadow_rates:
+        print("\n" + report.markdown_table(load_report.shadow_cost(run.rows, run.fidelity), load_report.SHADOW_TABLE))
     print(f"\nwrote {json_path}, {md}, {png}", file=sys.stderr)
     return 0
 
@@ -322,6 +360,9 @@ def register(bsub: Any) -> None:
     p.add_argument("--docs", type=int, default=4, help="documents (essay openings) that make up the context")
     p.add_argument("--max-tokens", type=int, default=32, help="answer length limit")
     p.add_argument("--seed", type=int, default=0, help="document choice and open-loop arrivals")
+    p.add_argument("--shadow-rates", type=csv_list(float), default=None,
+                   help="what shadow checks cost: the same load against a server per fidelity.shadow_rate "
+                        "(e.g. 0,0.1,1), started in turn, p95 TTFT compared with the first")
     p.add_argument("--url", default=None, help="measure this server instead of starting one")
     p.add_argument("--api-key", default=None, help="API key for --url")
     p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)

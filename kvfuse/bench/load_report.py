@@ -10,16 +10,17 @@ from typing import Any
 
 
 def plot(rows: list[dict[str, Any]], png: Path) -> Path:
-    """Throughput and TTFT p50 against concurrency, one line per method (closed-loop rows)."""
+    """Throughput and TTFT p50 against concurrency, one line per method (and shadow rate, when the run
+    swept them; closed-loop rows)."""
     from kvfuse.bench.plots import pyplot
 
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for method in dict.fromkeys(r["method"] for r in rows):
-        pts = [r for r in rows if r["method"] == method and r["mode"] == "closed"]
+    for line in dict.fromkeys(_line(r) for r in rows):
+        pts = [r for r in rows if _line(r) == line and r["mode"] == "closed"]
         xs = [r["concurrency"] for r in pts]
-        ax1.plot(xs, [r["tokens_per_s"] for r in pts], marker="o", label=method)
-        ax2.plot(xs, [r["ttft_p50_s"] for r in pts], marker="o", label=method)
+        ax1.plot(xs, [r["tokens_per_s"] for r in pts], marker="o", label=line)
+        ax2.plot(xs, [r["ttft_p50_s"] for r in pts], marker="o", label=line)
     for ax, title in ((ax1, "generated tokens/s"), (ax2, "TTFT p50 (s)")):
         ax.set_xlabel("concurrent streams")
         ax.set_title(title)
@@ -29,6 +30,10 @@ def plot(rows: list[dict[str, Any]], png: Path) -> Path:
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
+
+
+def _line(row: dict[str, Any]) -> str:
+    return row["method"] + (f", shadow rate {row['shadow_rate']:g}" if "shadow_rate" in row else "")
 
 
 LOAD_TABLE = (("method", "method"), ("mode", "mode"), ("concurrency", "streams"), ("requests", "requests"),
@@ -60,3 +65,41 @@ def scaling(rows: list[dict[str, Any]], at: int | None = None) -> list[dict[str,
 SCALING_TABLE = (("method", "method"), ("streams", "streams"), ("tokens_per_s_vs_1", "tokens/s vs 1 stream"),
                  ("itl_p50_vs_1", "ITL p50 vs 1 stream"), ("tpot_p50_vs_1", "TPOT p50 vs 1 stream"),
                  ("requests_per_s_vs_vanilla", "requests/s vs vanilla"))
+
+
+def table(rows: list[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
+    """LOAD_TABLE, led by the shadow rate when the run swept them."""
+    return ((("shadow_rate", "shadow rate"),) if any("shadow_rate" in r for r in rows) else ()) + LOAD_TABLE
+
+
+def first_rate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows measured against the first server of a shadow-rate sweep (all rows when none was swept)."""
+    first = rows[0].get("shadow_rate") if rows else None
+    return [r for r in rows if r.get("shadow_rate") == first]
+
+
+def shadow_cost(rows: list[dict[str, Any]], fidelity: dict[str, Any]) -> list[dict[str, Any]]:
+    """What shadow checks cost live requests: per method, mode and level, TTFT p95 and p50 at each shadow
+    rate over the same at the first rate swept (the baseline, normally 0), and how many checks the server
+    had finished by the end of its run (its `GET /v1/fidelity`), so a rate whose checks never ran shows."""
+    swept = [r for r in rows if "shadow_rate" in r]
+    if not swept:
+        return []
+    base_rate = swept[0]["shadow_rate"]
+    key = lambda r: (r["method"], r["mode"], r["concurrency"])  # noqa: E731
+    base = {key(r): r for r in swept if r["shadow_rate"] == base_rate}
+    ratio = lambda a, b: round(a / b, 3) if a is not None and b else None  # noqa: E731
+    out = []
+    for r in swept:
+        b = base.get(key(r))
+        checks = (fidelity.get(str(r["shadow_rate"]), {}).get("methods", {}).get(r["method"], {}) or {}).get("shadowed")
+        out.append({"method": r["method"], "mode": r["mode"], "concurrency": r["concurrency"],
+                    "shadow_rate": r["shadow_rate"], "requests": r["requests"], "ttft_p95_s": r["ttft_p95_s"],
+                    "ttft_p95_vs_base": ratio(r["ttft_p95_s"], b and b["ttft_p95_s"]),
+                    "ttft_p50_vs_base": ratio(r["ttft_p50_s"], b and b["ttft_p50_s"]), "checks": checks})
+    return out
+
+
+SHADOW_TABLE = (("method", "method"), ("mode", "mode"), ("concurrency", "streams"), ("shadow_rate", "shadow rate"),
+                ("requests", "requests"), ("ttft_p95_s", "TTFT p95 (s)"), ("ttft_p95_vs_base", "p95 vs first rate"),
+                ("ttft_p50_vs_base", "p50 vs first rate"), ("checks", "checks finished (server)"))

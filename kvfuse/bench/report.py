@@ -244,10 +244,17 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
             "Closed loop: N users each send their next streamed query when the last answer ends; open loop: "
             "Poisson arrivals at the given rate. TTFT and ITL as the client sees them (ITL between token "
             "events), TPOT per request (decode time over its tokens after the first); tokens/s and requests/s "
-            "over each level's wall time." + ingest, "", markdown_table(rows, load_report.LOAD_TABLE), "",
+            "over each level's wall time." + ingest, "", markdown_table(rows, load_report.table(rows)), "",
             f"![load]({png.name})",
-            "", "## What batching buys", "", markdown_table(load_report.scaling(rows), load_report.SCALING_TABLE),
+            "", "## What batching buys", "",
+            markdown_table(load_report.scaling(load_report.first_rate(rows)), load_report.SCALING_TABLE),
         ]
+        cost = load_report.shadow_cost(rows, payload.get("fidelity", {}))
+        if cost:
+            body += ["", "## What shadow checks cost", "",
+                     "The same load against one server per `fidelity.shadow_rate`, started in turn; TTFT at each "
+                     "rate over the first rate's; checks: those the server had finished when its load ended.", "",
+                     markdown_table(cost, load_report.SHADOW_TABLE)]
     else:
         raise ValueError(f"unknown result kind {kind!r} in {json_path}")
     md.write_text("\n".join(head + body) + "\n", encoding="utf-8")

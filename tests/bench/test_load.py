@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvfuse.bench.load import Sample, percentile, summarize
-from kvfuse.bench.load_report import plot, scaling
+from kvfuse.bench.load_report import first_rate, plot, scaling, shadow_cost
 
 
 def test_percentiles_interpolate_between_ranks() -> None:
@@ -55,6 +55,38 @@ def test_scaling_compares_the_most_streams_measured_with_one() -> None:
                       "tpot_p50_vs_1": 1.0, "requests_per_s_vs_vanilla": 2.0}
     assert vanilla["requests_per_s_vs_vanilla"] == 1.0
     assert scaling(rows, at=8) == []
+
+
+def test_shadow_cost_compares_each_rate_with_the_first_and_counts_the_checks() -> None:
+    rows = [{"shadow_rate": rate, "method": m, "mode": "closed", "concurrency": 4, "requests": 8,
+             "ttft_p95_s": p95 * k, "ttft_p50_s": 0.5 * k}
+            for rate, k in ((0.0, 1.0), (1.0, 1.25)) for m, p95 in (("anchor", 2.0), ("vanilla", 4.0))]
+    fidelity = {"1.0": {"methods": {"anchor": {"shadowed": 7}}}, "0.0": {"methods": {}}}
+    cost = shadow_cost(rows, fidelity)
+    assert [(c["shadow_rate"], c["method"], c["ttft_p95_vs_base"], c["ttft_p50_vs_base"], c["checks"]) for c in cost] == [
+        (0.0, "anchor", 1.0, 1.0, None), (0.0, "vanilla", 1.0, 1.0, None),
+        (1.0, "anchor", 1.25, 1.25, 7), (1.0, "vanilla", 1.25, 1.25, None)]
+    assert first_rate(rows) == rows[:2] and shadow_cost(rows[:0], fidelity) == []
+
+
+@pytest.mark.slow
+def test_a_shadow_rate_sweep_starts_a_server_per_rate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      shared_data: Path, default_llm_path: str) -> None:
+    from kvfuse.cli import main
+
+    monkeypatch.setenv("KVFUSE_MODEL_CACHE_DIR", str(Path(default_llm_path).parent))
+    monkeypatch.setenv("KVFUSE_MODEL__MAX_CONTEXT_TOKENS", "1024")
+    out = tmp_path / "load.json"
+    rc = main(["bench", "load", "--concurrency", "1", "--rounds", "2", "--max-tokens", "3", "--context-tokens", "200",
+               "--docs", "2", "--shadow-rates", "0,1", "--data-dir", str(shared_data), "--json", str(out)])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    assert [(r["shadow_rate"], r["method"]) for r in payload["rows"]] == [
+        (0.0, "anchor"), (0.0, "vanilla"), (1.0, "anchor"), (1.0, "vanilla")]
+    assert set(payload["fidelity"]) == {"0.0", "1.0"}
+    assert payload["fidelity"]["1.0"]["shadow_rate"] == 1.0 and payload["fidelity"]["0.0"]["shadow_rate"] == 0.0
+    assert "## What shadow checks cost" in out.with_suffix(".md").read_text()
+    assert main(["bench", "load", "--shadow-rates", "0,1", "--url", "http://127.0.0.1:9"]) == 2
 
 
 @pytest.mark.slow
