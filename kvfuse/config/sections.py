@@ -257,6 +257,9 @@ class FidelitySettings(Section):
         "arrives during a check waits for at most one such slice, or one decode step"))
     shadow_queue: int = Field(32, ge=1, description=(
         "pending shadow checks a worker keeps (their token ids); when full the oldest is dropped, counted"))
+    shadow_memory_mb: float = Field(256.0, gt=0, description=(
+        "memory the pending checks' fused answer distributions may hold in a worker (fp16, one vocabulary "
+        "row per answer token); past it the oldest pending checks are dropped, counted"))
     target_agreement: float = Field(0.0, ge=0.0, lt=1.0, description=(
         "agreement the ratio is held at: per method and prompt size, the lower end of its 95 % interval "
         "(0 = off; `recompute_ratio: auto` then means the configured ratio)"))

@@ -197,8 +197,8 @@ class ShadowResult:
 
 @dataclass
 class ShadowDropped:
-    """A finished query's shadow check was dropped before it ran: the queue of pending checks was full
-    (fidelity.shadow_queue), so the oldest went."""
+    """A finished query's shadow check was dropped before it ran: the pending checks were as many as
+    fidelity.shadow_queue, or held fidelity.shadow_memory_mb, so the oldest went."""
 
     method: str
     step: int = 0

@@ -5,7 +5,8 @@ A query picked for a check (`fidelity.shadow_rate`, a deterministic credit: rate
 keeps its fused answer's per-step distributions while it decodes (fp16 rows of the vocabulary, one per
 token). When it finishes, a `ShadowCheck` takes the prompt's token ids (prefix, kept chunks, question),
 the answer's tokens and those distributions; the query itself is retired as usual. Checks wait in a
-bounded queue (`fidelity.shadow_queue`): when it is full the oldest is dropped and counted.
+bounded queue (`fidelity.shadow_queue` checks, `fidelity.shadow_memory_mb` of distributions): when either
+is reached the oldest is dropped and counted.
 
 A check runs only while the scheduler has nothing to do, in slices, and the worker reads its pipe
 between slices, so a request that arrives waits for at most one slice. A slice is small by design, far
@@ -69,7 +70,9 @@ class ShadowChecks:
         self.engine = engine
         self.piece_rows = fidelity.shadow_slice_tokens
         self.slice_work = fidelity.shadow_slice_tokens * engine.num_layers
-        self.queue: deque[ShadowCheck] = deque(maxlen=fidelity.shadow_queue)
+        self.queue: deque[ShadowCheck] = deque()
+        self.max_checks = fidelity.shadow_queue
+        self.max_bytes = int(fidelity.shadow_memory_mb * 2**20)
         self._credit = 0.0
         self._run: Generator[tuple[int, bool], None, P.ShadowResult] | None = None
         self._slices = self._max_slice = 0
@@ -105,11 +108,16 @@ class ShadowChecks:
         check = ShadowCheck(seq.fusion.method, float(seq.fusion.recompute_ratio),
                             [list(seq.prefix_ids), *chunks, list(seq.question_ids)], tokens[: len(steps)], gen.text,
                             torch.stack(steps), opts.temperature == 0.0, opts.max_tokens, list(opts.stop))
-        out: list[Any] = []
-        if len(self.queue) == self.queue.maxlen:
-            out.append(P.ShadowDropped(self.queue[0].method, step))  # deque(maxlen) drops the oldest
         self.queue.append(check)
+        out: list[Any] = []
+        while len(self.queue) > self.max_checks or (self.queue and self.held_bytes > self.max_bytes):
+            out.append(P.ShadowDropped(self.queue.popleft().method, step))  # the oldest goes (even this one)
         return out
+
+    @property
+    def held_bytes(self) -> int:
+        """What the pending checks' fused answer distributions hold."""
+        return sum(c.fused_steps.numel() * c.fused_steps.element_size() for c in self.queue)
 
     @staticmethod
     def record(seq: Any, logits: Any) -> None:

@@ -87,6 +87,24 @@ def test_pending_checks_are_bounded_oldest_dropped(harness: Harness, chunks) -> 
     assert all(v.method == "anchor" for v in got)
 
 
+def test_pending_checks_are_bounded_in_memory_too(tmp_path, chunks) -> None:
+    """A budget below one answer token's distribution (a vocabulary row of fp16) keeps no check: each is
+    dropped on arrival and counted, and the worker goes on answering."""
+    settings = load_settings(data_dir=tmp_path / "data", model_cache_dir=MODEL_CACHE, log_level="warning",
+                             model={"max_context_tokens": 4096, "threads": 1},
+                             fidelity={"shadow_rate": 1.0, "shadow_memory_mb": 0.01})
+    h = Harness(settings)
+    h.verdicts = []
+    h.sup.shadow_sink = h.verdicts.append
+    try:
+        outs = h.run_all([query(chunks, [i], max_tokens=2) for i in range(2)])
+        assert all(isinstance(o, Outcome) for o in outs)
+        got = until_verdicts(h, 2)
+        assert [type(v) for v in got] == [P.ShadowDropped, P.ShadowDropped]
+    finally:
+        h.close()
+
+
 def test_a_fused_answer_that_is_the_full_prefill_checks_as_agreeing_with_no_kl(harness: Harness, chunks) -> None:
     """anchor at ratio 1 recomputes every row: its answer is the full prefill's, token for token, so the
     check agrees (replaying every row, no decode step) and its answer KL is rounding only."""
