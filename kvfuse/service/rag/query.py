@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvfuse.fusion.prompt import in_prompt_order
 from kvfuse.service.dispatch.job_book import (
     Job,
     NoLiveWorker,
@@ -29,7 +28,7 @@ from kvfuse.service.dispatch.job_book import (
 from kvfuse.service.errors import APIError, retry_after
 from kvfuse.service.rag.conversation import Conversation, fit_history
 from kvfuse.service.rag.prompt_size import check_prompt_fits, context_limit
-from kvfuse.service.rag.retrieval import RetrievalOptions, check_question, retrieval_options, retrieve
+from kvfuse.service.rag.retrieval import RetrievalOptions, check_question, retrieval_options
 from kvfuse.service.rag.sources import SourceChunk, Sources
 from kvfuse.service.wire.protocol import (
     ERR_CONTEXT_OVERFLOW,
@@ -181,13 +180,12 @@ class QueryService:
                                 system_prompt, gen_opts["max_tokens"], history)  # before the embedding
         search_for = conversation.retrieval_query if conversation else question
         retrieval_opts = retrieval_options(s, retrieval, visible)
+        top_k = top_k or s.retriever.top_k
         t0 = time.perf_counter()
         if document_ids is not None:
             chunks = await asyncio.to_thread(self.sources.named, document_ids, visible)
         else:
-            hits = await asyncio.to_thread(retrieve, self.corpus, search_for, top_k or s.retriever.top_k,
-                                           retrieval_opts, filters)
-            chunks = in_prompt_order(await asyncio.to_thread(self.sources.retrieved, hits), s.model.prompt_order)
+            chunks = await asyncio.to_thread(self.sources.searched, search_for, top_k, retrieval_opts, filters)
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
             self.metrics.retrieval.observe(retrieval_s)
