@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from kvfuse.service.rag.corpus import Corpus
     from kvfuse.service.rag.fidelity import FidelityLedger
     from kvfuse.service.rag.ingest import IngestManager
+    from kvfuse.service.rag.query_log import QueryLog
 
 Gone = Callable[[], Awaitable[bool]]  # whether the client has gone (a request's is_disconnected)
 
@@ -92,6 +93,8 @@ class QueryPlan:
     ratio_source: str = "request"  # request | config | auto (held for the target, rag/fidelity.py)
     size_bucket: str | None = None  # the prompt-size bucket an "auto" ratio was held for
     prompt_order: str = "best-first"  # where the retrieved chunks went (model.prompt_order)
+    filters: dict | None = None  # the request's metadata filters (retrieved chunks only)
+    top_k: int = 0  # chunks retrieved (named documents: unused)
 
 
 @dataclass
@@ -142,9 +145,10 @@ class QueryService:
     loaded) and the dispatcher; a stale document found on the way is handed to ingestion to rebuild."""
 
     def __init__(self, settings: Settings, metrics: Metrics, dispatcher: Any, ingest: IngestManager,
-                 fidelity: FidelityLedger | None = None) -> None:
+                 fidelity: FidelityLedger | None = None, query_log: QueryLog | None = None) -> None:
         self.settings = settings
         self.fidelity = fidelity
+        self.query_log = query_log  # answered queries, when `fidelity.query_log` is on (rag/query_log.py)
         self.metrics = metrics
         self.dispatcher = dispatcher
         self.ingest = ingest
@@ -197,7 +201,8 @@ class QueryService:
                          explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
                          generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
                          deadline=arrived + s.server.request_timeout_s, conversation=conversation,
-                         ratio_source=source, size_bucket=bucket, prompt_order=s.model.prompt_order)
+                         ratio_source=source, size_bucket=bucket, prompt_order=s.model.prompt_order,
+                         filters=filters, top_k=top_k)
 
     def fusion_options(self, fusion: Any | None) -> dict[str, Any]:
         from kvfuse.fusion import available_methods
@@ -330,6 +335,8 @@ class QueryService:
                         elif n:
                             m.kv_tier_reads.labels(tier).inc(n)
                     m.requests.labels(p["finish_reason"] if p["finish_reason"] == "cancelled" else "ok").inc()
+                    if self.query_log is not None and p["finish_reason"] != "cancelled":
+                        self.query_log.record(run)  # handed to its writer thread: the answer does not wait
                     yield "result", outcome
                 else:  # Cancelled: ended before the worker started it
                     finished = True
