@@ -1,7 +1,9 @@
 """`kvfuse calibrate --target T`: the ratio to hold before any traffic, measured on the ingested corpus.
 
 It runs a file of queries (JSON lines: `query`, and `document_ids` or nothing to retrieve as the service
-does) against the store in `data_dir`, the way the worker answers them: each chunk's stored KV (rebuilt
+does), or a sample of the service's query log (`fidelity.query_log`, rag/query_log.py), against the store
+in `data_dir`, its chunks picked by the service's own code (rag/sources.py), the way the worker answers
+them: each chunk's stored KV (rebuilt
 from its tokens if missing), fused by the method at each ratio of a ladder, decoded greedily; and once
 as a full prefill. Per method, prompt-size bucket and ratio it measures the agreement with the full
 prefill's answer (`fidelity.metric`, with its 95 % Wilson interval), the answer KL of the fused answer
@@ -14,17 +16,26 @@ see docs/usage.md, "The quality contract". Table and plot: calibrate_report.py.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class CalQuery:
+    """A question and what picks its chunks: its documents, or a retrieval (None: the configured
+    defaults) as the service ran it."""
+
     query: str
     document_ids: list[str] | None = None
     system_prompt: str | None = None
+    collections: list[str] | None = None
+    filters: dict | None = None
+    top_k: int | None = None
+    retrieval_mode: str | None = None
 
 
 @dataclass
@@ -49,6 +60,27 @@ def read_queries(path: Path) -> list[CalQuery]:
     if not out:
         raise ValueError(f"{path}: no queries")
     return out
+
+
+def queries_from_log(settings: Any, sample: int, seed: int) -> list[CalQuery]:
+    """`sample` entries of the query log in `data_dir`, drawn uniformly (seeded), all when it holds fewer.
+    ValueError when the log is off or empty."""
+    import random
+
+    from kvfuse.service.rag.query_log import log_path, read_log
+
+    fid = settings.fidelity
+    if not fid.query_log:
+        raise ValueError("the query log is off (fidelity.query_log): turn it on for `serve`, let it collect "
+                         "queries, or pass --queries FILE")
+    path = log_path(settings)
+    rows = read_log(path, fid.query_log_size)
+    if not rows:
+        raise ValueError(f"the query log {path} is empty: let `serve` answer queries first, or pass --queries FILE")
+    if sample < len(rows):
+        rows = random.Random(seed).sample(rows, sample)
+    return [CalQuery(r["question"], r.get("document_ids"), r.get("system_prompt"), r.get("collections"),
+                     r.get("filters"), r.get("top_k"), r.get("retrieval_mode")) for r in rows]
 
 
 class Calibration:
@@ -76,52 +108,55 @@ class Calibration:
     def close(self) -> None:
         self.store.close()
 
-    def chunks(self, q: CalQuery) -> list[tuple[str, list[int], str]]:
-        """(key, token ids, document name) of the query's chunks, named or retrieved, keyed for the running
-        model and rendered and ordered as the service's prompt has them (`model.prompt_layout`,
-        `model.prompt_order`)."""
-        from kvfuse.fusion.prompt import in_prompt_order
-        from kvfuse.service.rag.sources import chunk_key_now
+    def chunks(self, q: CalQuery) -> list[Any]:
+        """The query's chunks (rag/sources.py `SourceChunk`), named or retrieved, picked by the service's
+        own code: keyed for the running model, rendered and ordered as the prompt has them
+        (`model.prompt_layout`, `model.prompt_order`)."""
+        import dataclasses
+
+        from kvfuse.service.rag.retrieval import retrieval_options
+        from kvfuse.service.rag.sources import chunk_key_now, document_source_chunks, searched_source_chunks
 
         fp, dtype = self.engine.fingerprint, self.settings.store.kv_dtype
-        picks: list[tuple[Any, int]] = []
+
+        def key(rec: Any, i: int, ids: list[int]) -> str:
+            return chunk_key_now(fp, dtype, rec, i, ids)
+
         if q.document_ids is not None:
+            chunks = []
             for doc_id in q.document_ids:
                 rec = self.store.get_document(doc_id)
                 if rec is None or rec.status != "ready":
                     raise ValueError(f"document {doc_id!r} is not ready in {self.settings.data_dir}")
-                picks.extend((rec, i) for i in range(len(rec.chunk_keys)))
-        else:
-            from kvfuse.service.rag.retrieval import retrieval_options, retrieve
+                chunks.extend(document_source_chunks(self.corpus, rec, key))
+            return chunks
+        if not self._retrieval_loaded:
+            self.corpus.load()
+            self._retrieval_loaded = True
+        s = self.settings
+        opts = retrieval_options(s, None)
+        opts = dataclasses.replace(opts, collections=q.collections, mode=q.retrieval_mode or opts.mode)
+        chunks = searched_source_chunks(self.corpus, q.query, q.top_k or s.retriever.top_k, opts, q.filters, key,
+                                        s.model.prompt_order)
+        if not chunks:
+            raise ValueError(f"no ready document in {s.data_dir} matches {q.query!r}")
+        return chunks
 
-            if not self._retrieval_loaded:
-                self.corpus.load()
-                self._retrieval_loaded = True
-            s = self.settings
-            hits = retrieve(self.corpus, q.query, s.retriever.top_k, retrieval_options(s, None), None)
-            for h in in_prompt_order(hits, s.model.prompt_order):
-                picks.append((self.store.get_document(h.document_id), h.chunk_index))
-        out = []
-        for rec, i in picks:
-            ids = self.corpus.prompt_chunk_ids(rec)[i]
-            out.append((chunk_key_now(fp, dtype, rec, i, ids), ids, self.corpus.prompt_name(rec)))
-        return out
-
-    def run(self, q: CalQuery, methods: list[str], ratios: list[float], metric: str
+    def run(self, q: CalQuery, chunks: list[Any], methods: list[str], ratios: list[float], metric: str
             ) -> tuple[int, float, dict[tuple[str, float], tuple[bool, float, float]]]:
-        """(context tokens, the full prefill's TTFT, {(method, ratio): (agreed, answer KL, TTFT)})."""
+        """Over the query's `chunks` (`chunks(q)`): (context tokens, the full prefill's TTFT,
+        {(method, ratio): (agreed, answer KL, TTFT)})."""
         from kvfuse.answer_match import same_answer
         from kvfuse.fusion import ChunkKV
         from kvfuse.fusion.teacher_forcing import answer_kl, teacher_forced_logits
 
         e, be = self.engine, self.backend
-        chunks = self.chunks(q)
         system = q.system_prompt if q.system_prompt is not None else self.settings.model.system_prompt
-        names = [name for _, _, name in chunks]
+        names = [c.name for c in chunks]
         prefix_ids, question_ids = e.prompt_parts(q.query, system, names, self.settings.model.prompt_layout)
-        full = be.greedy(ChunkKV(prefix_ids), [ChunkKV(ids) for _, ids, _ in chunks], question_ids,
+        full = be.greedy(ChunkKV(prefix_ids), [ChunkKV(c.token_ids) for c in chunks], question_ids,
                          be.options("vanilla", None), self.max_tokens)
-        stored = [self.kv.load_or_rebuild(key, ids, write_back=False)[0] for key, ids, _ in chunks]
+        stored = [self.kv.load_or_rebuild(c.key, c.token_ids, write_back=False)[0] for c in chunks]
         prefix = self.kv.prefix_kv(prefix_ids)
         out = {}
         for method in methods:
@@ -129,22 +164,32 @@ class Calibration:
                 ans = be.greedy(prefix, stored, question_ids, be.options(method, r), self.max_tokens, keep_steps=True)
                 logits = teacher_forced_logits(e, full.fused, ans.tokens)
                 out[(method, r)] = (same_answer(ans.text, full.text, metric), answer_kl(logits, ans.steps), ans.ttft_s)
-        return sum(len(ids) for _, ids, _ in chunks), full.ttft_s, out
+        return sum(len(c.token_ids) for c in chunks), full.ttft_s, out
 
 
 def calibrate(settings: Any, queries: list[CalQuery], methods: list[str], ratios: list[float], target: float,
               max_tokens: int, progress: bool = True) -> dict[str, Any]:
-    """Measure every query at every ratio; the cells and the full prefill's TTFTs per bucket."""
+    """Measure every query at every ratio; the cells and the full prefill's TTFTs per bucket. A query whose
+    chunks cannot be picked any more (its documents deleted since it was logged, say) is skipped, with a
+    warning (`queries` counts those measured)."""
     from tqdm import tqdm
 
+    from kvfuse.service.errors import APIError
     from kvfuse.service.rag.fidelity_control import size_bucket
 
     cal = Calibration(settings, max_tokens)
     cells: dict[tuple[str, str, float], Cell] = {}
     full_ttft: dict[str, list[float]] = {}
+    measured = 0
     try:
         for q in tqdm(queries, desc="calibrate", unit="query", disable=not progress):
-            ctx, t_full, results = cal.run(q, methods, ratios, settings.fidelity.metric)
+            try:
+                chunks = cal.chunks(q)
+            except (ValueError, APIError) as err:
+                log.warning("calibrate: skipped %r: %s", q.query[:80], err)
+                continue
+            ctx, t_full, results = cal.run(q, chunks, methods, ratios, settings.fidelity.metric)
+            measured += 1
             bucket = size_bucket(ctx, settings.fidelity.size_buckets)
             full_ttft.setdefault(bucket, []).append(t_full)
             for (method, r), (agreed, kl, ttft) in results.items():
@@ -156,7 +201,7 @@ def calibrate(settings: Any, queries: list[CalQuery], methods: list[str], ratios
     finally:
         cal.close()
     return {"target": target, "metric": settings.fidelity.metric, "ratios": ratios, "methods": methods,
-            "fingerprint": fingerprint, "queries": len(queries), "max_tokens": max_tokens,
+            "fingerprint": fingerprint, "queries": measured, "max_tokens": max_tokens,
             "cells": cells, "full_ttft_s": full_ttft}
 
 

@@ -16,8 +16,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure agreement with full prefill across ratios on the ingested "
                        "corpus and store the smallest ratio that meets a target (what `serve` holds)")
     p.add_argument("--target", type=float, required=True, help="agreement to meet (lower end of the 95 %% interval)")
-    p.add_argument("--queries", type=Path, required=True,
-                   help="JSON lines: {\"query\": ..., \"document_ids\": [...]} (no document_ids: retrieved)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--queries", type=Path,
+                        help="JSON lines: {\"query\": ..., \"document_ids\": [...]} (no document_ids: retrieved)")
+    source.add_argument("--from-log", action="store_true",
+                        help="a sample of the query log in data_dir (fidelity.query_log must be on)")
+    p.add_argument("--sample", type=int, default=200, help="with --from-log: entries drawn (default 200; all if fewer)")
+    p.add_argument("--seed", type=int, default=0, help="with --from-log: the sample's seed")
     p.add_argument("--methods", type=csv_list(str), default=None, help="default: fusion.method")
     p.add_argument("--ratios", type=csv_list(float), default=[0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0],
                    help="the ladder measured (default 0.05,0.1,0.15,0.2,0.3,0.5,1.0)")
@@ -29,16 +34,30 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from kvfuse.bench.calibrate import calibrate, choose, read_queries, write_state
+    import sys
+
+    from kvfuse.bench.calibrate import calibrate, choose, queries_from_log, read_queries, write_state
     from kvfuse.config import get_settings
 
     if not 0.0 < args.target < 1.0:
         raise SystemExit("--target must be in (0, 1)")
     if any(not 0.0 <= r <= 1.0 for r in args.ratios):
         raise SystemExit("--ratios must be in [0, 1]")
+    if args.sample < 1:
+        raise SystemExit("--sample must be at least 1")
     settings = get_settings()
     methods = args.methods or [settings.fusion.method]
-    run = calibrate(settings, read_queries(args.queries), methods, sorted(args.ratios), args.target, args.max_tokens)
+    try:
+        queries = (queries_from_log(settings, args.sample, args.seed) if args.from_log
+                   else read_queries(args.queries))
+    except ValueError as err:
+        print(f"kvfuse calibrate: {err}", file=sys.stderr)
+        return 2
+    run = calibrate(settings, queries, methods, sorted(args.ratios), args.target, args.max_tokens)
+    if not run["queries"]:
+        print(f"kvfuse calibrate: none of the {len(queries)} queries could be measured (see the warnings)",
+              file=sys.stderr)
+        return 2
     picks = choose(run)
     args.out.mkdir(parents=True, exist_ok=True)
     table = render_table(run, picks)

@@ -276,6 +276,11 @@ class FidelitySettings(Section):
         "context-token edges of the prompt-size buckets a ratio is held for (e.g. 1024, 4096: three buckets)"))
     state_file: str = Field("fidelity_state.json", description=(
         "the controller's ratios and counts, kept with the model's fingerprint; relative to data_dir"))
+    query_log: bool = Field(False, description=(
+        "keep the recent answered queries (question, collections, named documents, filters, system prompt, "
+        "method, ratio, prompt-size bucket, time; never the answer or the key) in data_dir/query-log.jsonl, "
+        "for `kvfuse calibrate --from-log`; it holds users' text: `DELETE /v1/query-log` empties it"))
+    query_log_size: int = Field(2000, ge=1, description="entries the query log keeps (the most recent)")
 
     @field_validator("size_buckets", mode="before")
     @classmethod

@@ -24,6 +24,7 @@ from kvfuse.service.rag.corpus import Corpus
 from kvfuse.service.rag.fidelity import FidelityLedger
 from kvfuse.service.rag.ingest import IngestManager
 from kvfuse.service.rag.query import QueryService
+from kvfuse.service.rag.query_log import QueryLog
 
 if TYPE_CHECKING:
     from kvfuse.store import KVStore
@@ -47,7 +48,10 @@ class ServiceState:
         # The quality contract: shadow-check verdicts from the workers, the ratio held for the target.
         self.fidelity = FidelityLedger(settings, self.metrics)
         self.dispatcher.shadow_sink = self.fidelity.record
-        self.queries = QueryService(settings, self.metrics, self.dispatcher, self.ingest, self.fidelity)
+        # Answered queries for `kvfuse calibrate --from-log`, when `fidelity.query_log` is on (rag/query_log.py).
+        self.query_log = QueryLog(settings)
+        self.queries = QueryService(settings, self.metrics, self.dispatcher, self.ingest, self.fidelity,
+                                    self.query_log)
         self.corpus: Corpus | None = None  # once the store is open; its parts load after it
         self.startup_error: str | None = None
         self.waiting_for: str | None = None  # what startup is waiting for (a Redis not up yet)
@@ -128,6 +132,7 @@ class ServiceState:
             if task is not None:
                 task.cancel()
         await self.dispatcher.stop()
+        await asyncio.to_thread(self.query_log.close)
         if self.corpus is not None:
             await asyncio.to_thread(self.corpus.close)
 

@@ -80,6 +80,14 @@ class Principal:
             raise APIError(403, f"this API key may not write to collection {collection!r}",
                            code="collection_forbidden", param="collection")
 
+    def check_admin(self, what: str) -> None:
+        """403 unless this key writes and sees every collection: `what` concerns every collection's
+        users (the query log), which a key confined to some collections may not touch."""
+        self.check_write()
+        if self.scoped:
+            raise APIError(403, f"{what} needs a key that sees every collection; this one is limited to "
+                                "some", code="collection_forbidden")
+
 
 FULL_ACCESS = Principal()
 

@@ -1,9 +1,11 @@
 """POST /v1/query: a JSON answer (`QueryAnswer`) or an SSE stream: a `sources` event (`QuerySources`),
 `token` events, a `done` event (the same `QueryAnswer`), then `data: [DONE]`. GET /v1/fidelity: what the
-shadow checks measured and the ratios held (rag/fidelity.py)."""
+shadow checks measured and the ratios held (rag/fidelity.py). DELETE /v1/query-log: empties the log of
+answered queries (rag/query_log.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -99,3 +101,11 @@ async def fidelity(state: State) -> dict[str, Any]:
     Wilson interval, the mean answer KL, and per prompt-size bucket the ratio held for the target
     (docs/usage.md, "The quality contract")."""
     return state.fidelity.report()
+
+
+@router.delete("/v1/query-log")
+async def clear_query_log(state: State, caller: Caller) -> dict[str, Any]:
+    """Empty the query log (`fidelity.query_log`): it holds users' questions. Needs a write key that sees
+    every collection; answers the entries dropped."""
+    caller.check_admin("emptying the query log")
+    return {"deleted": await asyncio.wrap_future(state.query_log.clear())}

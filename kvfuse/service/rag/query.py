@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvfuse.fusion.prompt import in_prompt_order
 from kvfuse.service.dispatch.job_book import (
     Job,
     NoLiveWorker,
@@ -29,7 +28,7 @@ from kvfuse.service.dispatch.job_book import (
 from kvfuse.service.errors import APIError, retry_after
 from kvfuse.service.rag.conversation import Conversation, fit_history
 from kvfuse.service.rag.prompt_size import check_prompt_fits, context_limit
-from kvfuse.service.rag.retrieval import RetrievalOptions, check_question, retrieval_options, retrieve
+from kvfuse.service.rag.retrieval import RetrievalOptions, check_question, retrieval_options
 from kvfuse.service.rag.sources import SourceChunk, Sources
 from kvfuse.service.wire.protocol import (
     ERR_CONTEXT_OVERFLOW,
@@ -51,6 +50,7 @@ if TYPE_CHECKING:
     from kvfuse.service.rag.corpus import Corpus
     from kvfuse.service.rag.fidelity import FidelityLedger
     from kvfuse.service.rag.ingest import IngestManager
+    from kvfuse.service.rag.query_log import QueryLog
 
 Gone = Callable[[], Awaitable[bool]]  # whether the client has gone (a request's is_disconnected)
 
@@ -93,6 +93,8 @@ class QueryPlan:
     ratio_source: str = "request"  # request | config | auto (held for the target, rag/fidelity.py)
     size_bucket: str | None = None  # the prompt-size bucket an "auto" ratio was held for
     prompt_order: str = "best-first"  # where the retrieved chunks went (model.prompt_order)
+    filters: dict | None = None  # the request's metadata filters (retrieved chunks only)
+    top_k: int = 0  # chunks retrieved (named documents: unused)
 
 
 @dataclass
@@ -143,9 +145,10 @@ class QueryService:
     loaded) and the dispatcher; a stale document found on the way is handed to ingestion to rebuild."""
 
     def __init__(self, settings: Settings, metrics: Metrics, dispatcher: Any, ingest: IngestManager,
-                 fidelity: FidelityLedger | None = None) -> None:
+                 fidelity: FidelityLedger | None = None, query_log: QueryLog | None = None) -> None:
         self.settings = settings
         self.fidelity = fidelity
+        self.query_log = query_log  # answered queries, when `fidelity.query_log` is on (rag/query_log.py)
         self.metrics = metrics
         self.dispatcher = dispatcher
         self.ingest = ingest
@@ -181,13 +184,12 @@ class QueryService:
                                 system_prompt, gen_opts["max_tokens"], history)  # before the embedding
         search_for = conversation.retrieval_query if conversation else question
         retrieval_opts = retrieval_options(s, retrieval, visible)
+        top_k = top_k or s.retriever.top_k
         t0 = time.perf_counter()
         if document_ids is not None:
             chunks = await asyncio.to_thread(self.sources.named, document_ids, visible)
         else:
-            hits = await asyncio.to_thread(retrieve, self.corpus, search_for, top_k or s.retriever.top_k,
-                                           retrieval_opts, filters)
-            chunks = in_prompt_order(await asyncio.to_thread(self.sources.retrieved, hits), s.model.prompt_order)
+            chunks = await asyncio.to_thread(self.sources.searched, search_for, top_k, retrieval_opts, filters)
         retrieval_s = time.perf_counter() - t0
         if document_ids is None:
             self.metrics.retrieval.observe(retrieval_s)
@@ -199,7 +201,8 @@ class QueryService:
                          explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
                          generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
                          deadline=arrived + s.server.request_timeout_s, conversation=conversation,
-                         ratio_source=source, size_bucket=bucket, prompt_order=s.model.prompt_order)
+                         ratio_source=source, size_bucket=bucket, prompt_order=s.model.prompt_order,
+                         filters=filters, top_k=top_k)
 
     def fusion_options(self, fusion: Any | None) -> dict[str, Any]:
         from kvfuse.fusion import available_methods
@@ -332,6 +335,8 @@ class QueryService:
                         elif n:
                             m.kv_tier_reads.labels(tier).inc(n)
                     m.requests.labels(p["finish_reason"] if p["finish_reason"] == "cancelled" else "ok").inc()
+                    if self.query_log is not None and p["finish_reason"] != "cancelled":
+                        self.query_log.record(run)  # handed to its writer thread: the answer does not wait
                     yield "result", outcome
                 else:  # Cancelled: ended before the worker started it
                     finished = True

@@ -2,6 +2,11 @@
 model running now, its token ids as the prompt renders them, and what a citation shows (its text, its
 document's metadata, its page or section, its document's name in the labelled prompt).
 
+The selection itself (a named document's chunks; a retrieval's hits in the prompt's order) is a set of
+functions over the corpus and a key function, so `kvfuse calibrate` picks a query's chunks with the
+same code as the service without its dispatcher, metrics or ingestion jobs; `Sources` adds what serving
+needs around it (the caller's collections, documents still being ingested, stale KV rebuilt).
+
 A key is never the one recorded at ingest: KV stored for another model (weights, tokenizer, dtypes) or
 another prompt layout is a miss, rebuilt from the tokens, and its document is rebuilt in the background.
 """
@@ -10,18 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvfuse.chunk_keys import chunk_key_from_hash, token_hash
+from kvfuse.fusion.prompt import in_prompt_order
 from kvfuse.service.errors import APIError, document_not_found, retry_after
 from kvfuse.service.rag.chunks import document_chunks, found_chunks
+from kvfuse.service.rag.retrieval import retrieve
 
 if TYPE_CHECKING:
     from kvfuse.config import Settings
     from kvfuse.service.metrics import Metrics
     from kvfuse.service.rag.corpus import Corpus
     from kvfuse.service.rag.ingest import IngestManager
+    from kvfuse.service.rag.retrieval import RetrievalOptions
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +50,52 @@ class SourceChunk:
     name: str = ""  # its document's name in the labelled prompt ("" in the plain one)
 
 
+KeyOf = Callable[[Any, int, list[int]], str]  # (document record, chunk index, token ids) -> store key
+
+
 def chunk_key_now(fingerprint: str, kv_dtype: str, rec: Any, i: int, token_ids: list[int]) -> str:
     """Chunk i's key under the model `fingerprint`: its tokens and the context its KV was computed after
     (from the document's record). The service's queries and `kvfuse calibrate` key chunks this way."""
     context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
     return chunk_key_from_hash(fingerprint, kv_dtype, token_hash(token_ids), context)
+
+
+def document_source_chunks(corpus: Corpus, rec: Any, key: KeyOf) -> list[SourceChunk]:
+    """Every chunk of a ready document, in order, as the prompt renders it. Reads the store: call it in a
+    thread."""
+    found, name = document_chunks(corpus, rec), corpus.prompt_name(rec)
+    out = []
+    for i, ids in enumerate(corpus.prompt_chunk_ids(rec)):
+        c = found[i]
+        out.append(SourceChunk(rec.id, i, 1.0, key(rec, i, ids), ids, text=c.text, metadata=c.metadata,
+                               location=c.location, name=name))
+    return out
+
+
+def hit_source_chunks(corpus: Corpus, hits: list[Any], key: KeyOf) -> list[SourceChunk]:
+    """The chunks of a retrieval's hits, best first; those deleted or re-ingested since the search are
+    left out. Reads the store: call it in a thread."""
+    chunks = []
+    records: dict[str, Any] = {}
+    for c in found_chunks(corpus, hits):
+        if c.document_id not in records:
+            records[c.document_id] = corpus.store.get_document(c.document_id)
+        rec = records[c.document_id]
+        if rec is None or rec.status != "ready" or c.chunk_index >= len(rec.chunk_keys):
+            continue
+        ids = corpus.prompt_chunk_ids(rec)[c.chunk_index]
+        chunks.append(SourceChunk(c.document_id, c.chunk_index, c.score, key(rec, c.chunk_index, ids), ids,
+                                  c.dense_rank, c.keyword_rank, c.text, c.metadata, c.location,
+                                  corpus.prompt_name(rec)))
+    return chunks
+
+
+def searched_source_chunks(corpus: Corpus, question: str, top_k: int, opts: RetrievalOptions,
+                           filters: dict | None, key: KeyOf, prompt_order: str) -> list[SourceChunk]:
+    """The top_k chunks retrieved for `question`, in the prompt's order (`model.prompt_order`); [] when
+    none is ready. Embeds the question and reads the store: call it in a thread."""
+    hits = retrieve(corpus, question, top_k, opts, filters)
+    return in_prompt_order(hit_source_chunks(corpus, hits, key), prompt_order)
 
 
 class Sources:
@@ -92,11 +142,7 @@ class Sources:
                 raise document_not_found(doc_id, param="document_ids")
             if rec is None or rec.status != "ready":
                 self.not_ready(doc_id, rec)
-            found, name = document_chunks(self.corpus, rec), self.corpus.prompt_name(rec)
-            for i, ids in enumerate(self.corpus.prompt_chunk_ids(rec)):
-                c = found[i]
-                chunks.append(SourceChunk(doc_id, i, 1.0, self.key(rec, i, ids), ids, text=c.text,
-                                          metadata=c.metadata, location=c.location, name=name))
+            chunks.extend(document_source_chunks(self.corpus, rec, self.key))
         return chunks
 
     def not_ready(self, doc_id: str, rec: Any) -> NoReturn:
@@ -113,20 +159,11 @@ class Sources:
         raise APIError(409, f"document {doc_id!r} is {rec.status}, not ready", code="document_not_ready",
                        param="document_ids")
 
-    def retrieved(self, hits: list[Any]) -> list[SourceChunk]:
-        """The chunks of a retrieval's hits, best first; those deleted or re-ingested since are left out."""
-        chunks = []
-        records: dict[str, Any] = {}
-        for c in found_chunks(self.corpus, hits):  # those deleted or re-ingested since the search left out
-            if c.document_id not in records:
-                records[c.document_id] = self.corpus.store.get_document(c.document_id)
-            rec = records[c.document_id]
-            if rec is None or rec.status != "ready" or c.chunk_index >= len(rec.chunk_keys):
-                continue
-            ids = self.corpus.prompt_chunk_ids(rec)[c.chunk_index]
-            chunks.append(SourceChunk(c.document_id, c.chunk_index, c.score, self.key(rec, c.chunk_index, ids), ids,
-                                      c.dense_rank, c.keyword_rank, c.text, c.metadata, c.location,
-                                      self.corpus.prompt_name(rec)))
+    def searched(self, question: str, top_k: int, opts: RetrievalOptions, filters: dict | None) -> list[SourceChunk]:
+        """The chunks retrieved for `question`, in the prompt's order; 404 when none is ready. Call it in
+        a thread."""
+        chunks = searched_source_chunks(self.corpus, question, top_k, opts, filters, self.key,
+                                        self.settings.model.prompt_order)
         if not chunks:
             raise APIError(404, "no ready document matches the query (ingest documents first, or relax filters)",
                            code="no_documents")
