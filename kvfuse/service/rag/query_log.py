@@ -28,7 +28,6 @@ from kvfuse.service.rag.fidelity_control import size_bucket
 
 if TYPE_CHECKING:
     from kvfuse.config import Settings
-    from kvfuse.service.rag.query import QueryRun
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +38,9 @@ def log_path(settings: Settings) -> Path:
     return settings.data_dir / LOG_FILE
 
 
-def entry_of(settings: Settings, run: QueryRun) -> dict[str, Any]:
-    """What the log keeps of an answered query: what chose its chunks and its prompt, and what it was
+def entry_of(settings: Settings, run: Any) -> dict[str, Any]:
+    """What the log keeps of an answered query (a rag.query.QueryRun, read by duck type so the log does
+    not import the query path that calls it): what chose its chunks and its prompt, and what it was
     answered with (method, ratio, prompt-size bucket of the chunks that went in)."""
     plan = run.plan
     named = list(dict.fromkeys(c.document_id for c in plan.chunks)) if plan.explicit else None
@@ -83,7 +83,7 @@ class QueryLog:
         self._lines: int | None = None  # lines in the file as this process knows them; counted at first use
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfuse-query-log")
 
-    def record(self, run: QueryRun) -> None:
+    def record(self, run: Any) -> None:
         """Log an answered query, if the log is on; the disk is touched on the writer thread."""
         if self.enabled:
             self._writer.submit(self._append_logged, entry_of(self.settings, run))
