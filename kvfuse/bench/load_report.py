@@ -9,9 +9,35 @@ from pathlib import Path
 from typing import Any
 
 
+def plot_shadow(rows: list[dict[str, Any]], png: Path) -> Path:
+    """A shadow-rate sweep: TTFT p95 and p50 against the rate, one line per method and mode."""
+    from kvfuse.bench.plots import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    rates = sorted({r["shadow_rate"] for r in rows})
+    for line in dict.fromkeys((r["method"], r["mode"], r["concurrency"]) for r in rows):
+        pts = {r["shadow_rate"]: r for r in rows if (r["method"], r["mode"], r["concurrency"]) == line}
+        label = f"{line[0]}, {'open loop' if line[1] == 'open' else f'{line[2]} streams'}"
+        for ax, key in zip(axes, ("ttft_p95_s", "ttft_p50_s"), strict=True):
+            ax.plot(range(len(rates)), [pts[x][key] if x in pts else None for x in rates], marker="o", label=label)
+    for ax, title in zip(axes, ("TTFT p95 (s)", "TTFT p50 (s)"), strict=True):
+        ax.set_xticks(range(len(rates)), [f"{x:g}" for x in rates])
+        ax.set_xlabel("fidelity.shadow_rate")
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def plot(rows: list[dict[str, Any]], png: Path) -> Path:
     """Throughput and TTFT p50 against concurrency, one line per method (and shadow rate, when the run
-    swept them; closed-loop rows)."""
+    swept them; closed-loop rows). A sweep of shadow rates at one level: `plot_shadow`."""
+    if any("shadow_rate" in r for r in rows) and len({r["concurrency"] for r in rows if r["mode"] == "closed"}) <= 1:
+        return plot_shadow(rows, png)
     from kvfuse.bench.plots import pyplot
 
     plt = pyplot()

@@ -69,6 +69,15 @@ def test_shadow_cost_compares_each_rate_with_the_first_and_counts_the_checks() -
     assert first_rate(rows) == rows[:2] and shadow_cost(rows[:0], fidelity) == []
 
 
+def test_a_shadow_sweep_plots_ttft_against_the_rate(tmp_path: Path) -> None:
+    from kvfuse.bench.load_report import plot_shadow
+
+    rows = [{"shadow_rate": rate, "method": "anchor", "mode": mode, "concurrency": c, "ttft_p95_s": 1.0 + rate,
+             "ttft_p50_s": 0.5, "tokens_per_s": 9.0} for rate in (0.0, 0.1, 1.0) for mode, c in (("closed", 4), ("open", None))]
+    assert plot(rows, tmp_path / "a.png").stat().st_size > 1000  # one level swept: the sweep's plot
+    assert plot_shadow(rows, tmp_path / "b.png").stat().st_size > 1000
+
+
 @pytest.mark.slow
 def test_a_shadow_rate_sweep_starts_a_server_per_rate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       shared_data: Path, default_llm_path: str) -> None:
