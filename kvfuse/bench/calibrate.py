@@ -24,6 +24,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class CalQuery:
     """A question and what picks its chunks: its documents, or a retrieval (None: the configured

@@ -10,7 +10,7 @@ and the same last-row logits as `fuse_steps` with method `vanilla`, up to the fl
 summation order (tests/fusion/test_piecewise_prefill.py pins it).
 
 Used by the worker's shadow checks (kvfuse/service/worker/shadow.py): a check's prefill runs in the
-worker's idle time, and a live request that arrives meanwhile waits for at most one piece's layer.
+worker's idle time, and a live request that arrives meanwhile waits for at most one piece.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ def prefill_steps(engine: Any, prompt: Sequence[Sequence[int]], piece_rows: int,
     tf = engine.tf
     cache = FusedCache(engine.num_layers, engine.num_kv_heads, engine.head_dim, len(ids) + max_tokens,
                        engine.dtype, engine.device)
-    last = tf.num_layers - 1
     h = None
     for start in range(0, len(ids), piece_rows):
         stop = min(start + piece_rows, len(ids))
@@ -47,9 +46,9 @@ def prefill_steps(engine: Any, prompt: Sequence[Sequence[int]], piece_rows: int,
             rows = engine.rows(torch.arange(start, stop, device=engine.device))
             h = tf.embed(torch.tensor(ids[start:stop], dtype=torch.long, device=engine.device))
         for layer in range(tf.num_layers):
-            # The last layer's outputs matter for the final row only; every piece still writes its K/V there.
+            # Transformer.run: at the last layer every row writes its K/V, only the final row runs on.
             with torch.inference_mode():
-                h = tf.layer(cache, layer, h, rows, last_only=layer == last)
+                h = tf.run(cache, h, rows, range(layer, layer + 1))
             yield rows.count
     cache.length = len(ids)
     with torch.inference_mode():

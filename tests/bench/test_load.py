@@ -78,16 +78,22 @@ def test_a_shadow_sweep_plots_ttft_against_the_rate(tmp_path: Path) -> None:
     assert plot_shadow(rows, tmp_path / "b.png").stat().st_size > 1000
 
 
-@pytest.mark.slow
-def test_a_shadow_rate_sweep_starts_a_server_per_rate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      shared_data: Path, default_llm_path: str) -> None:
+def bench_load(monkeypatch: pytest.MonkeyPatch, default_llm_path: str, *args: str) -> int:
+    """`kvfuse bench load ARGS` with the default model and a context the tiny runs fit in."""
     from kvfuse.cli import main
 
     monkeypatch.setenv("KVFUSE_MODEL_CACHE_DIR", str(Path(default_llm_path).parent))
     monkeypatch.setenv("KVFUSE_MODEL__MAX_CONTEXT_TOKENS", "1024")
+    return main(["bench", "load", *args])
+
+
+@pytest.mark.slow
+def test_a_shadow_rate_sweep_starts_a_server_per_rate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      shared_data: Path, default_llm_path: str) -> None:
     out = tmp_path / "load.json"
-    rc = main(["bench", "load", "--concurrency", "1", "--rounds", "2", "--max-tokens", "3", "--context-tokens", "200",
-               "--docs", "2", "--shadow-rates", "0,1", "--data-dir", str(shared_data), "--json", str(out)])
+    rc = bench_load(monkeypatch, default_llm_path, "--concurrency", "1", "--rounds", "2", "--max-tokens", "3",
+                    "--context-tokens", "200", "--docs", "2", "--shadow-rates", "0,1", "--data-dir", str(shared_data),
+                    "--json", str(out))
     assert rc == 0
     payload = json.loads(out.read_text())
     assert [(r["shadow_rate"], r["method"]) for r in payload["rows"]] == [
@@ -95,20 +101,16 @@ def test_a_shadow_rate_sweep_starts_a_server_per_rate(tmp_path: Path, monkeypatc
     assert set(payload["fidelity"]) == {"0.0", "1.0"}
     assert payload["fidelity"]["1.0"]["shadow_rate"] == 1.0 and payload["fidelity"]["0.0"]["shadow_rate"] == 0.0
     assert "## What shadow checks cost" in out.with_suffix(".md").read_text()
-    assert main(["bench", "load", "--shadow-rates", "0,1", "--url", "http://127.0.0.1:9"]) == 2
+    assert bench_load(monkeypatch, default_llm_path, "--shadow-rates", "0,1", "--url", "http://127.0.0.1:9") == 2
 
 
 @pytest.mark.slow
 def test_tiny_load_run_through_a_real_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              shared_data: Path, default_llm_path: str) -> None:
-    from kvfuse.cli import main
-
-    monkeypatch.setenv("KVFUSE_MODEL_CACHE_DIR", str(Path(default_llm_path).parent))
-    monkeypatch.setenv("KVFUSE_MODEL__MAX_CONTEXT_TOKENS", "1024")
     out = tmp_path / "load.json"
-    rc = main(["bench", "load", "--concurrency", "1,2", "--rounds", "1", "--max-tokens", "4",
-               "--context-tokens", "400", "--rate", "4", "--open-requests", "2", "--data-dir", str(shared_data),
-               "--json", str(out)])
+    rc = bench_load(monkeypatch, default_llm_path, "--concurrency", "1,2", "--rounds", "1", "--max-tokens", "4",
+                    "--context-tokens", "400", "--rate", "4", "--open-requests", "2", "--data-dir", str(shared_data),
+                    "--json", str(out))
     assert rc == 0
     payload = json.loads(out.read_text())
     rows = payload["rows"]
