@@ -154,6 +154,20 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _cold_sample(backend: EngineBackend, store: ColdStore, sparse: bool, question_ids: Any,
+                 opts: Any) -> Sample:
+    """One generation from caches read back from disk; its TTFT is the load plus the prefill."""
+    t0 = time.perf_counter()
+    loaded = store.load_sparse() if sparse else store.load()
+    load_s = time.perf_counter() - t0
+    s = _generate(backend, loaded[0], loaded[1:], question_ids, opts)
+    inner = s.kv_load_s  # samkv reads its blocks inside the prefill
+    s.kv_load_s, s.ttft_s = load_s + inner, s.ttft_s - inner  # cold TTFT = sum
+    if s.kv_loaded_bytes is None:
+        s.kv_loaded_bytes = store.chunk_payload_bytes
+    return s
+
+
 def run_speed(
     backend: EngineBackend, hay: Haystack, *, contexts: list[int], methods: list[str], ratio: float,
     repeats: int, doc_tokens: int, seed: int, cold: bool = True,
@@ -190,16 +204,8 @@ def run_speed(
                     if store is not None and method == "vanilla":
                         cold_samples = warm  # vanilla prefills from tokens: it loads nothing, cold = warm
                     elif store is not None:
-                        for _ in range(repeats):
-                            t0 = time.perf_counter()
-                            loaded = store.load_sparse() if method in sparse else store.load()
-                            load_s = time.perf_counter() - t0
-                            s = _generate(backend, loaded[0], loaded[1:], question_ids, opts)
-                            inner = s.kv_load_s  # samkv reads its blocks inside the prefill
-                            s.kv_load_s, s.ttft_s = load_s + inner, s.ttft_s - inner  # cold TTFT = sum
-                            if s.kv_loaded_bytes is None:
-                                s.kv_loaded_bytes = store.chunk_payload_bytes
-                            cold_samples.append(s)
+                        cold_samples = [_cold_sample(backend, store, method in sparse, question_ids, opts)
+                                        for _ in range(repeats)]
                     if r is None:  # fixed by the method (epic): report the measured share
                         r = round(warm[0].recomputed_tokens / n_ctx, 3)
                     for mode, samples in (("warm", warm), ("cold", cold_samples if method != "vanilla" else [])):

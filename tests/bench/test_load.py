@@ -100,6 +100,8 @@ def test_a_shadow_rate_sweep_starts_a_server_per_rate(tmp_path: Path, monkeypatc
         (0.0, "anchor"), (0.0, "vanilla"), (1.0, "anchor"), (1.0, "vanilla")]
     assert set(payload["fidelity"]) == {"0.0", "1.0"}
     assert payload["fidelity"]["1.0"]["shadow_rate"] == 1.0 and payload["fidelity"]["0.0"]["shadow_rate"] == 0.0
+    each = payload["params"]["ingest_s_each"]  # one ingestion per server, the first quoted
+    assert len(each) == 2 and all(s and s > 0 for s in each) and payload["params"]["ingest_s"] == each[0]
     assert "## What shadow checks cost" in out.with_suffix(".md").read_text()
     assert bench_load(monkeypatch, default_llm_path, "--shadow-rates", "0,1", "--url", "http://127.0.0.1:9") == 2
 
