@@ -216,13 +216,10 @@ def _add_common(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:
     p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add `kvfuse bench ...`; import nothing heavy here."""
-    from kvfuse.bench import retriever
-    from kvfuse.bench.report import DEFAULT_RESULTS_DIR, SCRATCH_DIR
-
-    bench = sub.add_parser("bench", help="fidelity and speed benchmarks, reports and plots")
-    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+def _add_fidelity(bsub: argparse._SubParsersAction) -> None:
+    """`kvfuse bench fidelity`: its many options (tasks, layouts, orders, contexts) in one place."""
+    from kvfuse.bench.report import SCRATCH_DIR
+    from kvfuse.fusion import chunk_context
 
     fid = bsub.add_parser("fidelity", help="answer quality of every fusion method vs vanilla")
     fid.add_argument("--task", type=csv_list(str), action="append",
@@ -238,7 +235,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fid.add_argument("--api-key", default=None, help="API key for --url")
     fid.add_argument("--reference-dir", default=None,
                      help="where vanilla's outputs are kept and reused between runs (default: bench.reference_dir)")
-    fid.add_argument("--precompute-context", choices=("none", "document", "neighbours", "prefix", "sink"), default=None,
+    fid.add_argument("--precompute-context", choices=chunk_context.MODES, default=None,
                      help="what each chunk's KV is computed after (default: store.precompute_context)")
     fid.add_argument("--layout", type=csv_list(str), default=None,
                      help="haystack (one text's consecutive chunks, in order), multidoc (short documents of "
@@ -255,6 +252,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     fid.add_argument("--no-reference-cache", action="store_true", help="compute vanilla every run, keep nothing")
     _add_common(fid, max_tokens=None)
     fid.set_defaults(func=_fidelity, parser=fid)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `kvfuse bench ...`; import nothing heavy here."""
+    from kvfuse.bench import retriever
+    from kvfuse.bench.report import DEFAULT_RESULTS_DIR, SCRATCH_DIR
+
+    bench = sub.add_parser("bench", help="fidelity and speed benchmarks, reports and plots")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+
+    _add_fidelity(bsub)
 
     spd = bsub.add_parser("speed", help="TTFT (warm and from LMDB), KV load, decode speed, peak memory")
     spd.add_argument("--contexts", type=csv_list(int), default=csv_list(int)(DEFAULT_CONTEXTS),

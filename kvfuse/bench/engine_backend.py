@@ -115,28 +115,45 @@ class EngineBackend:
         return prefix, chunks, question_ids
 
     def contexts(self, ex: Example, prefix_ids: list[int], chunk_ids: list[list[int]]) -> list[list[int]]:
-        """Each chunk's precompute context in this run's mode. The example's chunks stand for a document
-        (in their order); neighbours are found among them, or in the example's corpus when it has one
-        (the multi-document layout, kvfuse.bench.multidoc)."""
+        """Each chunk's precompute context in this run's mode, as the service would choose it: the
+        single haystack's chunks stand for one document (in their order); in the multi-document layout
+        (kvfuse.bench.multidoc) each chunk is a document of its own, so `document` gives it nothing."""
         from kvfuse.fusion import chunk_context
 
         mode, budget = self.context_mode, self.context_tokens
-        if mode == "document":
-            return chunk_context.document_contexts(chunk_ids, budget)
+        if mode in ("document", "document_or_neighbours"):
+            # Each document of the multi-document layout is one chunk: nothing of its document before it.
+            docs = ([[] for _ in chunk_ids] if ex.corpus is not None
+                    else chunk_context.document_contexts(chunk_ids, budget))
+            if mode == "document":
+                return docs
+
+            def neighbours(rows: list[int]) -> list[list[int]]:
+                every = self.neighbour_contexts(ex, chunk_ids)
+                return [every[i] for i in rows]
+
+            return chunk_context.fill_empty(docs, neighbours)
         if mode == "prefix":
             return [list(prefix_ids) for _ in chunk_ids]
         if mode == "sink":
             return [chunk_context.sink_context(self.tokenizer) for _ in chunk_ids]
         if mode == "neighbours":
-            embedder = self.embedder()  # loaded once, outside the timing
-            t = time.perf_counter()
-            vectors = embedder.embed(list(ex.chunks))
-            self.ingest["embed_s"] += time.perf_counter() - t
-            if ex.corpus is not None:
-                return ex.corpus.neighbour_contexts(ex.sources, chunk_ids, vectors, embedder.embed,
-                                                    self.engine.tokenize, self.neighbours, budget)
-            return chunk_context.neighbour_contexts(chunk_ids, vectors, self.neighbours, budget)
+            return self.neighbour_contexts(ex, chunk_ids)
         return [[] for _ in chunk_ids]
+
+    def neighbour_contexts(self, ex: Example, chunk_ids: list[list[int]]) -> list[list[int]]:
+        """Every chunk's `neighbours` context: among the example's chunks, or in its corpus when it has
+        one (the multi-document layout)."""
+        from kvfuse.fusion import chunk_context
+
+        embedder = self.embedder()  # loaded once, outside the timing
+        t = time.perf_counter()
+        vectors = embedder.embed(list(ex.chunks))
+        self.ingest["embed_s"] += time.perf_counter() - t
+        if ex.corpus is not None:
+            return ex.corpus.neighbour_contexts(ex.sources, chunk_ids, vectors, embedder.embed,
+                                                self.engine.tokenize, self.neighbours, self.context_tokens)
+        return chunk_context.neighbour_contexts(chunk_ids, vectors, self.neighbours, self.context_tokens)
 
     def embedder(self) -> Any:
         if self._embedder is None:

@@ -111,15 +111,17 @@ class StoreSettings(Section):
         "verify each blob's checksum when it is read from LMDB (hot-tier hits skip it)"))
     orphan_grace_s: float = Field(3600.0, ge=0, description=(
         "`kvfuse store check --repair` keeps unreferenced blobs younger than this"))
-    # What a chunk's KV is computed after (kvfuse/fusion/chunk_context.py): none | document | neighbours |
-    # prefix | sink; the context's tokens are part of the chunk key. Budget and neighbour count for those modes.
-    precompute_context: Literal["none", "document", "neighbours", "prefix", "sink"] = Field("document", description=(
-        "what a chunk's KV is computed after, at ingestion: none | document | neighbours | prefix | sink "
-        '(docs/DESIGN.md, "Context-carrying chunk caches")'))
+    # What a chunk's KV is computed after (kvfuse/fusion/chunk_context.py, where the modes are explained);
+    # the context's tokens are part of the chunk key. Budget and neighbour count for those modes.
+    precompute_context: Literal["none", "document", "neighbours", "prefix", "sink", "document_or_neighbours"] = Field(
+        "document_or_neighbours", description=(
+            "what a chunk's KV is computed after, at ingestion: none | document | neighbours | prefix | sink | "
+            "document_or_neighbours (its document's text before it, or its neighbours where there is none; "
+            'docs/DESIGN.md, "Context-carrying chunk caches")'))
     precompute_context_tokens: int = Field(1024, ge=0, description=(
         "token budget of that context (document, neighbours)"))
     precompute_neighbours: int = Field(2, ge=1, description=(
-        "neighbours mode: the chunk's n most similar chunks"))
+        "neighbours modes: the chunk's n most similar chunks"))
 
 
 class RetrievalRequestSettings(Section):

@@ -13,6 +13,10 @@ fusion recovers positions exactly as for a chunk cached alone. Modes:
 - `prefix`: the shared system prefix (the chat template up to the user's content).
 - `sink`: the tokenizer's BOS token alone (CacheBlend's reference code computes each chunk after BOS): one
   shared attention sink, so no chunk grows its own at its first token, and nothing of any system prompt.
+- `document_or_neighbours`: `document` where the chunk has text before it in its document, `neighbours`
+  where it has none (a document's first chunk, and so every one-chunk document): `document` is the closer
+  context on consecutive chunks, `neighbours` the only one a chunk with nothing before it can have
+  (docs/results/prompt/README.md, "Chunks cached after their neighbours").
 
 The context is part of the chunk's identity: `kvblob.chunk_key(..., context_ids)` folds its tokens into
 the chunk key (and the blob header records its hash), so a chunk computed after another context is
@@ -22,10 +26,10 @@ caches", for what happens to stored caches when the neighbourhood changes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-MODES = ("none", "document", "neighbours", "prefix", "sink")
+MODES = ("none", "document", "neighbours", "prefix", "sink", "document_or_neighbours")
 
 
 def check_mode(mode: str) -> str:
@@ -41,6 +45,18 @@ def sink_context(tokenizer: Any) -> list[int]:
     from kvfuse.fusion.prompt import template_halves
 
     return list(tokenizer(template_halves(tokenizer, None)[0], add_special_tokens=False)["input_ids"][:1])
+
+
+def fill_empty(contexts: list[list[int]], fallback: Callable[[list[int]], list[list[int]]]) -> list[list[int]]:
+    """`document_or_neighbours`: each non-empty context kept; the rows with none take `fallback(rows)`'s
+    (one context per row, in order), so the fallback is only computed where it is used."""
+    rows = [i for i, c in enumerate(contexts) if not c]
+    if not rows:
+        return contexts
+    out = list(contexts)
+    for i, ctx in zip(rows, fallback(rows), strict=True):
+        out[i] = ctx
+    return out
 
 
 def document_contexts(chunks: Sequence[Sequence[int]], budget: int) -> list[list[int]]:

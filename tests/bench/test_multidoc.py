@@ -128,14 +128,19 @@ def test_examples_are_seeded_and_the_order_does_not_change_the_draw(corpus):
         multidoc.build_examples("needle", corpus, CFG, "retrieval")
 
 
-def test_neighbour_contexts_come_from_the_corpus_and_never_from_the_documents_own_passage(
-        tmp_path: Path, essays, tokenizer, embedder):
-    # a small corpus (ten essay openings) keeps the embedding of every passage quick
-    folder = tmp_path / "paul_graham_essays"
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory, essays, tokenizer) -> multidoc.Corpus:
+    """A small corpus (ten essay openings): the embedding of every passage stays quick."""
+    root = tmp_path_factory.mktemp("small")
+    folder = root / "paul_graham_essays"
     folder.mkdir()
     for name, body in essays[:10]:
         (folder / f"{name}.txt").write_text(body[:2500], encoding="utf-8")
-    small = multidoc.Corpus(tokenizer, tmp_path, 120)
+    return multidoc.Corpus(tokenizer, root, 120)
+
+
+def test_neighbour_contexts_come_from_the_corpus_and_never_from_the_documents_own_passage(
+        small, tokenizer, embedder):
     cfg = tasks.TaskConfig(n=1, docs=4, doc_tokens=120, seed=1)
     ex = multidoc.build_examples("multikey", small, cfg, "shuffled")[0]
     ids = [_tokens(tokenizer, c) for c in ex.chunks]
@@ -155,3 +160,32 @@ def test_neighbour_contexts_come_from_the_corpus_and_never_from_the_documents_ow
     # a budget cuts the joined context to its last tokens
     short = small.neighbour_contexts(ex.sources, ids, vecs, embedder.embed, lambda t: _tokens(tokenizer, t), 2, 50)
     assert short == [c[-50:] for c in contexts]
+
+
+@pytest.mark.slow
+def test_the_benchmark_picks_contexts_as_the_service_would(small, tokenizer, shared_data: Path,
+                                                          default_llm_path: str) -> None:
+    """Each multi-document document is one chunk: `document` gives it nothing, `document_or_neighbours`
+    its neighbours; on the single haystack the latter is `document` but for the first chunk."""
+    from kvfuse.bench.engine_backend import EngineBackend
+    from kvfuse.config import Settings
+    from kvfuse.fusion.chunk_context import document_contexts
+
+    backend = EngineBackend(Settings(model_cache_dir=Path(default_llm_path).parent), max_tokens=4)
+    ex = multidoc.build_examples("needle", small, tasks.TaskConfig(n=1, docs=3, doc_tokens=120, seed=2),
+                                 "shuffled", embed=backend.embedder().embed)[0]
+    ids = [_tokens(tokenizer, c) for c in ex.chunks]
+    by_mode = {}
+    for mode in ("document", "neighbours", "document_or_neighbours"):
+        backend.context_mode = mode
+        by_mode[mode] = backend.contexts(ex, [], ids)
+    assert by_mode["document"] == [[], [], []]
+    assert by_mode["document_or_neighbours"] == by_mode["neighbours"] and all(by_mode["neighbours"])
+
+    hay = tasks.build_examples("needle", tokenizer, shared_data, tasks.TaskConfig(n=1, docs=3, doc_tokens=64, seed=2))[0]
+    ids = [_tokens(tokenizer, c) for c in hay.chunks]
+    backend.context_mode = "neighbours"
+    first = backend.contexts(hay, [], ids)[0]
+    backend.context_mode = "document_or_neighbours"
+    mixed = backend.contexts(hay, [], ids)
+    assert first and mixed == [first, *document_contexts(ids, backend.context_tokens)[1:]]

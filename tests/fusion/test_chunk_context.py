@@ -16,6 +16,7 @@ from kvfuse.fusion import FusionEngine, FusionOptions
 from kvfuse.fusion.chunk_context import (
     check_mode,
     document_contexts,
+    fill_empty,
     joined,
     nearest_context,
     neighbour_contexts,
@@ -91,6 +92,12 @@ def test_context_choice():
     chunks = [[1, 2, 3], [4, 5], [6]]
     assert document_contexts(chunks, 4) == [[], [1, 2, 3], [2, 3, 4, 5]]
     assert document_contexts(chunks, 0) == [[], [], []]
+    # document_or_neighbours: only the chunks with nothing before them take the fallback, computed once
+    asked = []
+    filled = fill_empty(document_contexts(chunks, 4), lambda rows: asked.append(rows) or [[9, r] for r in rows])
+    assert filled == [[9, 0], [1, 2, 3], [2, 3, 4, 5]] and asked == [[0]]
+    assert fill_empty([[1], [2]], lambda rows: pytest.fail("nothing to fill")) == [[1], [2]]
+    assert check_mode("document_or_neighbours") == "document_or_neighbours"
     vecs = np.array([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0]])
     # chunk 0: closest is 1, then 2 -> least similar first
     assert neighbour_order(vecs, 2) == [[2, 1], [2, 0], [0, 1]]

@@ -14,6 +14,8 @@ context and keys it by both (docs/DESIGN.md, "Context-carrying chunk caches"). M
   least similar first, cut to the same budget. Chosen once, at ingestion: later documents do not
   recompute earlier ones. Never from another collection: a chunk's KV carries its context's content, and
   a query of one collection must not be answered with text of another shaping it.
+- `document_or_neighbours` (the default): `document` for a chunk with text before it, `neighbours` for one
+  without (a document's first chunk: every chunk of a one-chunk document).
 """
 
 from __future__ import annotations
@@ -37,8 +39,13 @@ def contexts_for(corpus: Corpus, doc_id: str, chunk_ids: list[list[int]], vector
     mode, budget = chunk_context.check_mode(s.precompute_context), s.precompute_context_tokens
     if mode == "none" or budget <= 0:
         return [[] for _ in chunk_ids]
-    if mode == "document":
-        return chunk_context.document_contexts(chunk_ids, budget)
+    if mode in ("document", "document_or_neighbours"):
+        contexts = chunk_context.document_contexts(chunk_ids, budget)
+        if mode == "document":
+            return contexts
+        return chunk_context.fill_empty(contexts, lambda rows: _neighbour_contexts(
+            corpus, doc_id, collection, chunk_ids, np.asarray(vectors, dtype=np.float32),
+            s.precompute_neighbours, budget, rows))
     if mode == "sink":
         return [chunk_context.sink_context(corpus.chunker.tokenizer) for _ in chunk_ids]
     if mode == "prefix":
@@ -52,14 +59,17 @@ def contexts_for(corpus: Corpus, doc_id: str, chunk_ids: list[list[int]], vector
 
 
 def _neighbour_contexts(corpus: Corpus, doc_id: str, collection: str, chunk_ids: list[list[int]],
-                        vectors: np.ndarray, n: int, budget: int) -> list[list[int]]:
+                        vectors: np.ndarray, n: int, budget: int,
+                        rows: list[int] | None = None) -> list[list[int]]:
+    """The `neighbours` context of each chunk in `rows` (default: every chunk), in that order."""
     own = vectors @ vectors.T
     previous = corpus.store.get_document(doc_id)
     # The document's previous version is still in the index: ask for enough hits to skip all of it.
     top_k = n + (len(previous.chunk_keys) if previous is not None else 0)
     records: dict[str, Any] = {}
     out = []
-    for i, vec in enumerate(vectors):
+    for i in range(len(chunk_ids)) if rows is None else rows:
+        vec = vectors[i]
         scored: list[tuple[float, list[int]]] = [(float(own[i, j]), chunk_ids[j])
                                                  for j in range(len(chunk_ids)) if j != i]
         found = corpus.index.search(vec, top_k, collections=[collection]) if corpus.index is not None else []

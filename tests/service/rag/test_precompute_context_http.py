@@ -8,6 +8,8 @@ kvfuse/service/rag/precompute_context.py): a real server ingests over HTTP, and 
   taken for another model's, none is rebuilt).
 - `neighbours`: a one-chunk document is computed after the most similar chunk of the other documents in
   the index, found with the real embedder.
+- `document_or_neighbours` (the default): a one-chunk document as under `neighbours`; a longer document's
+  chunks as under `document`, but its first, which takes its nearest chunk.
 - Every mode (`none`, `document`, `neighbours`, `prefix`, `sink`) ingests a document and answers a query
   over it; under `prefix` every chunk is computed after the system prefix of `model.system_prompt`, under
   `sink` after the BOS token.
@@ -34,6 +36,7 @@ ENV = {"KVFUSE_SERVER__API_KEYS": API_KEY, "KVFUSE_RETRIEVER__CHUNK_TOKENS": str
        "KVFUSE_STORE__PRECOMPUTE_CONTEXT_TOKENS": str(BUDGET), "KVFUSE_STORE__KV_DTYPE": "float32",
        "KVFUSE_STORE__PRECOMPUTE_NEIGHBOURS": "1", "KVFUSE_GENERATION__MAX_TOKENS": "4"}
 SHORT = "The lighthouse keeper counted ships every night and wrote their names in a green notebook."
+SHORT2 = "Most people regret the things they did not do more than the mistakes they made along the way."
 
 
 def _stored(data_dir: Path, doc_id: str) -> tuple[DocumentRecord, list[tuple[torch.Tensor, torch.Tensor, kvblob.KVHeader]]]:
@@ -108,6 +111,25 @@ def test_document_and_neighbour_contexts_over_http(tmp_path: Path, essays3: dict
     sims = embedder.embed(texts) @ embedder.embed([SHORT])[0]
     nearest = chunks[int(sims.argmax())]
     assert short.chunk_contexts == [kvblob.context_hash(nearest[-BUDGET:])]
+
+    # The default, `document_or_neighbours`: a one-chunk document takes its nearest chunk; a longer one
+    # each chunk's own text before it, but its first chunk, which has none, its nearest.
+    more = essays3["pow"][:1200]
+    server = ServerProcess(data, tmp_path / "default.log", **ENV).start()
+    try:
+        with make_client(server) as c:
+            ingest(c, [{"id": "again", "text": SHORT2}, {"id": "more", "text": more}])
+            _ask(c, "again")
+    finally:
+        server.stop()
+    again, _ = _stored(data, "again")
+    cands = [*chunks, chunker.chunk(SHORT)[0].token_ids]
+    sims = embedder.embed([*texts, SHORT]) @ embedder.embed([SHORT2])[0]
+    assert again.chunk_contexts == [kvblob.context_hash(cands[int(sims.argmax())][-BUDGET:])]
+    rec, _ = _stored(data, "more")
+    own = document_contexts([c.token_ids for c in chunker.chunk(more)], BUDGET)
+    assert len(own) >= 2 and rec.chunk_contexts[1:] == [kvblob.context_hash(ctx) for ctx in own[1:]]
+    assert rec.chunk_contexts[0] != ""
 
 
 @pytest.mark.parametrize("mode", ["none", "document", "neighbours", "prefix", "sink"])
