@@ -147,14 +147,20 @@ def test_the_openai_route_takes_the_same_retrieval_object(client: httpx.Client) 
 
 def test_same_text_in_two_collections_gets_two_ids_and_shares_its_kv(client: httpx.Client) -> None:
     text = "Basalt columns form when thick lava cools slowly and cracks into hexagons."
-    a = client.post("/v1/documents?wait=true", json={"text": text}).json()
+    a = client.post("/v1/documents?wait=true", json={"text": text, "collection": "basalt-a"}).json()
     computed = metric(client, "kvfuse_precomputed_chunks_total")
-    b = client.post("/v1/documents?wait=true", json={"text": text, "collection": "notes"}).json()
-    assert a["document_id"].startswith("sha256-") and b["document_id"] == "notes:" + a["document_id"]
+    b = client.post("/v1/documents?wait=true", json={"text": text, "collection": "basalt-b"}).json()
+    assert a["document_id"].startswith("basalt-a:sha256-")
+    assert b["document_id"] == "basalt-b:" + a["document_id"].split(":", 1)[1]
     docs = [client.get(f"/v1/documents/{d}").json() for d in (a["document_id"], b["document_id"])]
-    assert [d["collection"] for d in docs] == ["default", "notes"]
-    assert metric(client, "kvfuse_precomputed_chunks_total") == computed  # the stored chunk KV was reused
-    for d in (a, b):
+    assert [d["collection"] for d in docs] == ["basalt-a", "basalt-b"]
+    # Alone in their collections, both copies have the same (no) context: the stored chunk KV was reused.
+    assert metric(client, "kvfuse_precomputed_chunks_total") == computed
+    # In a collection with other documents its one chunk is cached after their nearest one
+    # (store.precompute_context's default): a cache of its own, shaped by that collection only.
+    c = client.post("/v1/documents?wait=true", json={"text": text, "collection": "notes"}).json()
+    assert metric(client, "kvfuse_precomputed_chunks_total") == computed + 1
+    for d in (a, b, c):
         assert client.delete(f"/v1/documents/{d['document_id']}").status_code == 200
 
 
