@@ -12,7 +12,7 @@ Version 2 (docs/methods/samkv.md, "Sparse loading"): the same `k` and `v` at the
 - a checksum per block of `block_tokens` tokens (k then v of the block, layer by layer, head by
   head), so `read_blocks` can copy and verify a few blocks without reading the rest of the blob;
 - optional per-chunk artifacts after `v` (tensors named `a.<name>`, with their own checksum), e.g.
-  the sparse-attention analysis of `kvfuse.fusion.sparse`.
+  the sparse-attention analysis of `kvfuse.fusion.methods.sparse`.
 Version 1 blobs still decode (no block checksums, no artifacts). The content key does not carry the
 format version (KEY_VERSION stays 1): a chunk's KV is the same in both versions, so an old blob keeps
 serving under its key.

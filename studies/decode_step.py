@@ -17,7 +17,7 @@ import torch
 
 from kvfuse.config import Settings
 from kvfuse.fusion.cache import FusedCache
-from kvfuse.fusion.engine import FusionEngine
+from kvfuse.fusion.fusion_engine import FusionEngine
 
 
 def step_time(engine: FusionEngine, batch: int, length: int, steps: int) -> float:

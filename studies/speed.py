@@ -19,7 +19,7 @@ import torch
 
 from kvfuse.fusion import ChunkKV, FusionEngine, FusionOptions
 from kvfuse.fusion.methods.anchor import Anchor, layer_window
-from kvfuse.fusion.model_loading import torch_dtype
+from kvfuse.fusion.model.loading import torch_dtype
 
 
 def probe_layers(method: str, num_layers: int) -> int:

@@ -34,9 +34,9 @@ from kvfuse.bench.fidelity import kl_divergence
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import load_settings
-from kvfuse.fusion import transformer
 from kvfuse.fusion.methods import anchor as A
 from kvfuse.fusion.methods.base import register
+from kvfuse.fusion.model import transformer
 
 DATA = resolve_data_dir()  # the setting bench.data_dir (KVFUSE_BENCH__DATA_DIR)
 TAIL = 64  # SamKV's local segment is two 64-token blocks; one is kept here (chunks are ~500 tokens)

@@ -64,7 +64,7 @@ def _time_path(engine: Any, cache: Any, path: str, streams: int, steps: int) -> 
     """Seconds per step of `steps` steps of `streams` copies of `cache` (after the warm-up steps)."""
     import torch
 
-    from kvfuse.fusion import sampling
+    from kvfuse.fusion.engine import sampling
     from kvfuse.fusion.kv_pool import KVPool
     from kvfuse.fusion.model_runner import DecodeRunner
 

@@ -247,7 +247,7 @@ class EngineBackend:
 
         if get_method(method).own_pipeline:
             from kvfuse.fusion.methods.samkv import artifacts_for
-            from kvfuse.fusion.sparse.source import MemorySource
+            from kvfuse.fusion.methods.sparse.source import MemorySource
 
             for c in chunks:
                 artifacts_for(self.engine, MemorySource(c))

@@ -61,7 +61,7 @@ def build_engine(shape: str, tokenizer_path: str, device: str, dtype: str, seed:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvfuse.fusion import FusionEngine
-    from kvfuse.fusion.model_loading import torch_dtype
+    from kvfuse.fusion.model.loading import torch_dtype
 
     spec = dict(SHAPES[shape])
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)

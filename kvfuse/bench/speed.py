@@ -93,7 +93,7 @@ class ColdStore:
             arts = None
             if artifacts and i > 0:
                 from kvfuse.fusion.methods.samkv import artifacts_for
-                from kvfuse.fusion.sparse.source import MemorySource
+                from kvfuse.fusion.methods.sparse.source import MemorySource
 
                 arts = artifacts_for(backend.engine, MemorySource(c))[0].to_tensors()
             key, nbytes = self.store.put_kv(fp, self.kv_dtype, c.token_ids, c.k, c.v, arts)
@@ -118,7 +118,7 @@ class ColdStore:
     def load_sparse(self) -> list[Any]:
         """The prefix read whole, the chunks as block sources (samkv reads the blocks it selects)."""
         from kvfuse.fusion import ChunkKV
-        from kvfuse.fusion.sparse.source import StoreSource
+        from kvfuse.fusion.methods.sparse.source import StoreSource
 
         (pkey, pids), *rest = self.keys
         k, v, _ = self.store.load_chunk(pkey)

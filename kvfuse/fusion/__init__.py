@@ -3,8 +3,8 @@
 Pure torch + transformers; no web, no storage. See docs/INTERFACES.md for the contract.
 """
 
-from kvfuse.fusion.engine import FusionEngine
 from kvfuse.fusion.errors import ContextOverflowError, FusionError, UnknownMethodError, UnsupportedModelError
+from kvfuse.fusion.fusion_engine import FusionEngine
 from kvfuse.fusion.methods import available_methods
 from kvfuse.fusion.types import (
     ChunkKV,

@@ -14,7 +14,7 @@ from kvfuse.fusion.errors import FusionError
 
 
 def decode_caches(tf, caches: list[FusedCache], token_ids: torch.Tensor) -> torch.Tensor:
-    """One decode step for B sequences with the layers of `tf` (kvfuse.fusion.transformer.Transformer):
+    """One decode step for B sequences with the layers of `tf` (kvfuse.fusion.model.transformer.Transformer):
     token_ids [B] -> logits [B, vocab] (fp32).
 
     The B new tokens go through embedding, norms, projections and MLP as one matrix [B, 1, hidden]

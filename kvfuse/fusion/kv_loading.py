@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvfuse.fusion.rope import Rope, rotate_half
+from kvfuse.fusion.model.rope import Rope, rotate_half
 from kvfuse.fusion.types import ChunkKV
 
 _HOST_SLOTS = 3  # page-locked staging buffers in flight: the host gathers layer l + 2 while l copies

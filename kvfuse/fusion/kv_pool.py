@@ -55,7 +55,7 @@ class KVPool:
 
     @classmethod
     def for_transformer(cls, tf) -> KVPool:
-        """A pool shaped for `tf` (kvfuse.fusion.transformer.Transformer), in its compute dtype and device."""
+        """A pool shaped for `tf` (kvfuse.fusion.model.transformer.Transformer), in its compute dtype and device."""
         return cls(tf.num_layers, tf.num_kv_heads, tf.head_dim, tf.dtype, tf.embed_tokens.weight.device)
 
     def _alloc(self, slots: int, tokens: int) -> torch.Tensor:

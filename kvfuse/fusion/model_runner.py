@@ -32,7 +32,7 @@ log = logging.getLogger("kvfuse.fusion")
 
 
 class DecodeRunner:
-    """Decode steps over `pool` with the layers of `tf` (kvfuse.fusion.transformer.Transformer)."""
+    """Decode steps over `pool` with the layers of `tf` (kvfuse.fusion.model.transformer.Transformer)."""
 
     def __init__(self, tf, pool: KVPool, *, cuda_graphs: bool = False, compile_backend: str | None = None) -> None:
         """compile_backend: run the step through torch.compile with this backend (None: eagerly)."""

@@ -5,7 +5,7 @@
 so its smallest unit of work grows with the prompt. Here the prompt is cut into pieces of `piece_rows`
 consecutive positions; each piece goes through every layer, writing its K/V into the cache by position
 and attending causally over the keys before it (lower-right causal, the contiguous-rows case of
-kvfuse/fusion/attention.py), exactly as the rows of one whole prefill do. The result is the same cache
+kvfuse/fusion/model/attention.py), exactly as the rows of one whole prefill do. The result is the same cache
 and the same last-row logits as `fuse_steps` with method `vanilla`, up to the float error of a different
 summation order (tests/fusion/test_piecewise_prefill.py pins it).
 

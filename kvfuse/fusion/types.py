@@ -91,4 +91,4 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     decode_steps: int = 0  # forward steps after the first token (one more than tokens kept when EOS ended it)
     stats: dict[str, int] = field(default_factory=dict)  # the fused prefill's stats (FusedPrefill.stats)
-    logprobs: list = field(default_factory=list)  # per kept token (fusion/logprobs.py), when asked for
+    logprobs: list = field(default_factory=list)  # per kept token (fusion/engine/logprobs.py), when asked for

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from kvfuse.fusion.cache import FusedCache
-from kvfuse.fusion.kvlink_artifact import LinkArtifact, artifact_path
 from kvfuse.fusion.methods.kvlink import link_layout
+from kvfuse.fusion.methods.kvlink_artifact import LinkArtifact, artifact_path
 from kvfuse.fusion.types import ChunkKV
 from kvfuse.train.kvlink_data import LinkExample, Passages, make_example
 

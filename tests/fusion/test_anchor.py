@@ -8,7 +8,8 @@ import pytest
 import torch
 from fusion_helpers import hf_forward, to_dynamic_cache
 
-from kvfuse.fusion import FusionOptions, GenerationOptions, scoring
+from kvfuse.fusion import FusionOptions, GenerationOptions
+from kvfuse.fusion.methods import scoring
 from kvfuse.fusion.methods.anchor import Anchor, evidence_scores, layer_window, spread
 
 ATOL = 2e-4  # fp32 logits of a 30-layer model (as the engine's own tests)

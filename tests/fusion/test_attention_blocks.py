@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfuse.fusion import attention_cpu
-from kvfuse.fusion.attention import Attention
 from kvfuse.fusion.cache import FusedCache
-from kvfuse.fusion.transformer import Rows, Transformer
+from kvfuse.fusion.model import attention_cpu
+from kvfuse.fusion.model.attention import Attention
+from kvfuse.fusion.model.transformer import Rows, Transformer
 
 TOTAL = 300
 

@@ -1,4 +1,4 @@
-"""Every attention path of kvfuse/fusion/attention.py against attention written out by hand in float64,
+"""Every attention path of kvfuse/fusion/model/attention.py against attention written out by hand in float64,
 for random row sets: the kernel's causal mask, lower-right causal (contiguous rows), the LSE-returning
 call the probe uses, FlexAttention's block mask by position (its plan and padding, run eagerly on the
 CPU: the same function the CUDA path compiles), and the dense mask. The CUDA half (`-m cuda`) runs the
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfuse.fusion import attention, attention_flex
-from kvfuse.fusion.attention import Attention
-from kvfuse.fusion.transformer import Rows
+from kvfuse.fusion.model import attention, attention_flex
+from kvfuse.fusion.model.attention import Attention
+from kvfuse.fusion.model.transformer import Rows
 
 H, HKV, D, SCALE = 4, 2, 64, 64**-0.5
 CUDA = torch.cuda.is_available()
@@ -186,7 +186,7 @@ def test_a_failing_flex_kernel_falls_back_to_the_dense_mask_for_good() -> None:
 def test_probe_probabilities_from_the_kernels_log_sum_exp_are_the_softmax(device: str) -> None:
     """The probe's scores onto the first N keys (the context, seen by every question row), normalised by
     `with_lse`'s log-sum-exp over all the keys each row sees: the softmax's own probabilities."""
-    from kvfuse.fusion import scoring
+    from kvfuse.fusion.methods import scoring
 
     gen = torch.Generator().manual_seed(11)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvfuse.fusion import FusionOptions, GenerationOptions, GenerationResult, TokenDelta
-from kvfuse.fusion.decode import IncrementalDetokenizer, StopMatcher
+from kvfuse.fusion.engine.detokenize import IncrementalDetokenizer, StopMatcher
 
 PIE = FusionOptions(method="pie")
 

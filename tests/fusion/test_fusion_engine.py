@@ -17,9 +17,8 @@ from kvfuse.fusion import (
     FusionOptions,
     GenerationOptions,
     UnknownMethodError,
-    scoring,
 )
-from kvfuse.fusion.methods import available_methods
+from kvfuse.fusion.methods import available_methods, scoring
 
 pytestmark = pytest.mark.slow
 
@@ -243,7 +242,7 @@ def test_context_overflow(engine, prompt):
 
 
 def test_fingerprint_identifies_model_and_dtype(engine):
-    from kvfuse.fusion.model_loading import fingerprint
+    from kvfuse.fusion.model.loading import fingerprint
 
     assert fingerprint(engine.model, engine.tokenizer, "float32") == engine.fingerprint
     assert fingerprint(engine.model, engine.tokenizer, "bfloat16") != engine.fingerprint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvfuse.fusion import scoring
+from kvfuse.fusion.methods import scoring
 
 
 def test_budget_rounds_half_up_within_bounds():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfuse.fusion.generation import Generation
+from kvfuse.fusion.engine.generation import Generation
 from kvfuse.fusion.types import GenerationOptions
 
 

@@ -13,8 +13,8 @@ from fusion_helpers import Prompt
 
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import ChunkKV, FusionEngine, FusionOptions
-from kvfuse.fusion.kvlink_artifact import KVLinkArtifactError, LinkArtifact, artifact_path, find
 from kvfuse.fusion.methods.kvlink import KVLink, link_layout
+from kvfuse.fusion.methods.kvlink_artifact import KVLinkArtifactError, LinkArtifact, artifact_path, find
 from kvfuse.train.kvlink import Encoded, link_rows_forward
 
 

@@ -1,4 +1,4 @@
-"""Log-probabilities (fusion/logprobs.py) pinned to the math: log-softmax of the logits row, the top ones
+"""Log-probabilities (fusion/engine/logprobs.py) pinned to the math: log-softmax of the logits row, the top ones
 sorted and equal to the row's own largest values, and a Generation asked for them records one per kept
 token (none for the EOS that ends it), handing each out once to the stream."""
 
@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from kvfuse.fusion.generation import Generation
-from kvfuse.fusion.logprobs import token_logprob
+from kvfuse.fusion.engine.generation import Generation
+from kvfuse.fusion.engine.logprobs import token_logprob
 from kvfuse.fusion.types import GenerationOptions
 
 EOS = 2

@@ -123,7 +123,7 @@ def _reference_placement(eng: FusionEngine, chunks: list[ChunkKV], starts: list[
     deltas = torch.cat([torch.full((len(c),), s) for c, s in zip(chunks, starts, strict=True)])
     cos, sin = eng.rope.shift_table(deltas)
     k32 = k.float()
-    from kvfuse.fusion.rope import rotate_half
+    from kvfuse.fusion.model.rope import rotate_half
 
     return (k32 * cos + rotate_half(k32) * sin).to(dtype), v.to(dtype)
 

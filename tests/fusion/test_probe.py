@@ -9,11 +9,11 @@ import pytest
 import torch
 from fusion_helpers import make_prompt
 
-from kvfuse.fusion import FusionOptions, scoring
+from kvfuse.fusion import FusionOptions
 from kvfuse.fusion.cache import FusedCache, Layout
-from kvfuse.fusion.methods import get_method
+from kvfuse.fusion.methods import get_method, scoring
 from kvfuse.fusion.methods.anchor import Anchor, layer_window
-from kvfuse.fusion.selection import SelectionContext
+from kvfuse.fusion.methods.selection import SelectionContext
 
 
 class SoftmaxProbe(SelectionContext):

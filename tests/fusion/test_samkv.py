@@ -9,10 +9,10 @@ from fusion_helpers import hf_forward, make_prompt
 
 from kvfuse.fusion import FusionOptions, GenerationOptions
 from kvfuse.fusion.methods.samkv import artifacts_for
-from kvfuse.fusion.sparse import artifacts as arts_mod
-from kvfuse.fusion.sparse.blocks import Segments, stable_layers
-from kvfuse.fusion.sparse.select import DocInputs, select_blocks
-from kvfuse.fusion.sparse.source import MemorySource
+from kvfuse.fusion.methods.sparse import artifacts as arts_mod
+from kvfuse.fusion.methods.sparse.blocks import Segments, stable_layers
+from kvfuse.fusion.methods.sparse.select import DocInputs, select_blocks
+from kvfuse.fusion.methods.sparse.source import MemorySource
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +116,7 @@ def test_store_reads_only_the_selected_blocks_and_old_blobs_still_serve(engine, 
     reports are the bytes the store handed over; a version-1 blob (no blocks, no artifacts) still serves,
     read whole and its artifacts rebuilt, with the same answer."""
     from kvfuse import blob_checksums, kvblob
-    from kvfuse.fusion.sparse.source import StoreSource
+    from kvfuse.fusion.methods.sparse.source import StoreSource
     from kvfuse.store import KVStore
 
     settings = settings_factory(redis_url="", store={"hot_tier_mb": 0})

@@ -1,4 +1,4 @@
-"""Token choice for a batch on the device (kvfuse/fusion/sampling.py): each row's choice is the one it
+"""Token choice for a batch on the device (kvfuse/fusion/engine/sampling.py): each row's choice is the one it
 gets alone (greedy and seeded nucleus rows mixed), a seed repeats its draws, and the draws follow the
 temperature-scaled, top-p-truncated distribution."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kvfuse.fusion import sampling
-from kvfuse.fusion.sampling import RowSampling
+from kvfuse.fusion.engine import sampling
+from kvfuse.fusion.engine.sampling import RowSampling
 
 VOCAB = 500
 

@@ -12,8 +12,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import FusionEngine, FusionOptions
-from kvfuse.fusion.kvlink_artifact import artifact_path, read
 from kvfuse.fusion.methods.kvlink import KVLink
+from kvfuse.fusion.methods.kvlink_artifact import artifact_path, read
 from kvfuse.train.kvlink import TrainConfig, Trainer, answer_loss, encode, init_tables
 from kvfuse.train.kvlink_data import Passages, make_example
 

@@ -11,9 +11,9 @@ Departure: the paper sizes the selection as r * n with n the whole input; here n
 
 import torch
 
-from kvfuse.fusion import scoring
+from kvfuse.fusion.methods import scoring
 from kvfuse.fusion.methods.base import CheckLayerMethod, register
-from kvfuse.fusion.selection import SelectionContext
+from kvfuse.fusion.methods.selection import SelectionContext
 
 
 @register

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfuse.fusion.methods.base import FusionMethod, register
-from kvfuse.fusion.selection import SelectionContext
+from kvfuse.fusion.methods.selection import SelectionContext
 
 
 def layer_window(num_layers: int, start_frac: float, end_frac: float) -> range:

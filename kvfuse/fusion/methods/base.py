@@ -7,7 +7,7 @@ those rows plus every question row through the remaining layers, attending over 
 from where `recompute_start()` says.
 
 A new method is one module in this package with a subclass decorated by `@register`; modules here are
-imported automatically. Build `select()` from the signals of `SelectionContext` and `kvfuse.fusion.scoring`.
+imported automatically. Build `select()` from the signals of `SelectionContext` and `kvfuse.fusion.methods.scoring`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvfuse.fusion.selection import SelectionContext
-from kvfuse.fusion.transformer import Rows
+from kvfuse.fusion.methods.selection import SelectionContext
+from kvfuse.fusion.model.transformer import Rows
 from kvfuse.fusion.types import ChunkKV, FusionOptions
 
 _REGISTRY: dict[str, type[FusionMethod]] = {}
@@ -32,7 +32,7 @@ class FusionMethod:
     def pipeline(self, engine, prefix, chunks, question_ids, options, max_tokens):
         """Only for `own_pipeline` methods: the whole fused prefill, as `FusionEngine.fuse_steps` (a
         generator yielding the rows each layer ran, returning the FusedPrefill). `chunks` may be
-        ChunkKV or the method's own sources (samkv: kvfuse.fusion.sparse.source)."""
+        ChunkKV or the method's own sources (samkv: kvfuse.fusion.methods.sparse.source)."""
         raise NotImplementedError
 
     @classmethod

@@ -6,9 +6,9 @@ written to the cache (they are computed anyway to measure the deviation)."""
 
 import torch
 
-from kvfuse.fusion import scoring
+from kvfuse.fusion.methods import scoring
 from kvfuse.fusion.methods.base import CheckLayerMethod, register
-from kvfuse.fusion.selection import SelectionContext
+from kvfuse.fusion.methods.selection import SelectionContext
 
 
 @register

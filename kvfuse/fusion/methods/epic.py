@@ -6,7 +6,7 @@ The selection is fixed by the chunk structure, so its size is the edge count, no
 import torch
 
 from kvfuse.fusion.methods.base import FusionMethod, register
-from kvfuse.fusion.selection import SelectionContext
+from kvfuse.fusion.methods.selection import SelectionContext
 
 
 @register

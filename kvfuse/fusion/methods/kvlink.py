@@ -9,7 +9,7 @@ within their chunk (their stored caches), link and question tokens to everything
 K = 0 nothing is added and kvlink is `pie`.
 
 The link embeddings come from the artifact `kvfuse train kvlink` trains for the engine's model
-(`kvfuse.fusion.kvlink_artifact`), loaded at engine start; a request for kvlink on a model without one is
+(`kvfuse.fusion.methods.kvlink_artifact`), loaded at engine start; a request for kvlink on a model without one is
 refused (ValueError: 422) with the command to train it. docs/methods/kvlink.md has the design and results.
 
 Departures from the paper, and why:
@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from kvfuse.fusion import kvlink_artifact
+from kvfuse.fusion.methods import kvlink_artifact
 from kvfuse.fusion.methods.base import FusionMethod, register
-from kvfuse.fusion.selection import SelectionContext
-from kvfuse.fusion.transformer import Rows
+from kvfuse.fusion.methods.selection import SelectionContext
+from kvfuse.fusion.model.transformer import Rows
 from kvfuse.fusion.types import ChunkKV, FusionOptions
 
 

@@ -10,9 +10,9 @@ tokens) and only the context columns are scored; the stage-I question K/V are di
 
 import torch
 
-from kvfuse.fusion import scoring
+from kvfuse.fusion.methods import scoring
 from kvfuse.fusion.methods.base import FusionMethod, register
-from kvfuse.fusion.selection import SelectionContext
+from kvfuse.fusion.methods.selection import SelectionContext
 
 
 @register

@@ -1,7 +1,7 @@
 """samkv (SamKV, "Sparse Attention across Multiple-context KV Cache"): load and attend over a sparse
 share of the chunks' KV, recomputing a few tokens inside it.
 
-The pipeline (paper Sec. 3; pieces in kvfuse/fusion/sparse/):
+The pipeline (paper Sec. 3; pieces in kvfuse/fusion/methods/sparse/):
 1. Artifacts: each chunk's block-mean keys, mean local query and static attention analysis, kept in its
    blob (ingest) or rebuilt by the analysis pass when absent (kept in this process's LRU).
 2. Probe: the initial + local blocks of every chunk (the only KV read so far) form a compact cache
@@ -12,7 +12,7 @@ The pipeline (paper Sec. 3; pieces in kvfuse/fusion/sparse/):
    them alone).
 4. The sparse cache: prefix, then per chunk its kept blocks in order, then the question, at compacted
    positions: every kept block's keys are rotated from their chunk position to their sparse-cache one
-   (the rotation is exact, kvfuse/fusion/rope.py). Decoding continues from the sparse cache's end.
+   (the rotation is exact, kvfuse/fusion/model/rope.py). Decoding continues from the sparse cache's end.
 5. Local recomputation inside the sparse set: round(r * sparse context) tokens, the PauTa candidates of
    the kept middle blocks first, then the initial/local tokens the probe's question attended to most
    (stable layers, heads and question rows averaged), then the other kept tokens. They and the question
@@ -45,14 +45,14 @@ from typing import ClassVar
 
 import torch
 
-from kvfuse.fusion import scoring
 from kvfuse.fusion.cache import FusedCache, Layout
+from kvfuse.fusion.methods import scoring
 from kvfuse.fusion.methods.base import FusionMethod, register
-from kvfuse.fusion.rope import apply_rope
-from kvfuse.fusion.sparse import artifacts as arts_mod
-from kvfuse.fusion.sparse.blocks import Segments, stable_layers
-from kvfuse.fusion.sparse.select import DocInputs, select_blocks
-from kvfuse.fusion.sparse.source import BlockSource, MemorySource
+from kvfuse.fusion.methods.sparse import artifacts as arts_mod
+from kvfuse.fusion.methods.sparse.blocks import Segments, stable_layers
+from kvfuse.fusion.methods.sparse.select import DocInputs, select_blocks
+from kvfuse.fusion.methods.sparse.source import BlockSource, MemorySource
+from kvfuse.fusion.model.rope import apply_rope
 from kvfuse.fusion.types import ChunkKV, FusedPrefill
 
 _REBUILT_KEPT = 1024  # artifacts rebuilt in this process, kept by chunk content (LRU)

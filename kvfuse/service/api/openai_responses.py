@@ -62,7 +62,7 @@ class TokenLogprob(TopLogprob):
 
 class ChoiceLogprobs(BaseModel):
     """OpenAI's `logprobs` of a choice: each generated token's, with `top_logprobs` alternatives. The
-    model's own distribution, before temperature and top-p (kvfuse/fusion/logprobs.py)."""
+    model's own distribution, before temperature and top-p (kvfuse/fusion/engine/logprobs.py)."""
 
     content: list[TokenLogprob] | None
     refusal: None = None

@@ -165,7 +165,7 @@ class ChatIn(GenerationIn, RetrievalIn):
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's bounds (fusion/logprobs.py MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's bounds (fusion/engine/logprobs.py MAX_TOP_LOGPROBS)
 
 
 # Bodies read by hand (see `documented_body`), listed in /openapi.json all the same.

@@ -107,7 +107,7 @@ class QueryRun:
     events: AsyncIterator[tuple[str, dict]]
     sources: list[SourceChunk]
     dropped: list[SourceChunk]
-    logprobs: list | None = None  # every generated token's (fusion/logprobs.py), once the Result came, if asked
+    logprobs: list | None = None  # every generated token's (fusion/engine/logprobs.py), once the Result came, if asked
 
     @property
     def warning(self) -> str | None:

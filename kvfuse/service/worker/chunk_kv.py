@@ -60,18 +60,18 @@ class ChunkCache:
                 for i in range(len(chunks))]
 
     def chunk_artifacts(self, token_ids: list[int]) -> dict | None:
-        """What the blob keeps beside the KV: samkv's analysis of the chunk (kvfuse.fusion.sparse), when
+        """What the blob keeps beside the KV: samkv's analysis of the chunk (kvfuse.fusion.methods.sparse), when
         `fusion.samkv_ingest_artifacts` is on; else None (samkv rebuilds it on demand)."""
         if not self.settings.fusion.samkv_ingest_artifacts:
             return None
-        from kvfuse.fusion.sparse import artifacts
+        from kvfuse.fusion.methods.sparse import artifacts
 
         return artifacts.build(self.engine.tf, token_ids).to_tensors()
 
     def block_source(self, key: str, token_ids: list[int]) -> Any:
         """A chunk read block by block from the store (samkv); the whole chunk, rebuilt if need be, on a
         miss or a damaged blob."""
-        from kvfuse.fusion.sparse.source import StoreSource
+        from kvfuse.fusion.methods.sparse.source import StoreSource
 
         return StoreSource(self.store, key, token_ids,
                            fallback=lambda: self.load_or_rebuild(key, token_ids, write_back=False)[0])

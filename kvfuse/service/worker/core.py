@@ -200,7 +200,7 @@ class Worker:
         the tokens chosen on the device for the whole batch and copied to the host once."""
         import torch
 
-        from kvfuse.fusion import sampling
+        from kvfuse.fusion.engine import sampling
 
         by_job = {r.job_id: r for r in batch}
         try:

@@ -92,7 +92,7 @@ class QuerySequence:
         self.fusion = fusion
         self.gen_options = gen
         self.full_prefill = full_prefill
-        self.gen: Any = None  # kvfuse.fusion.generation.Generation, from the prefill on
+        self.gen: Any = None  # kvfuse.fusion.engine.generation.Generation, from the prefill on
         self.cache: Any = None
         self.stats: dict[str, int] = {}
         self.timings: dict[str, float] = {}
@@ -133,7 +133,7 @@ class QuerySequence:
     def advance(self, engine: Any, budget: int) -> tuple[int, str | None]:
         """Run the prefill for about `budget` rows x layers (at least one layer): (work done, the first
         token's text once the prefill is complete, else None)."""
-        from kvfuse.fusion.generation import Generation
+        from kvfuse.fusion.engine.generation import Generation
 
         spent = 0
         try:

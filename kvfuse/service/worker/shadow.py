@@ -160,7 +160,7 @@ class ShadowChecks:
     def _check(self, check: ShadowCheck) -> Generator[tuple[int, bool], None, P.ShadowResult]:
         import torch
 
-        from kvfuse.fusion.generation import Generation
+        from kvfuse.fusion.engine.generation import Generation
         from kvfuse.fusion.piecewise_prefill import prefill_steps
         from kvfuse.fusion.teacher_forcing import answer_kl, teacher_forced_steps
         from kvfuse.fusion.types import GenerationOptions

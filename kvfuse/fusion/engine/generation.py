@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from kvfuse.fusion import sampling
-from kvfuse.fusion.decode import IncrementalDetokenizer, StopMatcher
-from kvfuse.fusion.logprobs import TokenLogprob, token_logprob
-from kvfuse.fusion.sampling import RowSampling
+from kvfuse.fusion.engine import sampling
+from kvfuse.fusion.engine.detokenize import IncrementalDetokenizer, StopMatcher
+from kvfuse.fusion.engine.logprobs import TokenLogprob, token_logprob
+from kvfuse.fusion.engine.sampling import RowSampling
 from kvfuse.fusion.types import FinishReason, GenerationOptions, GenerationResult
 
 
@@ -39,7 +39,7 @@ class Generation:
         self.last_token: int | None = None
         self.finished: FinishReason | None = None
         self.accepted = 0  # logits rows consumed: the prefill's, then one per decode step
-        self.logprobs: list[TokenLogprob] = []  # per kept token, when options.logprobs is set (fusion/logprobs.py)
+        self.logprobs: list[TokenLogprob] = []  # per kept token, when options.logprobs is set (fusion/engine/logprobs.py)
         self._logprobs_taken = 0
 
     @property

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kvfuse.fusion import attention_cpu, attention_flex
+from kvfuse.fusion.model import attention_cpu, attention_flex
 
 log = logging.getLogger(__name__)
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
@@ -78,7 +78,7 @@ def _math_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 
 class Attention:
-    """Rows (kvfuse.fusion.transformer.Rows) q [1, H, R, D] over k/v [1, Hkv, stop, D]: [1, H, R, D].
+    """Rows (kvfuse.fusion.model.transformer.Rows) q [1, H, R, D] over k/v [1, Hkv, stop, D]: [1, H, R, D].
 
     block_rows: rows per block of the blocked CPU kernel (0: no blocked kernel);
     sparse: on CUDA, scattered rows through FlexAttention (False: the dense mask, the old path)."""

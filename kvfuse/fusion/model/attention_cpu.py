@@ -84,7 +84,7 @@ class BlockedAttention:
         self.scale = scale
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
-        """rows: kvfuse.fusion.transformer.Rows (its blocks are planned once, on the first layer)."""
+        """rows: kvfuse.fusion.model.transformer.Rows (its blocks are planned once, on the first layer)."""
         if rows.plan is None:
             rows.plan = plan(rows.positions, self.block_rows, q.shape[1] // k.shape[1], q.dtype)
         outs = [self._block(q[:, :, b.start : b.stop], k[:, :, : b.key_len], v[:, :, : b.key_len], b, rows)

@@ -38,7 +38,7 @@ def attention_probs(q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tens
 
 def probs_from_lse(q: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax probabilities of query rows onto keys every row sees, given each row's log-sum-exp over
-    all the keys it sees (an attention kernel's, kvfuse.fusion.attention.with_lse): exp(q.k * scale -
+    all the keys it sees (an attention kernel's, kvfuse.fusion.model.attention.with_lse): exp(q.k * scale -
     lse). q [1, H, R, D], keys [1, Hkv, N, D] (a view: no copy), lse [1, H, R] fp32 -> [H, R, N] fp32.
 
     Only the N scored columns are computed; the product is taken in the inputs' dtype with fp32 output

@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvfuse.fusion import attention, scoring
 from kvfuse.fusion.cache import FusedCache, Layout
-from kvfuse.fusion.transformer import Rows, Transformer
+from kvfuse.fusion.methods import scoring
+from kvfuse.fusion.model import attention
+from kvfuse.fusion.model.transformer import Rows, Transformer
 from kvfuse.fusion.types import FusionOptions
 
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfuse.fusion.rope import apply_rope
-from kvfuse.fusion.sparse.blocks import Segments, stable_layers
-from kvfuse.fusion.transformer import Transformer
+from kvfuse.fusion.methods.sparse.blocks import Segments, stable_layers
+from kvfuse.fusion.model.rope import apply_rope
+from kvfuse.fusion.model.transformer import Transformer
 
 PREFIX = "samkv."
 _NAMES = ("block_keys", "local_q", "max_block", "min_block", "candidates", "config")

@@ -8,16 +8,17 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 import torch
 
 from kvfuse.config import FusionSettings
-from kvfuse.fusion import eviction, model_loading
+from kvfuse.fusion import eviction
 from kvfuse.fusion.cache import FusedCache, Layout
 from kvfuse.fusion.cache_decode import decode_caches
+from kvfuse.fusion.engine.generation import Generation
 from kvfuse.fusion.errors import ContextOverflowError
-from kvfuse.fusion.generation import Generation
 from kvfuse.fusion.kv_loading import LayerLoader
 from kvfuse.fusion.methods import FusionMethod, get_method
+from kvfuse.fusion.methods.selection import SelectionContext
+from kvfuse.fusion.model import loading as model_loading
+from kvfuse.fusion.model.transformer import Rows, Transformer
 from kvfuse.fusion.prompt import prompt_texts, template_halves
-from kvfuse.fusion.selection import SelectionContext
-from kvfuse.fusion.transformer import Rows, Transformer
 from kvfuse.fusion.types import (
     ChunkKV,
     FusedPrefill,

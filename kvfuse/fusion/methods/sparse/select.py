@@ -2,7 +2,7 @@
 
 Inputs per document: its `Segments`, and on the layers of N* its block-mean keys [S, Hkv, B, D], mean
 local query [S, H, D] and static max/min blocks [S]; the user query's mean query [S, H, D] from the probe.
-Every vector is pre-RoPE (kvfuse.fusion.sparse.artifacts).
+Every vector is pre-RoPE (kvfuse.fusion.methods.sparse.artifacts).
 
 Decisions where the paper is silent (docs/methods/samkv.md):
 - heads: a query-key score is the inner product of the concatenated heads (query head h reads KV head
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfuse.fusion.sparse.blocks import Segments
+from kvfuse.fusion.methods.sparse.blocks import Segments
 
 
 @dataclass

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from kvfuse.fusion.sparse.artifacts import Artifacts
-from kvfuse.fusion.sparse.blocks import Segments
+from kvfuse.fusion.methods.sparse.artifacts import Artifacts
+from kvfuse.fusion.methods.sparse.blocks import Segments
 from kvfuse.fusion.types import ChunkKV
 
 

@@ -7,7 +7,7 @@ rotary module are the model's; only attention is written out.
 Attention: `Rows` are query rows at sorted global positions; a row attends causally by position over
 the fused cache, i.e. row i sees keys 0..positions[i]. Which kernel does that for which row set (the
 kernel's causal mask, lower-right causal for contiguous rows, the blocked CPU kernel, FlexAttention on
-CUDA, the dense [rows, keys] mask as the reference) is kvfuse/fusion/attention.py's choice, planned once
+CUDA, the dense [rows, keys] mask as the reference) is kvfuse/fusion/model/attention.py's choice, planned once
 per `Rows` (one phase: the full layers, the probe, the recompute) and shared by every layer.
 
 On CUDA the calls where every row sees every key (`attend_all`: a decode step, the last prompt row)
@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvfuse.fusion import attention_cpu
-from kvfuse.fusion.attention import Attention
 from kvfuse.fusion.cache import FusedCache
 from kvfuse.fusion.errors import UnsupportedModelError
-from kvfuse.fusion.rope import Rope, apply_rope
+from kvfuse.fusion.model import attention_cpu
+from kvfuse.fusion.model.attention import Attention
+from kvfuse.fusion.model.rope import Rope, apply_rope
 
 # Every row sees every key (decode): no cuDNN, which plans anew for each key length (module docstring).
 _NO_PLAN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -69,7 +69,7 @@ class Transformer:
     """The decoder of a Llama/Mistral/Qwen2-family model, run layer by layer on `Rows`.
 
     attention_block_rows: rows per block of the blocked CPU kernel (0: none); sparse_attention: scattered
-    rows through FlexAttention on CUDA (kvfuse/fusion/attention.py)."""
+    rows through FlexAttention on CUDA (kvfuse/fusion/model/attention.py)."""
 
     def __init__(self, model: torch.nn.Module, attention_block_rows: int = 0, sparse_attention: bool = True) -> None:
         base = model.model
