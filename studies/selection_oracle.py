@@ -26,9 +26,10 @@ from kvfuse.bench.fidelity import kl_divergence
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import load_settings
-from kvfuse.fusion.cache import FusedCache, Layout
+from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.methods import anchor as A
 from kvfuse.fusion.methods.base import FusionMethod, register
+from kvfuse.fusion.types import Layout
 
 DATA = resolve_data_dir()  # the setting bench.data_dir (KVFUSE_BENCH__DATA_DIR)
 ORACLE = {}  # the current example's oracle scores

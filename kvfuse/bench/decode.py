@@ -5,12 +5,12 @@ copying the weights' bytes (`weight_bytes`, tied embeddings counted once) at the
 measured in the same run (a weight-sized float32 buffer copied, median of five). Each row is a ratio to
 that bound and to the same path's one-stream tokens/s, so the figures hold on a busy machine as ratios.
 
-Paths, timed in turn within every repeat so that drift hits them alike:
-- `per-cache`: each sequence over its own fused cache, one attention call apiece, and the token chosen
-  on the host row by row (the step `FusionEngine.decode_batch` runs; the service's before the pool);
-- `pool`: the caches placed into a `KVPool`, one attention call per layer for the batch
-  (`DecodeRunner`), the tokens chosen on the device for the batch (`sampling.choose`), one host copy;
-- `pool-compiled` (`--compile`): the same step through `torch.compile` (its compile is a warm-up).
+Paths, timed in turn within every repeat so that drift hits them alike; both are the engine core's
+runner (kvfuse/fusion/engine/runner.py) over one KV memory holding every stream's extent, the tokens
+chosen on the device for the batch (`sampling.choose`) with one host copy, as the worker decodes:
+- `eager`: one attention call per stream over its own extent (the default off CUDA);
+- `static` (`--compile`): the static path, FlexAttention over the memory with a block mask per row,
+  compiled per batch bucket (on CUDA also captured as graphs); its compile is the runner's warm-up.
 
 The cache of every stream is one real prefill (vanilla) of `--context-tokens` seeded random tokens,
 copied. docs/results/decode/README.md.
@@ -65,29 +65,29 @@ def _time_path(engine: Any, cache: Any, path: str, streams: int, steps: int) -> 
     import torch
 
     from kvfuse.fusion.engine import sampling
-    from kvfuse.fusion.kv_pool import KVPool
-    from kvfuse.fusion.model_runner import DecodeRunner
+    from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
+    from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
 
-    caches = [cache.clone() for _ in range(streams)]
+    static = path == "static"
+    per_stream = cache.capacity
+    capacity = -(-(streams * per_stream + 1) // BLOCK) * BLOCK  # room for every stream and the scratch token
+    memory = KVMemory.for_transformer(engine.tf, capacity, zeroed=static)
+    runner = ModelRunner(engine.tf, memory, max_batch=streams, static=static,
+                         cuda_graphs=engine.device.type == "cuda")
+    runner.warm_up()
+    caches = []
+    for i in range(streams):
+        c = FusedCache.in_memory(memory, memory.allocate(i, per_stream))
+        c.place(0, cache.k[:, :, : cache.length], cache.v[:, :, : cache.length])
+        c.length = cache.length
+        caches.append(c)
     tokens = [7 + i for i in range(streams)]
     rows = [sampling.RowSampling(0.0, 1.0) for _ in range(streams)]
-    if path == "per-cache":
-        def step() -> list[int]:
-            logits = engine.decode_batch(caches, torch.tensor(tokens))
-            return [int(torch.argmax(row)) for row in logits]
-    else:
-        runner = DecodeRunner(engine.tf, KVPool.for_transformer(engine.tf),
-                              compile_backend="inductor" if path == "pool-compiled" else None)
-        for i, c in enumerate(caches):
-            runner.pool.admit(i, c)
-
-        def step() -> list[int]:
-            return sampling.choose(runner.step(torch.tensor(tokens)), rows).tolist()
     times = []
     with torch.inference_mode():
         for i in range(WARMUP_STEPS + steps):
             t = time.perf_counter()
-            tokens = step()
+            tokens = sampling.choose(runner.decode(caches, torch.tensor(tokens)), rows).tolist()
             if i >= WARMUP_STEPS:
                 times.append(time.perf_counter() - t)
     return times
@@ -103,7 +103,7 @@ def run(args: Any) -> dict:
     nbytes = weight_bytes(engine.model)
     room = (WARMUP_STEPS + args.steps) + 8
     cache = _prefill(engine, args.context_tokens, room, args.seed).cache
-    paths = ["per-cache", "pool"] + (["pool-compiled"] if args.compile else [])
+    paths = ["eager"] + (["static"] if args.compile else [])
     times: dict[tuple[str, int], list[float]] = {}
     rates = []
     for _ in range(args.repeats):
@@ -163,7 +163,7 @@ def register(bsub: Any) -> None:
     p.add_argument("--streams", type=csv_list(int), default=[1, 6], help="stream counts (batch sizes)")
     p.add_argument("--steps", type=int, default=16, help="timed steps per path, stream count and repeat")
     p.add_argument("--repeats", type=int, default=3, help="rounds over every path (median of all steps)")
-    p.add_argument("--compile", action="store_true", help="also time the step through torch.compile")
+    p.add_argument("--compile", action="store_true", help="also time the static path (compiled FlexAttention)")
     p.add_argument("--seed", type=int, default=0, help="the prompt's random tokens")
     p.add_argument("--json", default="", help="result file (.md beside it); empty = print only")
     p.set_defaults(func=command, parser=p)

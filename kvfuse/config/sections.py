@@ -205,11 +205,8 @@ class FusionSettings(FusionRequestSettings):
         "recompute on CUDA: scattered rows through compiled FlexAttention with a block mask by position; "
         "off: one SDPA call with a dense [rows, keys] mask"))
     decode_cuda_graphs: bool = Field(True, description=(
-        "decode on CUDA: capture the batched decode step as CUDA graphs per batch-size bucket (no effect "
-        "on CPU)"))
-    decode_compile: bool = Field(False, description=(
-        "decode: run the batched decode step through torch.compile (each batch-size and length bucket "
-        "compiles once)"))
+        "decode on CUDA: the static step (FlexAttention over the KV memory, compiled) captured as a CUDA "
+        "graph per batch-size bucket before the worker is ready; off, or on CPU: the eager step"))
     # ingest computes samkv's per-chunk artifacts (one more pass per chunk); off, samkv builds them on first use
     samkv_ingest_artifacts: bool = Field(False, description=(
         "ingest: store samkv's per-chunk artifacts with the KV (one more pass per chunk); off: built at "

@@ -17,9 +17,10 @@ over the finished fused cache (reading it, writing nothing). At each layer that 
 rows saw in the prefill, so these are the prefill's own attention scores; the cost is |Q| rows per
 layer, reported to the caller as prefill work (`evict_steps` yields after each layer).
 
-The compacted cache is a new, smaller `FusedCache` (the old one is dropped): per layer and per KV head
-the kept slots are gathered to a common length C (S, that head's kept context tokens in position order,
-Q), with room for the tokens still to generate.
+The cache is compacted in place: per layer and per KV head the kept slots are gathered to the front, a
+common length C (S, that head's kept context tokens in position order, Q), and the cache's capacity
+shrinks to C plus the tokens still to generate, so the engine core gives the rest of the request's
+extent back to the KV memory (engine/kv_memory.py).
 
 Positions: every kept key keeps its original position. Its RoPE rotation was applied when it was
 computed, so attention from any later query already sees the right relative distances; the evicted
@@ -38,8 +39,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from kvfuse.fusion.cache import FusedCache, Layout
-from kvfuse.fusion.types import FusedPrefill
+from kvfuse.fusion.types import FusedPrefill, Layout
 
 SNAPKV_KERNEL = 5  # SnapKV's max-pool kernel over the summed window attention (its default)
 
@@ -81,36 +81,36 @@ def select(scores: torch.Tensor, layout: Layout, capacity: int) -> torch.Tensor:
 
 def evict_steps(engine, fused: FusedPrefill, layout: Layout, question_ids: torch.Tensor, capacity: int
                 ) -> Generator[int, None, FusedPrefill]:
-    """Compact `fused.cache` to `kept_count(layout, capacity)` tokens (a no-op when `applies` is
-    false). Yields the question rows run after each layer; returns the prefill with the new cache (the
-    first-token logits are the full cache's: eviction happens after the first token)."""
+    """Compact `fused.cache` in place to `kept_count(layout, capacity)` tokens (a no-op when `applies`
+    is false). Yields the question rows run after each layer; returns the prefill with the compacted
+    cache (the first-token logits are the full cache's: eviction happens after the first token)."""
     if not applies(layout, capacity):
         return fused
     t = time.perf_counter()
-    tf, old = engine.tf, fused.cache
+    tf, cache = engine.tf, fused.cache
     total, qs = layout.total, layout.question_start
     kept = kept_count(layout, capacity)
-    new = FusedCache(engine.num_layers, engine.num_kv_heads, engine.head_dim,
-                     kept + old.capacity - total, old.k.dtype, old.k.device)
-    rows = engine.rows(torch.arange(qs, total, device=old.k.device))
+    rows = engine.rows(torch.arange(qs, total, device=cache.k.device))
     h = tf.embed(question_ids)
     hkv, w, d = tf.num_kv_heads, layout.question_len, tf.head_dim
     group = tf.num_heads // hkv
     for layer in range(engine.num_layers):
         q, _, _ = tf.project(layer, h, rows.cos, rows.sin)  # [1, H, W, D]; K/V of these rows are cached
-        keys, values = old.k[layer, :, :total], old.v[layer, :, :total]  # [Hkv, T, D]
+        keys, values = cache.k[layer, :, :total], cache.v[layer, :, :total]  # [Hkv, T, D]
         logits = torch.matmul(q[0].reshape(hkv, group * w, d).float(), keys.float().transpose(1, 2)) * tf.scale
         attn = torch.softmax(logits.view(hkv, group, w, total) + rows.mask.float(), dim=-1)
         idx = select(snapkv_scores(attn, qs), layout, capacity)  # [Hkv, kept]
-        gather = idx.unsqueeze(-1).expand(-1, -1, d)
-        new.k[layer, :, :kept] = keys.gather(1, gather)
-        new.v[layer, :, :kept] = values.gather(1, gather)
-        if layer < engine.num_layers - 1:  # the next layer's window queries
+        if layer < engine.num_layers - 1:  # the next layer's window queries, before this layer moves
             out = torch.matmul(attn.view(hkv, group * w, total).to(values.dtype), values)
             h = tf.finish(layer, h, out.view(1, tf.num_heads, w, d))
+        gather = idx.unsqueeze(-1).expand(-1, -1, d)
+        kept_k, kept_v = keys.gather(1, gather), values.gather(1, gather)  # copies: the slots overlap
+        cache.k[layer, :, :kept] = kept_k
+        cache.v[layer, :, :kept] = kept_v
         yield w
-    new.length = kept
-    new.position_offset = total - kept
+    cache.capacity = kept + cache.capacity - total
+    cache.length = kept
+    cache.position_offset = total - kept
     stats = dict(fused.stats, cache_tokens=kept, evicted_tokens=total - kept)
     timings = dict(fused.timings, evict_s=time.perf_counter() - t)
-    return replace(fused, cache=new, stats=stats, timings=timings)
+    return replace(fused, stats=stats, timings=timings)

@@ -1,4 +1,5 @@
-"""FusionEngine: load a model, precompute chunk caches, fuse them at query time, and decode."""
+"""FusionEngine: the model with its prefills -- precompute chunk caches at ingestion, fuse them at query
+time -- and the batch of one (`generate`) that decodes with the same runner as the engine core."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import torch
 
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import eviction
-from kvfuse.fusion.cache import FusedCache, Layout
-from kvfuse.fusion.cache_decode import decode_caches
 from kvfuse.fusion.engine.generation import Generation
+from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.runner import ModelRunner
 from kvfuse.fusion.errors import ContextOverflowError
 from kvfuse.fusion.kv_loading import LayerLoader
 from kvfuse.fusion.methods import FusionMethod, get_method
@@ -25,6 +26,7 @@ from kvfuse.fusion.types import (
     FusionOptions,
     GenerationOptions,
     GenerationResult,
+    Layout,
     TokenDelta,
 )
 
@@ -43,6 +45,7 @@ class FusionEngine:
         self.dtype = model_loading.torch_dtype(dtype)
         self.device = next(model.parameters()).device
         self.tf = Transformer(model, attention_block_rows, sparse_attention)
+        self.runner = ModelRunner(self.tf)  # decodes callers' own caches (the engine core has its own memory)
         self.rope = self.tf.rope
         self.num_layers = self.tf.num_layers
         self.num_kv_heads = self.tf.num_kv_heads
@@ -181,6 +184,10 @@ class FusionEngine:
         self.rope.shift_keys_(k, -c)
         return ChunkKV(list(chunk), k, v, after_context=True)
 
+    def new_cache(self, capacity: int) -> FusedCache:
+        """A cache of its own (outside any engine core's memory) for `capacity` tokens."""
+        return FusedCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+
     def _empty_chunk(self) -> ChunkKV:
         shape = (self.num_layers, self.num_kv_heads, 0, self.head_dim)
         return ChunkKV([], torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
@@ -201,12 +208,15 @@ class FusionEngine:
                 f"({self.max_context_tokens}) by {excess} tokens", excess_tokens=excess)
 
     def fuse(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
-             options: FusionOptions | None = None, *, max_tokens: int = 0) -> FusedPrefill:
+             options: FusionOptions | None = None, *, max_tokens: int = 0,
+             new_cache: Callable[[int], FusedCache] | None = None) -> FusedPrefill:
         """Assemble the cache of prefix + chunks + question and prefill it with `options.method`.
 
         The returned cache has room for `max_tokens` generated tokens; the prompt must fit with them.
+        `new_cache(capacity)`: where the cache lives (the engine core: the request's extent); by default a
+        cache of its own.
         """
-        steps = self.fuse_steps(prefix, chunks, question_ids, options, max_tokens=max_tokens)
+        steps = self.fuse_steps(prefix, chunks, question_ids, options, max_tokens=max_tokens, new_cache=new_cache)
         while True:
             try:
                 next(steps)
@@ -215,8 +225,8 @@ class FusionEngine:
 
     @torch.inference_mode()
     def fuse_steps(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
-                   options: FusionOptions | None = None, *, max_tokens: int = 0
-                   ) -> Generator[int, None, FusedPrefill]:
+                   options: FusionOptions | None = None, *, max_tokens: int = 0,
+                   new_cache: Callable[[int], FusedCache] | None = None) -> Generator[int, None, FusedPrefill]:
         """`fuse` as a generator that pauses after every decoder layer it runs, yielding the rows that
         layer ran (the unit of prefill work), and returns the FusedPrefill. The scheduler spreads a long
         prefill over several engine steps this way, so the running streams keep decoding meanwhile.
@@ -228,7 +238,8 @@ class FusionEngine:
         if not question_ids:
             raise ValueError("question_ids must not be empty")
         if method.own_pipeline:  # a method that builds its own cache (samkv: a sparse one)
-            return (yield from method.pipeline(self, prefix, chunks, question_ids, options, max_tokens))
+            return (yield from method.pipeline(self, prefix, chunks, question_ids, options, max_tokens,
+                                               new_cache or self.new_cache))
         if not method.full_prefill:  # a full prefill reads only the token ids
             for i, kv in enumerate([prefix, *chunks]):
                 self._check_chunk(kv, "prefix" if i == 0 else f"chunk {i - 1}")
@@ -236,8 +247,7 @@ class FusionEngine:
         self.check_context(layout.total, max_tokens)
         ids = torch.tensor(prefix.token_ids + [t for c in chunks for t in c.token_ids] + list(question_ids),
                            dtype=torch.long, device=self.device)
-        cache = FusedCache(self.num_layers, self.num_kv_heads, self.head_dim, layout.total + max_tokens,
-                           self.dtype, self.device)
+        cache = (new_cache or self.new_cache)(layout.total + max_tokens)
         timings = {"assemble_s": 0.0, "select_s": 0.0, "recompute_s": 0.0}
         n, p = layout.context_len, layout.prefix_len
 
@@ -316,19 +326,15 @@ class FusionEngine:
         h, start = method.recompute_start(ctx, local, rows)
         return (yield from self._layers(ctx.cache, h, rows, range(start, self.num_layers)))
 
-    # -- decoding -------------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    # -- decoding ---------------------------------------------------------------------------------------------
     def decode_step(self, cache: FusedCache, token_id: int) -> torch.Tensor:
-        """Append one token at the next position; returns the next-token logits [vocab] (fp32)."""
-        return self.decode_batch([cache], torch.tensor([token_id], device=self.device))[0]
+        """Append one token at the cache's next position; returns the next-token logits [vocab] (fp32)."""
+        return self.decode_batch([cache], torch.tensor([token_id]))[0]
 
-    @torch.inference_mode()
     def decode_batch(self, caches: list[FusedCache], token_ids: torch.Tensor) -> torch.Tensor:
-        """The per-cache step (fusion/cache_decode.py): token_ids [B], one per cache, each appended at its
-        cache's next position -> next-token logits [B, vocab] (fp32). The worker's step is model_runner's."""
-        if len(caches) != token_ids.numel():
-            raise ValueError(f"{len(caches)} caches but {token_ids.numel()} tokens")
-        return decode_caches(self.tf, caches, token_ids.to(self.device))
+        """token_ids [B], one per cache, each appended at its cache's next position -> next-token logits
+        [B, vocab] (fp32): the runner's step (engine/runner.py), the one every decode goes through."""
+        return self.runner.decode(caches, token_ids)
 
     def generate(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
                  fusion: FusionOptions | None = None, gen: GenerationOptions | None = None,

@@ -4,14 +4,20 @@ A fused prefill reads layer l of the cache only when it reaches layer l, so noth
 context's KV to be in place before the first layer runs. `LayerLoader` moves it a layer at a time, in
 the order the prefill reads it:
 
-- on a CUDA device, a thread copies each layer of the chunks on a side stream: straight from
-  page-locked memory (the store decodes into it on a CUDA worker) or device memory, or else gathered
-  first into a reusable page-locked host buffer (one contiguous transfer per layer), casts it to the compute dtype and rotates
-  its keys to their global positions there, and records an event per layer. The compute stream waits
-  on that event the first time it touches the layer (`FusedCache` calls `wait`), so layer l + 1 arrives
-  while layer l computes;
+- on a CUDA device, a thread copies each layer of the chunks on a side stream: each chunk's layer
+  straight from page-locked memory (the store decodes into it on a CUDA worker) or device memory into
+  its positions of the cache, or else gathered first into a reusable page-locked host buffer (one
+  contiguous transfer per layer), casts it to the compute dtype and rotates its keys to their global
+  positions there, and records an event per layer. The compute stream waits on that event the first
+  time it touches the layer (`FusedCache` calls `wait`), so layer l + 1 arrives while layer l computes;
 - on the CPU the same steps run in the same order without a stream or a thread, each layer when it is
-  first touched.
+  first touched, each chunk's layer cast straight into its positions.
+
+The cache is the request's extent of the engine's KV memory (engine/kv_memory.py), so what is placed
+here is where decoding reads it: after the store's read, a value crosses once (the cast into place; on
+CUDA from page-locked memory, the transfer into place), a key once plus its rotation (the transfer or
+cast into a temporary, the rotation written into place). Only pageable host memory on CUDA adds the
+gather into the staging buffer.
 
 Both do the same arithmetic on the same bytes, so the fused result is identical (tests/fusion/
 test_kv_loading.py pins that, and the GPU half of the suite pins it on CUDA). The keys are rotated in
@@ -56,6 +62,9 @@ class LayerLoader:
         self.device = cache.k.device
         self.recover = recover
         self.cos_sin = self._shift_tables(rope, chunks, starts) if recover and self.n else None
+        self.offsets = [0]  # each chunk's first row among the context's N
+        for c in self.chunks:
+            self.offsets.append(self.offsets[-1] + len(c))
         self.source_dtype = self._source_dtype()
         self.cuda = self.device.type == "cuda"
         self._done = -1  # CPU: layers placed so far (in order)
@@ -93,15 +102,23 @@ class LayerLoader:
             return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
         return torch.cat(ks, dim=1, out=out_k), torch.cat(vs, dim=1, out=out_v)
 
-    def _place(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Cast into the compute dtype at the context's positions, keys rotated in fp32 and rounded once."""
-        lo, hi = self.first, self.first + self.n
+    def _place(self, layer: int, k: torch.Tensor, v: torch.Tensor, row: int = 0) -> None:
+        """Cast K/V [Hkv, n, D] of context rows row..row+n-1 into the compute dtype at their positions,
+        keys rotated in fp32 and rounded once."""
+        lo, hi = self.first + row, self.first + row + k.shape[1]
         if self.cos_sin is not None:
-            cos, sin = self.cos_sin
+            cos, sin = (t[row : row + k.shape[1]] for t in self.cos_sin)
             k32 = k.float()
             k = k32 * cos + rotate_half(k32) * sin
         self.cache.k[layer, :, lo:hi].copy_(k)
         self.cache.v[layer, :, lo:hi].copy_(v)
+
+    def _place_chunks(self, layer: int) -> None:
+        """Each chunk's layer straight into its positions (from the host, page-locked memory or the device)."""
+        for c, row in zip(self.chunks, self.offsets, strict=False):
+            k = c.k[layer].to(device=self.device, non_blocking=True)
+            v = c.v[layer].to(device=self.device, non_blocking=True)
+            self._place(layer, k, v, row)
 
     # -- the transfer ---------------------------------------------------------------------------------
     def start(self) -> LayerLoader:
@@ -127,9 +144,9 @@ class LayerLoader:
                             for c in self.chunks]
                 if all(pageable):
                     self._copy_from_host()
-                else:  # page-locked or in device memory: each chunk's layer copied straight to the device
+                else:  # page-locked or in device memory: each chunk's layer copied straight into place
                     for layer in range(self.num_layers):
-                        self._place(layer, *self._gather(layer))
+                        self._place_chunks(layer)
                         self._post(layer)
         except BaseException as err:  # surfaced by wait()
             self._error = err
@@ -177,7 +194,7 @@ class LayerLoader:
             t = time.perf_counter()
             while self._done < layer:
                 self._done += 1
-                self._place(self._done, *self._gather(self._done))
+                self._place_chunks(self._done)
             self.copy_s += time.perf_counter() - t
         self._waited.add(layer)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvfuse.fusion.cache import FusedCache
+from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.types import FusedPrefill
 
 

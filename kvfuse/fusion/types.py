@@ -13,6 +13,39 @@ _GEN_DEFAULTS = GenerationSettings()
 
 
 @dataclass
+class Layout:
+    """Where each part of the prompt sits (global positions)."""
+
+    prefix_len: int
+    chunk_lens: list[int]
+    question_len: int
+
+    @property
+    def context_start(self) -> int:
+        return self.prefix_len
+
+    @property
+    def context_len(self) -> int:
+        return sum(self.chunk_lens)
+
+    @property
+    def question_start(self) -> int:
+        return self.prefix_len + self.context_len
+
+    @property
+    def total(self) -> int:
+        return self.question_start + self.question_len
+
+    def chunk_starts(self) -> list[int]:
+        """Global start of each chunk."""
+        starts, pos = [], self.prefix_len
+        for n in self.chunk_lens:
+            starts.append(pos)
+            pos += n
+        return starts
+
+
+@dataclass
 class ChunkKV:
     """One chunk's cache, computed alone at positions 0..n-1 (keys post-RoPE, convention "rope0").
 

@@ -70,6 +70,13 @@ class Metrics:
                                           buckets=_KL_BUCKETS, registry=r)
         self.shadow_dropped = Counter("kvfuse_shadow_dropped", "Shadow checks dropped unrun (queue full)",
                                       ["method"], registry=r)
+        self.kv_pool_bytes = Gauge("kvfuse_kv_pool_bytes", "KV memory held by the running sequences' extents "
+                                   "on each worker", ["worker"], registry=r)
+        self.kv_budget_bytes = Gauge("kvfuse_kv_budget_bytes", "KV memory each worker allocated at start (its "
+                                     "server.kv_budget_tokens): what running sequences can never exceed",
+                                     ["worker"], registry=r)
+        self.engine_warmup = Gauge("kvfuse_engine_warmup_seconds", "Time each worker spent compiling and "
+                                   "capturing its decode step before it was ready", ["worker"], registry=r)
         self.fidelity_target = Gauge("kvfuse_fidelity_target_agreement", "fidelity.target_agreement (0 = off)",
                                      registry=r)
         self.fidelity_ratio = Gauge("kvfuse_fidelity_ratio", "Recompute ratio held for the target agreement",

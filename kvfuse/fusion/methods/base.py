@@ -29,10 +29,11 @@ class FusionMethod:
     full_prefill: ClassVar[bool] = False  # ignore the cached chunks: prefill the whole prompt
     own_pipeline: ClassVar[bool] = False  # builds its own cache and prefill (`pipeline`), e.g. a sparse one
 
-    def pipeline(self, engine, prefix, chunks, question_ids, options, max_tokens):
+    def pipeline(self, engine, prefix, chunks, question_ids, options, max_tokens, new_cache):
         """Only for `own_pipeline` methods: the whole fused prefill, as `FusionEngine.fuse_steps` (a
         generator yielding the rows each layer ran, returning the FusedPrefill). `chunks` may be
-        ChunkKV or the method's own sources (samkv: kvfuse.fusion.methods.sparse.source)."""
+        ChunkKV or the method's own sources (samkv: kvfuse.fusion.methods.sparse.source); `new_cache(capacity)`
+        gives the cache the prefill leaves behind (in the engine core, a view of the request's extent)."""
         raise NotImplementedError
 
     @classmethod

@@ -45,7 +45,7 @@ from typing import ClassVar
 
 import torch
 
-from kvfuse.fusion.cache import FusedCache, Layout
+from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.methods import scoring
 from kvfuse.fusion.methods.base import FusionMethod, register
 from kvfuse.fusion.methods.sparse import artifacts as arts_mod
@@ -53,7 +53,7 @@ from kvfuse.fusion.methods.sparse.blocks import Segments, stable_layers
 from kvfuse.fusion.methods.sparse.select import DocInputs, select_blocks
 from kvfuse.fusion.methods.sparse.source import BlockSource, MemorySource
 from kvfuse.fusion.model.rope import apply_rope
-from kvfuse.fusion.types import ChunkKV, FusedPrefill
+from kvfuse.fusion.types import ChunkKV, FusedPrefill, Layout
 
 _REBUILT_KEPT = 1024  # artifacts rebuilt in this process, kept by chunk content (LRU)
 _rebuilt: OrderedDict[tuple, arts_mod.Artifacts] = OrderedDict()
@@ -86,6 +86,11 @@ class BlendCache(FusedCache):
 
     blend_below = 0
 
+    @classmethod
+    def viewing(cls, cache: FusedCache) -> BlendCache:
+        """The same extent as `cache`, written through the blend."""
+        return cls.in_memory(cache.memory, cache.extent, cache.capacity)
+
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         ctx = positions < self.blend_below
         if bool(ctx.any()):
@@ -111,7 +116,7 @@ class SamKV(FusionMethod):
     own_pipeline: ClassVar[bool] = True
 
     def pipeline(self, engine, prefix: ChunkKV, chunks: list, question_ids: list[int], options,
-                 max_tokens: int) -> Generator[int, None, FusedPrefill]:
+                 max_tokens: int, new_cache) -> Generator[int, None, FusedPrefill]:
         tf, device, num_layers = engine.tf, engine.device, engine.num_layers
         if not prefix.has_kv:
             raise ValueError("prefix: token ids only, no KV (samkv needs the prefix's KV)")
@@ -132,7 +137,8 @@ class SamKV(FusionMethod):
         # 2. the probe over prefix + initial/local blocks + question
         t = time.perf_counter()
         anchor_blocks = [s.seg.anchor for s in sources]
-        probe_cache, probe_layout = self._assemble(engine, prefix, sources, anchor_blocks, anchor_kv, qn, 0, FusedCache)
+        probe_cache, probe_layout = self._assemble(engine, prefix, sources, anchor_blocks, anchor_kv, qn, 0,
+                                                   engine.new_cache)  # a scratch cache, dropped after the probe
         q_ids = torch.tensor(question_ids, dtype=torch.long, device=device)
         q_que, anchor_attn = yield from self._probe(engine, probe_cache, probe_layout, q_ids, stable)
         timings["select_s"] += time.perf_counter() - t
@@ -153,8 +159,10 @@ class SamKV(FusionMethod):
 
         # 4. the sparse cache
         t = time.perf_counter()
-        cls = BlendCache if options.samkv_update == "fusion" else FusedCache
-        cache, layout = self._assemble(engine, prefix, sources, sel.blocks, kept_kv, qn, max_tokens, cls)
+        make = new_cache
+        if options.samkv_update == "fusion":  # the same memory, written through Eq. 4
+            make = lambda capacity: BlendCache.viewing(new_cache(capacity))  # noqa: E731
+        cache, layout = self._assemble(engine, prefix, sources, sel.blocks, kept_kv, qn, max_tokens, make)
         cache.blend_below = layout.question_start
         timings["assemble_s"] = time.perf_counter() - t
 
@@ -184,12 +192,11 @@ class SamKV(FusionMethod):
     # -- pieces ------------------------------------------------------------------------------------------
     @staticmethod
     def _assemble(engine, prefix: ChunkKV, sources: list[BlockSource], blocks: list[list[int]],
-                  kvs: list[tuple[torch.Tensor, torch.Tensor]], qn: int, spare: int, cls):
+                  kvs: list[tuple[torch.Tensor, torch.Tensor]], qn: int, spare: int, make):
         """prefix + each chunk's `blocks` (their K/V in `kvs`, in block order) at compacted positions,
         room for the question and `spare` more tokens; keys rotated block by block."""
         layout = Layout(len(prefix), [k.shape[2] for k, _ in kvs], qn)
-        cache = cls(engine.num_layers, engine.num_kv_heads, engine.head_dim, layout.total + spare, engine.dtype,
-                    engine.device)
+        cache = make(layout.total + spare)
         cache.place(0, prefix.k, prefix.v)
         for s, bl, (k, v), start in zip(sources, blocks, kvs, layout.chunk_starts(), strict=True):
             cache.place(start, k.to(engine.device), v.to(engine.device))

@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvfuse.fusion.cache import FusedCache, Layout
+from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.methods import scoring
 from kvfuse.fusion.model import attention
 from kvfuse.fusion.model.transformer import Rows, Transformer
-from kvfuse.fusion.types import FusionOptions
+from kvfuse.fusion.types import FusionOptions, Layout
 
 
 class SelectionContext:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvfuse.fusion.cache import FusedCache
+from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.errors import UnsupportedModelError
 from kvfuse.fusion.model import attention_cpu
 from kvfuse.fusion.model.attention import Attention

@@ -140,6 +140,9 @@ class WorkerSupervisor(JobBook):
             return
         if isinstance(msg, P.Ready):
             self.info = msg.info
+            name = str(msg.info.get("name", ""))
+            self.metrics.kv_budget_bytes.labels(name).set(msg.info.get("kv_budget_bytes", 0))
+            self.metrics.engine_warmup.labels(name).set(msg.info.get("warmup_s", 0.0))
             self._failures = 0
             self.last_error = None
             self._ready.set()
@@ -167,6 +170,7 @@ class WorkerSupervisor(JobBook):
             self._steps.append(msg)
         if msg.batch_size:
             self.metrics.batch_size.observe(msg.batch_size)
+        self.metrics.kv_pool_bytes.labels(str(self.info.get("name", ""))).set(msg.kv_bytes)
         if msg.ingest_job is not None and msg.ingest_job in self._jobs:
             self._started(self._jobs[msg.ingest_job])
 

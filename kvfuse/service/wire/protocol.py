@@ -176,6 +176,7 @@ class Step:
     running: int = 0
     waiting: int = 0
     kv_tokens: int = 0
+    kv_bytes: int = 0  # KV memory held by the running sequences' extents
 
 
 @dataclass

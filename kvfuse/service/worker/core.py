@@ -1,25 +1,19 @@
-"""The worker process: owns the LLM (FusionEngine), reads and writes chunk KV in the store itself, and
-serves many queries at once with a batching engine loop.
+"""The worker: the engine core (kvfuse/fusion/engine/core.py) behind the wire protocol, with the chunk
+KV of this process's store and the shadow checks of finished queries. No transport: a message in is a
+call (`receive`), messages out go to the `send` the transport gives, so the whole worker runs in a test
+as it runs in a process. Two transports use it: the local worker process over a pipe (`worker_main`,
+below) and the fleet worker over Redis streams (fleet_worker.py).
 
-It runs in its own OS process (spawn), so a crash or a hung kernel never takes the API down, and the API
-process never imports the model. Messages over the pipe are the dataclasses of `protocol.py` and carry
-only chunk keys, token ids and options: KV bytes never cross it (LMDB is memory-mapped and both
-processes open it).
+It owns the LLM (FusionEngine) and opens the store itself (LMDB is memory-mapped), so KV bytes never
+cross the transport: messages carry only chunk keys, token ids and options.
 
-Protocol: the API sends QueryJob / PrecomputeJob as they arrive (any number in flight), Cancel(job_id)
-to stop one, Shutdown to end. The worker answers Ready once loaded (or Fatal, then exits). A query gets
-an Error at once if it can never run (context or KV budget); otherwise it waits in the scheduler and,
-when admitted, gets Plan (the chunks that fit), then Delta messages as its text grows, then one Result.
-A precompute job gets one Done (or Error). After every engine step the worker sends Step (batch size,
-queue depths), and every message names the step it came from.
-
-The loop (`serve`): drain the pipe (blocking only when idle), then one engine step: admit what the
-scheduler allows (send Plan, load KV), run the step's share of prefill (decoder layers of the prefilling
-sequences, oldest first; a completed prefill takes its first token), a piece of ingestion if it is
-ingestion's turn, then one batched decode step for every sequence past its prefill; finished, cancelled and failed sequences are
-retired at once, so a Cancel read at the top of a step takes effect in that step. When the scheduler
-has nothing to do, the loop runs shadow checks of finished queries a slice at a time, reading the pipe
-between slices (shadow.py): a ShadowResult (or ShadowDropped) goes to the API for its fidelity ledger.
+Protocol: QueryJob / PrecomputeJob arrive (any number in flight), Cancel(job_id) stops one, Shutdown
+ends. Ready is sent once loaded (or Fatal). A query gets an Error at once if it can never run (context
+or KV memory); otherwise it waits in the engine and, when admitted, gets Plan (the chunks that fit),
+then Delta messages as its text grows, then one Result. A precompute job gets one Done (or Error).
+After every engine step the worker sends Step (batch size, queue depths, KV memory held), and every
+message names the step it came from. When the engine has nothing to do, `idle` runs a slice of the
+oldest shadow check (shadow.py): a ShadowResult (or ShadowDropped) goes to the API's fidelity ledger.
 """
 
 from __future__ import annotations
@@ -29,7 +23,9 @@ import logging
 import os
 import signal
 import socket
+import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -42,58 +38,71 @@ from kvfuse.service.wire.protocol import (
     ERR_INVALID,
 )
 from kvfuse.service.worker.chunk_kv import ChunkCache
-from kvfuse.service.worker.scheduler import Request, Scheduler, SchedulerLimits
-from kvfuse.service.worker.sequences import IngestTask, QuerySequence, plan_query
+from kvfuse.service.worker.sequences import IngestTask, plan_query
 from kvfuse.service.worker.shadow import ShadowChecks
 
 log = logging.getLogger("kvfuse.worker")
 
-class Worker:
-    SHARE_REBUILT = False  # a fleet worker writes a chunk rebuilt on a miss back to the shared tiers
 
-    def __init__(self, settings: Settings, conn: Connection) -> None:
+class WorkerCore:
+    """The engine core and what it serves with. `store`: the chunk store (a fleet worker's adds the
+    shared tier); `share_rebuilt`: a chunk rebuilt on a miss goes back to the store (a fleet's chunk is
+    every host's)."""
+
+    def __init__(self, settings: Settings, send: Callable[[Any], None], *, store: Any = None,
+                 share_rebuilt: bool = False) -> None:
         from kvfuse.fusion import FusionEngine
-        from kvfuse.fusion.model_runner import DecodeRunner
+        from kvfuse.fusion.engine.core import EngineCore
 
         self.settings = settings
-        self.conn = conn
+        self.send_out = send
         self.name = settings.fleet.worker_name or f"{socket.gethostname()}-{os.getpid()}"
         self.engine = FusionEngine.from_settings(settings)
-        self.store = self.open_store(settings)
-        self.kv = ChunkCache(self.engine, self.store, settings, share_rebuilt=self.SHARE_REBUILT)
+        if store is None:
+            from kvfuse.store import KVStore
+
+            store = KVStore.open(settings, require_index=False)
+        self.store = store
+        self.kv = ChunkCache(self.engine, self.store, settings, share_rebuilt=share_rebuilt)
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
-        self.scheduler = Scheduler(SchedulerLimits.from_settings(settings.server))
-        # The running sequences' KV once their prefill is complete, and the batched step over it.
-        self.decoder = DecodeRunner.from_settings(self.engine.tf, settings.fusion)
-        self.step_no = 0
-        # Shadow checks run only when the scheduler is idle, a slice at a time (shadow.py).
-        self.shadow = ShadowChecks(settings.fidelity, self.engine)
+        self.core = EngineCore.from_settings(self.engine, settings)
+        self.warmup_s = self.core.warm_up()
+        self.shadow = ShadowChecks(settings.fidelity, self.engine)  # run only when the engine is idle
 
-    # -- helpers -------------------------------------------------------------------------------------------
-    def open_store(self, settings: Settings) -> Any:
-        """The chunk store this worker reads and writes (a fleet worker adds the shared tier)."""
-        from kvfuse.store import KVStore
+    @property
+    def scheduler(self) -> Any:
+        return self.core.scheduler
 
-        return KVStore.open(settings, require_index=False)
+    @property
+    def step_no(self) -> int:
+        return self.core.step_no
+
+    @property
+    def has_work(self) -> bool:
+        return self.core.has_work
 
     def send(self, msg: Any) -> None:
         if isinstance(msg, P.Result | P.Done):
             msg.worker = self.name
-        self.conn.send(msg)
+        self.send_out(msg)
 
     def info(self) -> dict:
         from kvfuse.fusion import available_methods
 
-        e = self.engine
+        e, memory = self.engine, self.core.memory
         return {"name": self.name, "pid": os.getpid(), "fingerprint": e.fingerprint, "max_context_tokens": self.max_context,
                 "num_layers": e.num_layers, "num_kv_heads": e.num_kv_heads, "head_dim": e.head_dim,
                 "methods": list(available_methods()), "kv_dtype": self.kv.kv_dtype,
-                "kv_budget_tokens": self.scheduler.limits.kv_budget_tokens,
-                "max_running_requests": self.scheduler.limits.max_running}
+                "kv_budget_tokens": self.scheduler.capacity, "kv_budget_bytes": memory.nbytes,
+                "max_running_requests": self.scheduler.limits.max_running, "warmup_s": self.warmup_s,
+                "decode_path": "static" if self.core.runner.static else "eager"}
 
-    def _error(self, job_id: int, err: BaseException) -> P.Error:
+    def error(self, job_id: int, err: BaseException) -> P.Error:
+        from kvfuse.fusion.engine.core import Cancelled
         from kvfuse.store.errors import IndexUnavailableError
 
+        if isinstance(err, Cancelled):  # no token yet: nothing to report but the end
+            return P.Error(job_id, ERR_INVALID, "cancelled", None, self.step_no)
         if isinstance(err, IndexUnavailableError):
             # What LMDB holds is written; the index (Redis) catches up when it answers: the API retries.
             log.warning("job %d: the document index is unavailable: %s", job_id, err)
@@ -104,7 +113,7 @@ class Worker:
             excess = getattr(err, "excess_tokens", None)
             kind = ERR_CONTEXT_OVERFLOW if excess is not None else ERR_INVALID
             return P.Error(job_id, kind, str(err), excess, self.step_no)
-        log.error("job %d failed: %s", job_id, traceback.format_exc())
+        log.error("job %d failed: %s", job_id, "".join(traceback.format_exception(err)))
         return P.Error(job_id, ERR_INTERNAL, f"{type(err).__name__}: {err}", None, self.step_no)
 
     # -- arrivals ------------------------------------------------------------------------------------------
@@ -114,137 +123,50 @@ class Worker:
             return False
         try:
             if isinstance(msg, P.QueryJob):
-                req = plan_query(msg, self.engine, self.scheduler, self.max_context, self.step_no)
-                if isinstance(req, P.Error):
-                    self.send(req)
+                seq = plan_query(msg, self.engine, self.core, self.max_context, self.step_no, self.kv)
+                if isinstance(seq, P.Error):
+                    self.send(seq)
                 else:
-                    self.scheduler.add(req)
-                    self.shadow.watch(req.data)
+                    self.core.add(seq, msg.job_id)
+                    self.shadow.watch(seq)
             elif isinstance(msg, P.PrecomputeJob):
-                self.scheduler.add_ingest(Request(msg.job_id, data=IngestTask(msg)))
+                task = IngestTask(msg)
+                self.core.add_ingest(msg.job_id, lambda budget, task=task: task.run_piece(self.kv, budget))
             elif isinstance(msg, P.Cancel):
-                self.cancel(msg.job_id)
+                self.core.abort(msg.job_id, self._on_output)
             else:
                 self.send(P.Error(getattr(msg, "job_id", 0), ERR_INTERNAL, f"unknown message {type(msg).__name__}"))
         except Exception as err:  # noqa: BLE001 - a bad job must not kill the worker
-            self.send(self._error(getattr(msg, "job_id", 0), err))
+            self.send(self.error(getattr(msg, "job_id", 0), err))
         return True
-
-    def cancel(self, job_id: int) -> None:
-        req = self.scheduler.remove(job_id)
-        if req is None:
-            return  # already ended
-        self.decoder.pool.release(job_id)
-        if req.status is P.JobStatus.DECODING:
-            seq: QuerySequence = req.data
-            tail = seq.gen.cancel()
-            if tail:
-                self.send(P.Delta(job_id, tail, self.step_no))
-            self.send(seq.result(self.step_no))
-        else:  # no token yet: nothing to report but the end
-            self.send(P.Error(job_id, ERR_INVALID, "cancelled", None, self.step_no))
 
     # -- the engine step -------------------------------------------------------------------------------------
     def step(self) -> None:
-        self.step_no += 1
-        plan = self.scheduler.schedule()
-        for req in plan.admit:
-            self._start(req)
-        self._prefill(self.scheduler.limits.prefill_tokens_per_step * self.engine.num_layers)
-        if plan.ingest is not None:
-            self._ingest(plan.ingest, plan.ingest_tokens)
-        batch = self.scheduler.decode_batch()
-        if batch:
-            self._decode(batch)
-        self.send(P.Step(self.step_no, len(batch), [r.job_id for r in plan.admit],
-                         plan.ingest.job_id if plan.ingest is not None else None, self.scheduler.num_running,
-                         self.scheduler.num_waiting, self.scheduler.kv_used))
+        self.core.step(self._on_output)
 
-    def _start(self, req: Request) -> None:
-        seq: QuerySequence = req.data
-        self.send(seq.plan_message(self.step_no))
-        try:
-            seq.start(self.engine, self.kv)
-        except Exception as err:  # noqa: BLE001 - fails this request only
-            self._retire(req.job_id)
-            self.send(self._error(req.job_id, err))
+    def _on_output(self, out: Any) -> None:
+        """An engine output as the wire's message(s)."""
+        from kvfuse.fusion.engine import core as E
 
-    def _retire(self, job_id: int) -> None:
-        """A running request ended (finished, failed): its KV budget and its pool slot are free."""
-        self.scheduler.retire(job_id)
-        self.decoder.pool.release(job_id)
-
-    def _prefill(self, budget: int) -> None:
-        """Advance the prefilling sequences, oldest first, by up to `budget` rows x layers in all; a
-        sequence whose prefill completes takes its first token and joins this step's decode batch."""
-        for req in self.scheduler.prefilling():
-            if budget <= 0:
-                return
-            seq: QuerySequence = req.data
-            try:
-                spent, text = seq.advance(self.engine, budget)
-                if text is not None and seq.gen.finished is None:
-                    self.decoder.pool.admit(req.job_id, seq.cache)  # decodes from the pool from now on
-            except Exception as err:  # noqa: BLE001 - fails this request only
-                self._retire(req.job_id)
-                self.send(self._error(req.job_id, err))
-                continue
-            budget -= spent
-            if text is not None:
-                self.scheduler.prefilled(req.job_id, kv_tokens=seq.cache.capacity)  # smaller if evicted
-                seq.cache = None  # its KV was copied into the pool
-                self._emit(req, text)
-
-    def _decode(self, batch: list[Request]) -> None:
-        """One step for every sequence in the pool (the decoding requests, in slot order): one forward,
-        the tokens chosen on the device for the whole batch and copied to the host once."""
-        import torch
-
-        from kvfuse.fusion.engine import sampling
-
-        by_job = {r.job_id: r for r in batch}
-        try:
-            order = [by_job[owner] for owner in self.decoder.pool.owners]
-            if len(order) != len(batch):
-                raise RuntimeError(f"{len(batch)} decoding requests but {len(order)} pool slots")
-            seqs: list[QuerySequence] = [r.data for r in order]
-            tokens = torch.tensor([s.gen.last_token for s in seqs], dtype=torch.long)
-            logits = self.decoder.step(tokens)
-            chosen = sampling.choose(logits, [s.gen.sampling for s in seqs]).tolist()  # the one host sync
-        except Exception as err:  # noqa: BLE001 - the batch's sequences fail; the worker goes on
-            for r in batch:
-                self._retire(r.job_id)
-                self.send(self._error(r.job_id, err))
-            return
-        for i, r in enumerate(order):
-            self._emit(r, r.data.accept_token(chosen[i], logits[i]))
-
-    def _emit(self, req: Request, text: str) -> None:
-        seq: QuerySequence = req.data
-        if text:
-            logprobs = seq.gen.take_logprobs() if seq.gen.options.logprobs is not None else None
-            self.send(P.Delta(req.job_id, text, self.step_no, logprobs))
-        if seq.gen.finished is not None:
-            self._retire(req.job_id)
-            self.send(seq.result(self.step_no))
-            for msg in self.shadow.offer(seq, self.step_no):
+        if isinstance(out, E.Token):
+            self.send(P.Delta(out.job_id, out.text, self.step_no, out.logprobs))
+        elif isinstance(out, E.Admitted):
+            self.send(out.seq.plan_message(self.step_no))
+        elif isinstance(out, E.Finished):
+            self.send(out.seq.result(self.step_no))
+            for msg in self.shadow.offer(out.seq, self.step_no):
                 self.send(msg)
+        elif isinstance(out, E.Failed):
+            self.send(self.error(out.job_id, out.error))
+        elif isinstance(out, E.Ingested):
+            out.value.step = self.step_no
+            self.send(out.value)
+        elif isinstance(out, E.Stepped):
+            self.send(P.Step(out.step, out.batch, out.admitted, out.ingest, out.running, out.waiting, out.kv_tokens,
+                             kv_bytes=out.kv_bytes))
 
-    def _ingest(self, req: Request, budget_tokens: int) -> None:
-        task: IngestTask = req.data
-        try:
-            done = task.run_piece(self.kv, budget_tokens)
-        except Exception as err:  # noqa: BLE001 - fails this job only
-            self.scheduler.ingest_done(req.job_id)
-            self.send(self._error(req.job_id, err))
-            return
-        if done is not None:
-            self.scheduler.ingest_done(req.job_id)
-            done.step = self.step_no
-            self.send(done)
-
-    def shadow_slice(self) -> None:
-        """One slice of shadow work (the worker is idle); a check that ends sends its verdict."""
+    def idle(self) -> None:
+        """One slice of shadow work (the engine is idle); a check that ends sends its verdict."""
         try:
             verdict = self.shadow.run_slice(self.step_no)
         except Exception:  # noqa: BLE001 - a failed check is logged and dropped; queries go on
@@ -254,37 +176,41 @@ class Worker:
         if verdict is not None:
             self.send(verdict)
 
-    def serve(self) -> None:
-        self.send(P.Ready(self.info()))
-        while True:
-            # Block only when idle; pending shadow work is polled between its slices.
-            timeout = 0.0 if self.scheduler.has_work or self.shadow.pending else None
-            try:
-                while self.conn.poll(timeout):
-                    if not self.receive(self.conn.recv()):
-                        return
-                    timeout = 0.0
-            except EOFError:
-                return  # the API went away
-            if self.scheduler.has_work:
-                self.step()
-            elif self.shadow.pending:
-                self.shadow_slice()
+
+def serve_pipe(worker: WorkerCore, conn: Connection) -> None:
+    """The local transport: read the pipe (blocking only when idle), then one engine step, or a shadow
+    slice when the engine has nothing to do."""
+    worker.send(P.Ready(worker.info()))
+    while True:
+        timeout = 0.0 if worker.has_work or worker.shadow.pending else None
+        try:
+            while conn.poll(timeout):
+                if not worker.receive(conn.recv()):
+                    return
+                timeout = 0.0
+        except EOFError:
+            return  # the API went away
+        if worker.has_work:
+            worker.step()
+        elif worker.shadow.pending:
+            worker.idle()
 
 
 def worker_main(settings: Settings, conn: Connection) -> None:
-    """Entry point of the worker process."""
+    """Entry point of the local worker process."""
     # Ctrl-C in a terminal reaches the whole process group: the API decides when the worker stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s worker: %(message)s")
+    t = time.perf_counter()
     try:
-        worker = Worker(settings, conn)
+        worker = WorkerCore(settings, conn.send)
     except Exception as err:  # noqa: BLE001 - reported to the API, which decides to retry
         log.error("worker failed to start: %s", traceback.format_exc())
         with contextlib.suppress(OSError):
             conn.send(P.Fatal(f"{type(err).__name__}: {err}"))
         return
+    log.info("worker ready in %.1f s (decode warm-up %.1f s)", time.perf_counter() - t, worker.warmup_s)
     try:
-        worker.serve()
+        serve_pipe(worker, conn)
     finally:
         worker.store.close()

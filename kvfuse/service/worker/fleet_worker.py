@@ -1,7 +1,7 @@
 """`kvfuse worker`: a model worker of a fleet, on any host, joined to the API through Redis only.
 
-It is the batching worker of core.py (same scheduler, same engine step), fed from Redis streams
-instead of a pipe (docs/DESIGN.md, "Scale-out"; the keys are in fleet.py):
+It is the worker of core.py (the same engine core, the same step) behind another transport: Redis
+streams instead of a pipe (docs/DESIGN.md, "Scale-out"; the keys are in fleet.py):
 
 - it registers with a heartbeat (a key with a TTL naming its model fingerprint, device, free KV budget,
   load and tier counters), renewed by a thread so a long engine step never makes it look dead; a worker
@@ -39,7 +39,7 @@ from kvfuse.config import Settings
 from kvfuse.service.wire import protocol as P
 from kvfuse.service.wire.codec import CodecError, decode, encode
 from kvfuse.service.wire.fleet_keys import GROUP, FingerprintMismatch, FleetKeys, read_heartbeats, shared_tier
-from kvfuse.service.worker.core import Worker
+from kvfuse.service.worker.core import WorkerCore
 from kvfuse.store.redis_access import RedisAccess
 
 log = logging.getLogger("kvfuse.worker")
@@ -61,8 +61,8 @@ class Route:
     tokens: bool = False
 
 
-class FleetWorker(Worker):
-    SHARE_REBUILT = True  # a chunk of a fleet is everybody's: a rebuilt one goes to the tiers for other hosts
+class FleetWorker:
+    """The fleet's transport around a WorkerCore (`self.worker`)."""
 
     def __init__(self, settings: Settings) -> None:
         import redis
@@ -82,7 +82,10 @@ class FleetWorker(Worker):
         self._holds: set[str] = set()
         self._stop = threading.Event()
         self.started_at = time.time()
-        super().__init__(settings, conn=None)  # type: ignore[arg-type] - no pipe: send() goes to Redis
+        self.settings = settings
+        # A chunk of a fleet is everybody's: one rebuilt on a miss goes to the tiers for other hosts.
+        self.worker = WorkerCore(settings, self.send, store=self.open_store(settings), share_rebuilt=True)
+        self.name = self.worker.name
         self.ttl_ms = int(self.fleet.heartbeat_ttl_s * 1000)
 
     # -- the store: the host's LMDB (its own embedded index) over the shared tier ----------------------------
@@ -93,23 +96,23 @@ class FleetWorker(Worker):
         return KVStore.open(settings.model_copy(update={"redis_url": ""}), shared=shared_tier(settings))
 
     def kv_stats(self) -> dict:
-        out = {f"hits_{k}": v for k, v in self.store.chunks.hits.items()} | {"rebuilt": self.kv.rebuilt}
-        if self.store.shared is not None:
-            out |= self.store.shared.stats()
+        out = {f"hits_{k}": v for k, v in self.worker.store.chunks.hits.items()} | {"rebuilt": self.worker.kv.rebuilt}
+        if self.worker.store.shared is not None:
+            out |= self.worker.store.shared.stats()
         return out
 
     def beat(self) -> dict:
-        sch, lim = self.scheduler, self.scheduler.limits
+        sch, lim = self.worker.scheduler, self.worker.scheduler.limits
         return {"id": self.name, "host": socket.gethostname(), "pid": os.getpid(),
-                "device": self.settings.model.device, "fingerprint": self.engine.fingerprint,
-                "kv_budget_tokens": lim.kv_budget_tokens, "kv_free_tokens": lim.kv_budget_tokens - sch.kv_used,
+                "device": self.settings.model.device, "fingerprint": self.worker.engine.fingerprint,
+                "kv_budget_tokens": sch.capacity, "kv_free_tokens": sch.capacity - sch.kv_used,
                 "running": sch.num_running, "waiting": sch.num_waiting, "jobs": len(self.routes),
-                "max_running_requests": lim.max_running, "started_at": self.started_at, "info": self.info(),
+                "max_running_requests": lim.max_running, "started_at": self.started_at, "info": self.worker.info(),
                 "kv": self.kv_stats()}
 
     # -- registration and heartbeat --------------------------------------------------------------------------
     def register(self) -> None:
-        fp, k = self.engine.fingerprint, self.keys
+        fp, k = self.worker.engine.fingerprint, self.keys
         others = {w["fingerprint"] for w in read_heartbeats(self.r, k).values()} - {fp}
         if not self.r.set(k.fingerprint, fp, nx=True, px=self.ttl_ms):
             fleet = self.r.get(k.fingerprint)
@@ -130,7 +133,7 @@ class FleetWorker(Worker):
                  self.settings.model.device)
 
     def _beat_once(self, r: Any) -> None:
-        k, fp = self.keys, self.engine.fingerprint
+        k, fp = self.keys, self.worker.engine.fingerprint
         held: dict[str, list[str]] = {}
         for route in list(self.routes.values()):
             held.setdefault(route.stream, []).append(route.entry_id)
@@ -158,7 +161,7 @@ class FleetWorker(Worker):
 
     # -- jobs in ---------------------------------------------------------------------------------------------
     def capacity(self) -> int:
-        return max(0, self.scheduler.limits.max_running - len(self.routes))
+        return max(0, self.worker.scheduler.limits.max_running - len(self.routes))
 
     def take(self, stream: str, entry_id: str, fields: dict, *, checked: bool = False) -> None:
         """Start a job read from `stream` (dropped when its requester is gone or it was cancelled)."""
@@ -185,7 +188,7 @@ class FleetWorker(Worker):
         msg.job_id = local
         if isinstance(msg, P.QueryJob):
             self._holds.update(c.key for c in msg.chunks)
-        self.receive(msg)
+        self.worker.receive(msg)
 
     def adopt(self, stream: str, entry_id: str, fields: dict | None) -> None:
         """A job claimed back from a dead worker: run again if it sent no token, else ended cleanly."""
@@ -252,7 +255,7 @@ class FleetWorker(Worker):
         res = pipe.execute()
         for i, (local, _) in enumerate(items):
             if res[2 * i] or not res[2 * i + 1]:
-                self.cancel(local)
+                self.worker.receive(P.Cancel(local))
                 if local not in self._done:
                     self._done.append(local)
 
@@ -308,7 +311,7 @@ class FleetWorker(Worker):
                 if not self.routes or time.monotonic() > deadline:
                     return
             try:
-                busy = self.scheduler.has_work or self.shadow.pending  # shadow work: poll, never block
+                busy = self.worker.has_work or self.worker.shadow.pending  # shadow work: poll, never block
                 free = 0 if self._stop.is_set() else self.capacity()
                 if free:
                     got = self.r.xreadgroup(GROUP, self.name, streams, count=free,
@@ -324,10 +327,10 @@ class FleetWorker(Worker):
                 if self.routes:
                     self.check_cancels()
                 self.flush()
-                if self.scheduler.has_work:
-                    self.step()
-                elif self.shadow.pending:
-                    self.shadow_slice()
+                if self.worker.has_work:
+                    self.worker.step()
+                elif self.worker.shadow.pending:
+                    self.worker.idle()
                 self.flush()
             except self._redis.RedisError as err:
                 if "NOGROUP" in str(err):  # taken for dead after a long stall: its own stream went; join again
@@ -342,7 +345,7 @@ class FleetWorker(Worker):
         self._stop.set()
         with contextlib.suppress(self._redis.RedisError):
             self.r.delete(self.keys.heartbeat(self.name))
-        self.store.close()
+        self.worker.store.close()
 
 
 def worker_command(settings: Settings) -> int:

@@ -90,6 +90,7 @@ class ShadowChecks:
         if self._credit >= 1.0 - 1e-9:
             self._credit -= 1.0
             seq.shadow_steps = []
+            seq.on_logits = lambda logits, seq=seq: self.record(seq, logits)
 
     def offer(self, seq: Any, step: int) -> list[Any]:
         """A watched query finished: queue its check (messages to send: a ShadowDropped when the queue was
@@ -188,7 +189,7 @@ class ShadowChecks:
                 fused.cache.length = prompt_len + j  # the rows of the shared tokens, written by teacher forcing
                 while gen.finished is None:
                     with torch.inference_mode():
-                        row = engine.decode_step(fused.cache, gen.last_token)
+                        row = engine.decode_step(fused.cache, gen.last_token)  # the one runner
                     yield engine.num_layers, ENDS_SLICE
                     gen.accept(row)
                 agreed = same_answer(check.answer_text, gen.text, self.metric)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvfuse.fusion.engine.core import EngineCore
+from kvfuse.fusion.engine.scheduler import SchedulerLimits
 from kvfuse.service.wire import protocol as P
-from kvfuse.service.worker.scheduler import Scheduler, SchedulerLimits
 from kvfuse.service.worker.sequences import plan_query
 
 
@@ -20,11 +21,11 @@ def engine(default_llm_path: str):
 
 def _plan(engine, chunks: list[P.ChunkRef], limit: int):
     job = P.QueryJob("Where?", None, False, {"method": "anchor"}, {"max_tokens": 4}, chunks, 1)
-    sched = Scheduler(SchedulerLimits(max_running=4, kv_budget_tokens=100_000, prefill_tokens_per_step=2048,
-                                      ingest_share=0.25))
-    req = plan_query(job, engine, sched, limit, 0)
-    assert not isinstance(req, P.Error), req
-    return req.data
+    core = EngineCore(engine, SchedulerLimits(max_running=4, kv_budget_tokens=100_000, prefill_tokens_per_step=2048,
+                                              ingest_share=0.25))
+    seq = plan_query(job, engine, core, limit, 0, kv=None)  # planning reads no KV
+    assert not isinstance(seq, P.Error), seq
+    return seq
 
 
 def test_a_labelled_query_numbers_the_chunks_that_fit(engine) -> None:

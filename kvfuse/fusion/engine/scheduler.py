@@ -1,13 +1,15 @@
-"""Which requests the worker runs in each engine step: pure policy, no process, pipe or model code.
+"""Which requests the engine runs in each step: policy over the KV memory, no process, pipe or model code.
 
-The shape is nano-vllm's `engine/scheduler.py`: a waiting queue and a running set. Each step the worker
-asks `schedule()` what to do, runs it (the fused prefill of the admitted requests, an ingestion piece,
-then one batched decode step for every running sequence) and reports back with `retire()`.
+The shape is nano-vllm's `engine/scheduler.py`: a waiting queue and a running set. Each step the engine
+core asks `schedule()` what to do, runs it (the fused prefill of the admitted requests, an ingestion
+piece, then one batched decode step for every running sequence) and reports back with `retire()`.
 
 Admission is bounded three ways, so neither memory nor a burst of arrivals can hurt the running streams:
-- KV memory: a running request holds its cache for prompt + max_tokens tokens (the fused cache is
-  preallocated), and the sum stays within `kv_budget_tokens`; a request that does not fit waits. A
-  request whose cache is evicted after its first token (`fusion.evict_capacity`) holds less from then on.
+- KV memory: a request is admitted only when the KV memory (`kv_memory.KVMemory`) can give it an extent
+  for prompt + max_tokens tokens, and it holds that extent until it retires: admission asks the memory
+  that holds the bytes, not a count kept beside it, so what is allocated never exceeds the budget. A
+  request that does not fit waits. One whose cache is evicted after its first token
+  (`fusion.evict_capacity`) or built sparse gives the rest of its extent back then.
 - Batch size: at most `max_running` sequences decode together.
 - Prefill work: a request is admitted only while the prefill work of the admitted requests that are
   still prefilling stays within `prefill_tokens_per_step` (or none is), and the worker runs at most
@@ -26,9 +28,17 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
-from kvfuse.service.wire.protocol import JobStatus
+
+class Phase(StrEnum):
+    """Where a request is in the engine: WAITING -> PREFILLING -> DECODING, or INGESTING."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    INGESTING = "ingesting"
 
 
 @dataclass(frozen=True)
@@ -55,7 +65,8 @@ class Request:
     kv_tokens: int = 0  # cache tokens held while running: prompt + max_tokens
     prefill_tokens: int = 0  # prefill work on admission (an estimate in tokens)
     data: Any = None
-    status: JobStatus = JobStatus.WAITING  # WAITING -> PREFILLING -> DECODING; INGESTING for ingestion
+    status: Phase = Phase.WAITING
+    extent: Any = None  # its kv_memory.Extent while running
 
 
 @dataclass
@@ -66,8 +77,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits) -> None:
+    """memory: the kv_memory.KVMemory running requests hold their extents in."""
+
+    def __init__(self, limits: SchedulerLimits, memory: Any) -> None:
         self.limits = limits
+        self.memory = memory
+        self.capacity = memory.free_tokens  # what one request may hold at most (the memory minus any reserve)
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[int, Request] = OrderedDict()
         self.ingest: deque[Request] = deque()
@@ -90,25 +105,27 @@ class Scheduler:
 
     def fits_alone(self, kv_tokens: int) -> bool:
         """Whether a request could ever run (on an idle worker); one that cannot is refused, not queued."""
-        return kv_tokens <= self.limits.kv_budget_tokens
+        return kv_tokens <= self.capacity
 
     # -- arrivals and departures ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         if not self.fits_alone(req.kv_tokens):
             raise ValueError(f"request {req.job_id} needs {req.kv_tokens} KV tokens, over the budget of "
-                             f"{self.limits.kv_budget_tokens}")
+                             f"{self.capacity}")
         self.waiting.append(req)
 
     def add_ingest(self, req: Request) -> None:
-        req.status = JobStatus.INGESTING
+        req.status = Phase.INGESTING
         self.ingest.append(req)
 
     def retire(self, job_id: int) -> Request | None:
         """A running request ended (finished, cancelled or failed): its KV budget is free again."""
         req = self.running.pop(job_id, None)
         if req is not None:
+            self.memory.release(job_id)
+            req.extent = None
             self.kv_used -= req.kv_tokens
-            if req.status is JobStatus.PREFILLING:
+            if req.status is Phase.PREFILLING:
                 self.prefill_pending -= req.prefill_tokens
         return req
 
@@ -117,12 +134,14 @@ class Scheduler:
         the cache it holds from now on, when smaller than admitted (eviction after the first token,
         fusion/eviction.py); the difference is free for admissions at once."""
         req = self.running[job_id]
-        if req.status is JobStatus.PREFILLING:
-            req.status = JobStatus.DECODING
+        if req.status is Phase.PREFILLING:
+            req.status = Phase.DECODING
             self.prefill_pending -= req.prefill_tokens
         if kv_tokens is not None and kv_tokens < req.kv_tokens:
+            self.memory.shrink(job_id, kv_tokens)
             self.kv_used -= req.kv_tokens - kv_tokens
             req.kv_tokens = kv_tokens
+        self.memory.settle(job_id)  # no loader writes its extent any more: compaction may move it
 
     def ingest_done(self, job_id: int) -> None:
         self.ingest = deque(r for r in self.ingest if r.job_id != job_id)
@@ -143,17 +162,18 @@ class Scheduler:
 
     # -- the policy -------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """What the next step does. Admitted requests move to `running` and hold their KV tokens."""
+        """What the next step does. Admitted requests move to `running` and hold their extents."""
         lim = self.limits
         plan = StepPlan()
         while self.waiting and len(self.running) < lim.max_running:
             head = self.waiting[0]
-            if self.kv_used + head.kv_tokens > lim.kv_budget_tokens:
+            if not self.memory.can_allocate(head.kv_tokens):
                 break
             if self.prefill_pending and self.prefill_pending + head.prefill_tokens > lim.prefill_tokens_per_step:
                 break
             self.waiting.popleft()
-            head.status = JobStatus.PREFILLING
+            head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
+            head.status = Phase.PREFILLING
             self.running[head.job_id] = head
             self.kv_used += head.kv_tokens
             self.prefill_pending += head.prefill_tokens
@@ -174,8 +194,8 @@ class Scheduler:
     def prefilling(self) -> list[Request]:
         """Running requests whose prefill is not complete, in admission order (the first gets the
         step's prefill budget first)."""
-        return [r for r in self.running.values() if r.status is JobStatus.PREFILLING]
+        return [r for r in self.running.values() if r.status is Phase.PREFILLING]
 
     def decode_batch(self) -> list[Request]:
         """Every running request past its prefill, in admission order: one batched decode step covers them."""
-        return [r for r in self.running.values() if r.status is JobStatus.DECODING]
+        return [r for r in self.running.values() if r.status is Phase.DECODING]

@@ -1,0 +1,258 @@
+"""The engine core: queries and ingestion work in, outputs out, one step at a time; no transport.
+
+In nano-vllm's shape (`LLMEngine.add_request / step`) and vLLM v1's (`EngineCore`: no I/O, one
+interface over every transport): the service's local worker (a pipe) and fleet worker (Redis streams)
+are transports that turn their messages into `add` / `add_ingest` / `abort` calls and the outputs into
+their messages; `FusionEngine.generate` is a batch of one on the same core. Three parts, one file each:
+- scheduler.py: which requests run this step (admission against the KV memory, prefill and ingest budgets);
+- kv_memory.py: where every running sequence's KV lives (one buffer at the budget, an extent each);
+- runner.py: how a decode step runs (one forward for the batch, each row over its own extent).
+
+A step: admit what the scheduler allows (each admitted sequence loads its chunks' KV straight into its
+extent); run the step's share of prefill (decoder layers of the prefilling sequences, oldest first; a
+completed prefill takes its first token); a piece of ingestion when it is ingestion's turn; one batched
+decode step for every sequence past its prefill, its tokens chosen on the device with one host copy.
+
+Failures stay with their sequence: a prefill or KV load that raises fails that request; a batched decode
+step that raises is retried sequence by sequence, so only the rows that fail alone fail, and a row whose
+logits are not finite fails without its neighbours' tokens changing (docs/DESIGN.md, "Decoding").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvfuse.fusion.engine import sampling
+from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
+from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
+from kvfuse.fusion.engine.scheduler import Phase, Request, Scheduler, SchedulerLimits
+from kvfuse.fusion.engine.sequence import Sequence
+from kvfuse.fusion.errors import FusionError
+
+log = logging.getLogger("kvfuse.fusion")
+
+
+class Cancelled(FusionError):
+    """The request was cancelled before it produced a token."""
+
+
+# -- outputs ------------------------------------------------------------------------------------------------
+@dataclass
+class Admitted:
+    job_id: Any
+    seq: Sequence
+
+
+@dataclass
+class Token:
+    job_id: Any
+    text: str
+    logprobs: list | None = None
+
+
+@dataclass
+class Finished:
+    job_id: Any
+    seq: Sequence
+
+
+@dataclass
+class Failed:
+    job_id: Any
+    error: BaseException
+
+
+@dataclass
+class Ingested:
+    job_id: Any
+    value: Any
+
+
+@dataclass
+class Stepped:
+    step: int
+    batch: int
+    admitted: list
+    ingest: Any
+    running: int
+    waiting: int
+    kv_tokens: int
+    kv_bytes: int
+
+
+Output = Admitted | Token | Finished | Failed | Ingested | Stepped
+Emit = Callable[[Output], None]
+
+
+class EngineCore:
+    """The engine over `engine` (kvfuse.fusion.FusionEngine) within `limits`.
+
+    static / cuda_graphs: the runner's static decode path and its CUDA graphs (runner.py)."""
+
+    def __init__(self, engine: Any, limits: SchedulerLimits, *, static: bool = False,
+                 cuda_graphs: bool = False) -> None:
+        self.engine = engine
+        capacity = limits.kv_budget_tokens
+        if static:  # the static path's mask reads whole key blocks: a whole number of them, within the budget
+            capacity = max(BLOCK, capacity // BLOCK * BLOCK)
+        self.memory = KVMemory.for_transformer(engine.tf, capacity, zeroed=static)
+        self.runner = ModelRunner(engine.tf, self.memory, max_batch=limits.max_running, static=static,
+                                  cuda_graphs=cuda_graphs)
+        self.scheduler = Scheduler(limits, self.memory)
+        self.step_no = 0
+
+    @classmethod
+    def from_settings(cls, engine: Any, settings: Any) -> EngineCore:
+        """As kvfuse.config Settings say (server.* limits; the static path with CUDA graphs on a CUDA
+        device when fusion.decode_cuda_graphs is on)."""
+        graphs = settings.fusion.decode_cuda_graphs and engine.device.type == "cuda"
+        return cls(engine, SchedulerLimits.from_settings(settings.server), static=graphs, cuda_graphs=graphs)
+
+    def warm_up(self) -> float:
+        """Compile and capture what the decode step needs before the first request (seconds taken)."""
+        return self.runner.warm_up()
+
+    # -- state ------------------------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def fits(self, kv_tokens: int) -> bool:
+        """Whether a request of this many KV tokens could ever run here."""
+        return self.scheduler.fits_alone(kv_tokens)
+
+    # -- arrivals ---------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence, job_id: Any) -> None:
+        """Queue a query (ValueError when it could never fit the KV memory)."""
+        self.scheduler.add(Request(job_id, kv_tokens=seq.kv_tokens, prefill_tokens=seq.prefill_tokens, data=seq))
+
+    def add_ingest(self, job_id: Any, piece: Callable[[int], Any]) -> None:
+        """Queue ingestion work: `piece(budget_tokens)` runs one piece and returns None until the work is
+        done, then its result (emitted as Ingested)."""
+        self.scheduler.add_ingest(Request(job_id, data=piece))
+
+    def abort(self, job_id: Any, emit: Emit) -> None:
+        """Stop a request wherever it is: a decoding one finishes as cancelled (its held-back text
+        first), any other fails with Cancelled; an ingestion job is dropped."""
+        req = self.scheduler.remove(job_id)
+        if req is None or req.status is Phase.INGESTING:
+            return
+        seq: Sequence = req.data
+        if req.status is Phase.DECODING:
+            tail = seq.gen.cancel()
+            if tail:
+                emit(Token(job_id, tail))
+            emit(Finished(job_id, seq))
+        else:
+            emit(Failed(job_id, Cancelled("cancelled")))
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def step(self, emit: Emit) -> None:
+        self.step_no += 1
+        sch = self.scheduler
+        plan = sch.schedule()
+        for req in plan.admit:
+            self._start(req, emit)
+        self._prefill(sch.limits.prefill_tokens_per_step * self.engine.num_layers, emit)
+        if plan.ingest is not None:
+            self._ingest(plan.ingest, plan.ingest_tokens, emit)
+        batch = sch.decode_batch()
+        if batch:
+            self._decode(batch, emit)
+        emit(Stepped(self.step_no, len(batch), [r.job_id for r in plan.admit],
+                     plan.ingest.job_id if plan.ingest is not None else None, sch.num_running, sch.num_waiting,
+                     sch.kv_used, self.memory.used_bytes))
+
+    def _fail(self, job_id: Any, err: BaseException, emit: Emit) -> None:
+        self.scheduler.retire(job_id)
+        emit(Failed(job_id, err))
+
+    def _start(self, req: Request, emit: Emit) -> None:
+        seq: Sequence = req.data
+        emit(Admitted(req.job_id, seq))
+        extent = req.extent
+
+        def new_cache(capacity: int) -> FusedCache:  # the prefill's cache is the request's extent
+            return FusedCache.in_memory(self.memory, extent, capacity)
+
+        try:
+            seq.start(self.engine, new_cache)
+        except Exception as err:  # noqa: BLE001 - fails this request only
+            self._fail(req.job_id, err, emit)
+
+    def _prefill(self, budget: int, emit: Emit) -> None:
+        """Advance the prefilling sequences, oldest first, by up to `budget` rows x layers in all."""
+        for req in self.scheduler.prefilling():
+            if budget <= 0:
+                return
+            seq: Sequence = req.data
+            try:
+                spent, text = seq.advance(self.engine, budget)
+            except Exception as err:  # noqa: BLE001 - fails this request only
+                self._fail(req.job_id, err, emit)
+                continue
+            budget -= spent
+            if text is not None:
+                self.scheduler.prefilled(req.job_id, kv_tokens=seq.cache.capacity)  # smaller if evicted
+                self._emit(req, text, emit)
+
+    def _ingest(self, req: Request, budget_tokens: int, emit: Emit) -> None:
+        try:
+            done = req.data(budget_tokens)
+        except Exception as err:  # noqa: BLE001 - fails this job only
+            self.scheduler.ingest_done(req.job_id)
+            emit(Failed(req.job_id, err))
+            return
+        if done is not None:
+            self.scheduler.ingest_done(req.job_id)
+            emit(Ingested(req.job_id, done))
+
+    def _decode(self, batch: list[Request], emit: Emit) -> None:
+        """One step for every decoding sequence: one forward, the tokens chosen on the device for the whole
+        batch and copied to the host once. Failing rows fail alone (the module docstring)."""
+        seqs: list[Sequence] = [r.data for r in batch]
+        tokens = torch.tensor([s.gen.last_token for s in seqs], dtype=torch.long)
+        try:
+            logits = self.runner.decode([s.cache for s in seqs], tokens)
+        except Exception:  # noqa: BLE001 - find the rows that fail alone; the others keep their tokens
+            log.warning("a batched decode step failed: retrying its %d sequences one by one", len(batch),
+                        exc_info=True)
+            self._decode_alone(batch, tokens, emit)
+            return
+        self._take(batch, logits, emit)
+
+    def _decode_alone(self, batch: list[Request], tokens: torch.Tensor, emit: Emit) -> None:
+        kept, rows = [], []
+        for i, r in enumerate(batch):
+            try:
+                rows.append(self.runner.decode([r.data.cache], tokens[i : i + 1]))
+                kept.append(r)
+            except Exception as err:  # noqa: BLE001 - this sequence's own failure
+                self._fail(r.job_id, err, emit)
+        if kept:
+            self._take(kept, torch.cat(rows), emit)
+
+    def _take(self, batch: list[Request], logits: torch.Tensor, emit: Emit) -> None:
+        finite = torch.isfinite(logits).all(dim=-1)
+        safe = torch.where(finite[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+        chosen = sampling.choose(safe, [r.data.gen.sampling for r in batch])
+        chosen, finite = chosen.tolist(), finite.tolist()  # the one host sync
+        for i, r in enumerate(batch):
+            if not finite[i]:
+                self._fail(r.job_id, FusionError("the model produced non-finite logits for this sequence"), emit)
+                continue
+            self._emit(r, r.data.accept_token(chosen[i], logits[i]), emit)
+
+    def _emit(self, req: Request, text: str, emit: Emit) -> None:
+        seq: Sequence = req.data
+        if text:
+            logprobs = seq.gen.take_logprobs() if seq.gen.options.logprobs is not None else None
+            emit(Token(req.job_id, text, logprobs))
+        if seq.gen.finished is not None:
+            self.scheduler.retire(req.job_id)
+            emit(Finished(req.job_id, seq))

@@ -1,0 +1,271 @@
+"""Where every running sequence's KV lives: one buffer per K and V, allocated once at the budget.
+
+`KVMemory` holds K and V as [layers, kv_heads, capacity, head_dim] each, `capacity` being the configured
+budget in tokens (`server.kv_budget_tokens`), so the bytes it holds never exceed the budget, whatever the
+mix of lengths. A sequence gets one contiguous *extent* of it, [start, start + tokens), sized for its
+prompt plus the tokens it may generate, and keeps it from admission to retirement:
+
+- the fused prefill writes into it directly (the chunks' stored KV is placed there by the layer loader,
+  recomputed rows overwrite theirs in place), so a request's prefill cache *is* its decode memory and
+  nothing is copied when it starts decoding;
+- a decode step appends each sequence's token at its own next slot and attends over that sequence's own
+  extent (`runner.py`), never over another sequence's length;
+- a sequence that needs less after its prefill (eviction, a sparse cache) gives its tail back (`shrink`).
+
+Why extents and not pages: every attention kernel of the prefill (the blocked CPU kernel, SDPA, the
+flash and flex kernels) reads a layer's keys as one strided tensor; pages would need a gather of the
+whole prompt's keys per layer and phase. Contiguous extents keep those reads copy-free at the price of
+fragmentation, which `allocate` repairs by sliding settled extents (sequences past their prefill, whose
+bytes no loader thread is writing) towards the start: one copy of each moved sequence, counted in
+`moved_tokens`. nano-vllm's block manager pages instead; its kernels read pages natively.
+
+`FusedCache` is a sequence's view of its extent: the K/V of every layer, [L, Hkv, capacity, D], filled
+up to `length`. Standalone caches (a benchmark, a shadow check, training) own a private `KVMemory` of
+exactly their size. docs/DESIGN.md, "Decoding", says who allocates what.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from kvfuse.fusion.errors import FusionError
+
+
+class MemoryFull(FusionError):
+    """No extent of the asked size is free (even after compaction)."""
+
+
+@dataclass(eq=False)
+class Extent:
+    """Tokens [start, start + tokens) of a KVMemory held by `owner`. `movable`: its bytes may be moved
+    (no prefill or loader is writing them); compaction updates `start` in place."""
+
+    owner: Hashable
+    start: int
+    tokens: int
+    movable: bool = False
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.tokens
+
+
+class KVMemory:
+    """K/V for `capacity` tokens, [L, Hkv, capacity, D] each, handed out as contiguous extents.
+
+    zeroed: fill the buffers with zeros (a kernel that reads whole key blocks and masks some, as the
+    static decode path does, must never meet NaNs in memory no sequence wrote); otherwise the pages are
+    committed only as sequences use them."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str, *, zeroed: bool = False) -> None:
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        make = torch.zeros if zeroed else torch.empty
+        self.k = make(shape, dtype=dtype, device=device)
+        self.v = make(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.extents: list[Extent] = []  # sorted by start
+        self.moved_tokens = 0  # tokens copied by compaction since start
+
+    @classmethod
+    def for_transformer(cls, tf, capacity: int, *, zeroed: bool = False) -> KVMemory:
+        """Memory shaped for `tf` (kvfuse.fusion.model.transformer.Transformer), in its dtype and device."""
+        return cls(tf.num_layers, tf.num_kv_heads, tf.head_dim, capacity, tf.dtype, tf.embed_tokens.weight.device,
+                   zeroed=zeroed)
+
+    # -- accounting -------------------------------------------------------------------------------------
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token takes across every layer, K and V."""
+        return 2 * self.k.shape[0] * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """What the buffers hold: the budget, allocated once."""
+        return self.capacity * self.token_bytes
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(e.tokens for e in self.extents)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by sequences' extents now."""
+        return self.used_tokens * self.token_bytes
+
+    @property
+    def free_tokens(self) -> int:
+        return self.capacity - self.used_tokens
+
+    def extent_of(self, owner: Hashable) -> Extent | None:
+        return next((e for e in self.extents if e.owner == owner), None)
+
+    # -- extents -----------------------------------------------------------------------------------------
+    def can_allocate(self, tokens: int) -> bool:
+        """Whether `allocate(tokens)` would succeed now (compacting if it must)."""
+        return self._hole(tokens) is not None or tokens <= self._compactable_room()
+
+    def allocate(self, owner: Hashable, tokens: int) -> Extent:
+        """An extent of `tokens` for `owner` (first fit; settled extents slide down when only compaction
+        makes room). Raises MemoryFull when none can be had."""
+        if tokens < 1:
+            raise ValueError(f"an extent needs at least one token, got {tokens}")
+        if self.extent_of(owner) is not None:
+            raise ValueError(f"{owner!r} already holds an extent")
+        start = self._hole(tokens)
+        if start is None and tokens <= self._compactable_room():
+            self.compact()
+            start = self._hole(tokens)
+        if start is None:
+            raise MemoryFull(f"no {tokens} contiguous KV tokens free ({self.free_tokens} of {self.capacity} free)")
+        extent = Extent(owner, start, tokens)
+        self.extents.append(extent)
+        self.extents.sort(key=lambda e: e.start)
+        return extent
+
+    def release(self, owner: Hashable) -> None:
+        """Free `owner`'s extent (a no-op when it holds none)."""
+        self.extents = [e for e in self.extents if e.owner != owner]
+
+    def shrink(self, owner: Hashable, tokens: int) -> None:
+        """Give back the tail of `owner`'s extent past `tokens`."""
+        extent = self.extent_of(owner)
+        if extent is not None and 0 < tokens < extent.tokens:
+            extent.tokens = tokens
+
+    def settle(self, owner: Hashable) -> None:
+        """`owner`'s prefill is complete: compaction may move its extent from now on."""
+        extent = self.extent_of(owner)
+        if extent is not None:
+            extent.movable = True
+
+    def _hole(self, tokens: int) -> int | None:
+        """The start of the first free run of at least `tokens`, or None."""
+        at = 0
+        for e in self.extents:
+            if e.start - at >= tokens:
+                return at
+            at = max(at, e.stop)
+        return at if self.capacity - at >= tokens else None
+
+    def _compactable_room(self) -> int:
+        """The largest free run compaction could make: movable extents slide down between the pinned
+        ones, so the free space between consecutive pinned extents (and the ends) gathers into one run."""
+        best, at, moving = 0, 0, 0  # at: where the current stretch between pinned extents begins
+        for e in self.extents:
+            if e.movable:
+                moving += e.tokens
+                continue
+            best, at, moving = max(best, e.start - at - moving), e.stop, 0
+        return max(best, self.capacity - at - moving)
+
+    def compact(self) -> None:
+        """Slide every movable extent as far down as the extents before it allow (one copy each)."""
+        at = 0
+        for e in self.extents:
+            if e.movable and e.start > at:
+                n = e.tokens
+                # Overlapping ranges move down: copy through a temporary when they overlap.
+                src_k, src_v = self.k[:, :, e.start : e.start + n], self.v[:, :, e.start : e.start + n]
+                if at + n > e.start:
+                    src_k, src_v = src_k.clone(), src_v.clone()
+                self.k[:, :, at : at + n].copy_(src_k)
+                self.v[:, :, at : at + n].copy_(src_v)
+                self.moved_tokens += n
+                e.start = at
+            at = max(at, e.stop)
+
+
+class FusedCache:
+    """A sequence's K/V of every layer, [L, Hkv, capacity, D], filled up to `length`: a view of its
+    extent in a KVMemory (`in_memory`), or of a private memory of exactly its size (the constructor).
+
+    Sized for the prompt plus the tokens to generate, so prefill writes and decode appends never copy
+    it. Rows are written by position (`write`), as gpt-fast's KVCache.update: recomputed rows overwrite
+    their cached K/V in place, decode steps append at `length`.
+
+    `position_offset`: slot i >= the prompt holds the token at position i + offset. It is 0 except after
+    eviction (`fusion/eviction.py`) or in a sparse cache (samkv), where the kept prompt tokens keep their
+    original, rotated keys in fewer slots and new tokens continue at the next original position.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        memory = KVMemory(num_layers, num_kv_heads, head_dim, max(1, capacity), dtype, device)
+        self._bind(memory, memory.allocate(self, max(1, capacity)), capacity)
+
+    @classmethod
+    def in_memory(cls, memory: KVMemory, extent: Extent, capacity: int | None = None) -> FusedCache:
+        """The first `capacity` tokens (default: all) of `extent` in `memory`, as a cache."""
+        cache = cls.__new__(cls)
+        cache._bind(memory, extent, extent.tokens if capacity is None else capacity)
+        return cache
+
+    def _bind(self, memory: KVMemory, extent: Extent, capacity: int) -> None:
+        if capacity > extent.tokens:
+            raise MemoryFull(f"a cache of {capacity} tokens does not fit its extent of {extent.tokens}")
+        self.memory, self.extent, self.capacity = memory, extent, capacity
+        self.length = 0
+        self.position_offset = 0
+        # While the chunks' stored KV is still arriving (kv_loading.LayerLoader), every access to a layer
+        # waits for that layer first; None once every layer is in place.
+        self.loader = None
+
+    @property
+    def k(self) -> torch.Tensor:
+        """[L, Hkv, capacity, D]: a view into the memory (its start may move between decode steps)."""
+        start = self.extent.start
+        return self.memory.k[:, :, start : start + self.capacity]
+
+    @property
+    def v(self) -> torch.Tensor:
+        start = self.extent.start
+        return self.memory.v[:, :, start : start + self.capacity]
+
+    def layer(self, layer: int) -> None:
+        """Wait until `layer` holds the assembled KV (no-op once loading finished)."""
+        if self.loader is not None:
+            self.loader.wait(layer)
+
+    def finish_loading(self) -> dict[str, float]:
+        """Every layer in place; returns the loader's copy timings ({} when nothing was loading)."""
+        loader, self.loader = self.loader, None
+        if loader is None:
+            return {}
+        loader.finish()
+        return loader.stats()
+
+    @property
+    def next_position(self) -> int:
+        """The position (for RoPE) of the next token appended."""
+        return self.length + self.position_offset
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V the cache spans."""
+        return self.capacity * self.memory.token_bytes
+
+    def keys(self, layer: int, upto: int | None = None) -> torch.Tensor:
+        """[1, Hkv, upto, D] view (no copy)."""
+        self.layer(layer)
+        return self.k[layer, :, : self.length if upto is None else upto].unsqueeze(0)
+
+    def values(self, layer: int, upto: int | None = None) -> torch.Tensor:
+        self.layer(layer)
+        return self.v[layer, :, : self.length if upto is None else upto].unsqueeze(0)
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store rows' K/V [1, Hkv, R, D] at their positions [R] of one layer (in place, cast to the
+        cache's dtype)."""
+        self.layer(layer)
+        self.k[layer].index_copy_(1, positions, k[0].to(self.memory.k.dtype))
+        self.v[layer].index_copy_(1, positions, v[0].to(self.memory.v.dtype))
+
+    def place(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy (and cast) a [L, Hkv, n, D] slab into positions start..start+n-1 of every layer."""
+        n = k.shape[2]
+        self.k[:, :, start : start + n].copy_(k)
+        self.v[:, :, start : start + n].copy_(v)

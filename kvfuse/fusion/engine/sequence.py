@@ -1,0 +1,101 @@
+"""One query in the engine, from admission to its last token: its prompt, its fused prefill run a few
+decoder layers per step, then its generation state.
+
+The engine core (core.py) drives it: `start` loads the chunks' KV (`load_kv`, which a service overrides
+to read its store) and sets up the fused prefill over the cache the scheduler's extent gives it;
+`advance` runs the prefill for a budget of rows x layers and takes the first token when it completes;
+after that each batched decode step hands it one token (`accept_token`). Everything that makes a request
+*that* request lives here or in its `Generation`, so it decodes the same tokens alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from kvfuse.fusion.engine.generation import Generation
+from kvfuse.fusion.types import ChunkKV, FusedPrefill, GenerationOptions
+
+
+class Sequence:
+    """A query for the engine core. `prefix` and `chunks`: the loaded KV (or override `load_kv`);
+    `kv_tokens`: the cache it needs (prompt + max_tokens, and any rows its method adds); `prefill_tokens`:
+    an estimate of its prefill work; `on_logits(row)`: sees every logits row it takes a token from."""
+
+    def __init__(self, request_id: Any, prefix_ids: list[int], question_ids: list[int], fusion: Any,
+                 gen_options: GenerationOptions, *, kv_tokens: int, prefill_tokens: int,
+                 prefix: ChunkKV | None = None, chunks: list[ChunkKV] | None = None) -> None:
+        self.request_id = request_id
+        self.prefix_ids = prefix_ids
+        self.question_ids = question_ids
+        self.fusion = fusion
+        self.gen_options = gen_options
+        self.kv_tokens = kv_tokens
+        self.prefill_tokens = prefill_tokens
+        self._prefix, self._chunks = prefix, chunks
+        self.gen: Generation | None = None  # from the first token on
+        self.cache: Any = None  # its FusedCache (a view of its extent) from the first token on
+        self.stats: dict[str, int] = {}
+        self.timings: dict[str, float] = {}
+        self.on_logits: Callable[[torch.Tensor], None] | None = None
+        self._steps: Generator[int, None, FusedPrefill] | None = None
+        self._t_loaded = self._t_first = 0.0
+
+    # -- prefill ------------------------------------------------------------------------------------------
+    def load_kv(self) -> tuple[ChunkKV | None, list[ChunkKV]]:
+        """The system prefix's and the chunks' KV (token ids only for a full-prefill method)."""
+        return self._prefix, list(self._chunks or [])
+
+    def start(self, engine: Any, new_cache: Callable[[int], Any]) -> None:
+        """Load the chunks' KV and set up the fused prefill (over caches `new_cache(capacity)` gives), which
+        `advance` then runs in pieces."""
+        t0 = time.perf_counter()
+        prefix, chunks = self.load_kv()
+        self._t_loaded = time.perf_counter()
+        self.timings = {"kv_load_s": self._t_loaded - t0}
+        self._steps = engine.fuse_steps(prefix, chunks, self.question_ids, self.fusion,
+                                        max_tokens=self.gen_options.max_tokens, new_cache=new_cache)
+
+    def advance(self, engine: Any, budget: int) -> tuple[int, str | None]:
+        """Run the prefill for about `budget` rows x layers (at least one layer): (work done, the first
+        token's text once the prefill is complete, else None)."""
+        spent = 0
+        try:
+            while spent < budget:
+                spent += next(self._steps)
+        except StopIteration as done:
+            fused = done.value
+        else:
+            return spent, None
+        self._steps = None
+        self.cache, self.stats = fused.cache, fused.stats
+        self.gen = Generation(engine.tokenizer, engine.stop_token_ids, self.gen_options, engine.device)
+        text = self.accept(fused.logits)
+        self._t_first = time.perf_counter()
+        # ttft_s counts from the loaded KV to the first token, including steps spent on other sequences.
+        self.timings.update(fused.timings, ttft_s=self._t_first - self._t_loaded)
+        return spent, text
+
+    @property
+    def prefilling(self) -> bool:
+        return self._steps is not None
+
+    # -- tokens -----------------------------------------------------------------------------------------------
+    def accept(self, logits: torch.Tensor) -> str:
+        """Choose and take the first token from the prefill's logits."""
+        if self.on_logits is not None:
+            self.on_logits(logits)
+        return self.gen.accept(logits)
+
+    def accept_token(self, token: int, logits: torch.Tensor) -> str:
+        """Take the token the batch chose for this request from its row `logits` [vocab] of the step."""
+        if self.on_logits is not None:
+            self.on_logits(logits)
+        return self.gen.accept_token(token, logits)
+
+    @property
+    def decode_s(self) -> float:
+        return time.perf_counter() - self._t_first if self._t_first else 0.0

@@ -1,0 +1,172 @@
+"""The engine core (kvfuse/fusion/engine/core.py) in-process, with no transport: a batch of requests gives
+each its solo tokens, the KV memory holds whatever the mix of lengths, a failing sequence fails alone,
+and an abort ends a request wherever it is. A tiny random-weight Llama keeps it fast; the service tests
+run the same core with the real model behind the worker's transports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
+from kvfuse.fusion.engine import core as E
+from kvfuse.fusion.engine.core import EngineCore
+from kvfuse.fusion.engine.scheduler import SchedulerLimits
+from kvfuse.fusion.engine.sequence import Sequence
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer) -> FusionEngine:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    return FusionEngine(LlamaForCausalLM(config).eval(), tokenizer, dtype="float32")
+
+
+def _request(engine, i: int, context: int, method: str = "pie"):
+    """Request i: a system prefix, one chunk of `context` seeded tokens (its KV precomputed) and a question."""
+    g = torch.Generator().manual_seed(100 + i)
+    chunk = torch.randint(10, 5000, (context,), generator=g).tolist()
+    prefix_ids, question_ids = engine.prompt_parts(f"Question {i}?", "Answer.")
+    prefix, kv = engine.precompute([prefix_ids, chunk])
+    return prefix, [kv], question_ids, FusionOptions(method=method, recompute_ratio=0.2)
+
+
+def _solo(engine, req) -> list[int]:
+    prefix, chunks, question_ids, fusion = req
+    *_, result = engine.generate(prefix, chunks, question_ids, fusion,
+                                 GenerationOptions(max_tokens=MAX_TOKENS, temperature=0.0))
+    return result.token_ids
+
+
+def _sequence(engine, i, req) -> Sequence:
+    prefix, chunks, question_ids, fusion = req
+    kv_tokens = len(prefix) + sum(len(c) for c in chunks) + len(question_ids) + MAX_TOKENS
+    return Sequence(i, prefix.token_ids, question_ids, fusion, GenerationOptions(max_tokens=MAX_TOKENS, temperature=0.0),
+                    kv_tokens=kv_tokens, prefill_tokens=len(question_ids), prefix=prefix, chunks=chunks)
+
+
+def _core(engine, budget: int, running: int = 8) -> EngineCore:
+    return EngineCore(engine, SchedulerLimits(max_running=running, kv_budget_tokens=budget,
+                                              prefill_tokens_per_step=512, ingest_share=0.25))
+
+
+def _run(core: EngineCore, seqs: list[Sequence], each_step=None) -> list:
+    out: list = []
+    for s in seqs:
+        core.add(s, s.request_id)
+    while core.has_work:
+        if each_step is not None:
+            each_step(core, out)
+        core.step(out.append)
+    return out
+
+
+def _tokens(out: list, job) -> list[int] | None:
+    done = [o for o in out if isinstance(o, E.Finished) and o.job_id == job]
+    return done[0].seq.gen.token_ids if done else None
+
+
+def test_a_batch_gives_each_request_its_solo_tokens(tiny) -> None:
+    reqs = [_request(tiny, i, n, m) for i, (n, m) in enumerate([(40, "pie"), (150, "anchor"), (7, "vanilla")])]
+    solo = [_solo(tiny, r) for r in reqs]
+    out = _run(_core(tiny, 1024), [_sequence(tiny, i, r) for i, r in enumerate(reqs)])
+    assert [_tokens(out, i) for i in range(3)] == solo
+    steps = [o for o in out if isinstance(o, E.Stepped)]
+    assert max(s.batch for s in steps) == 3  # they decoded together
+    kinds = [type(o).__name__ for o in out if getattr(o, "job_id", None) == 1]
+    assert kinds[0] == "Admitted" and kinds[-1] == "Finished" and "Token" in kinds
+
+
+def test_kv_memory_holds_one_long_request_beside_many_short(tiny) -> None:
+    """One long request and eight short ones in a memory that cannot hold them all: the bytes held never
+    pass the budget, the buffers are never replaced, each row decodes over its own extent, and every
+    request ends with its solo tokens."""
+    reqs = [_request(tiny, 0, 900)] + [_request(tiny, i, 30) for i in range(1, 9)]
+    seqs = [_sequence(tiny, i, r) for i, r in enumerate(reqs)]
+    budget = seqs[0].kv_tokens + 3 * seqs[1].kv_tokens
+    core = _core(tiny, budget)
+    buffers = (core.memory.k.data_ptr(), core.memory.v.data_ptr())
+    held = []
+
+    def check(core: EngineCore, out) -> None:
+        mem = core.memory
+        held.append(mem.used_bytes)
+        assert mem.used_bytes <= mem.nbytes == budget * mem.token_bytes
+        assert (mem.k.data_ptr(), mem.v.data_ptr()) == buffers
+        for r in core.scheduler.decode_batch():
+            assert r.data.cache.extent is r.extent and r.data.cache.capacity <= r.extent.tokens
+
+    out = _run(core, seqs, check)
+    assert [_tokens(out, i) for i in range(9)] == [_solo(tiny, r) for r in reqs]
+    assert max(held) > seqs[0].kv_tokens  # the long one ran beside short ones
+    assert max(s.running for s in out if isinstance(s, E.Stepped)) < 9  # not all at once: some waited
+
+
+def _decoding(core: EngineCore, out: list, n: int) -> None:
+    while len(core.scheduler.decode_batch()) < n:
+        core.step(out.append)
+
+
+def test_a_sequence_with_broken_kv_fails_alone(tiny) -> None:
+    """NaN in one sequence's extent: that sequence fails with a clear error; its neighbours in the batch
+    keep decoding their solo tokens."""
+    reqs = [_request(tiny, i, 20 + 10 * i) for i in range(3)]
+    core, out = _core(tiny, 1024), []
+    for i, r in enumerate(reqs):
+        core.add(_sequence(tiny, i, r), i)
+    _decoding(core, out, 3)
+    broken = core.scheduler.running[1].extent
+    core.memory.k[:, :, broken.start : broken.start + 5] = float("nan")
+    while core.has_work:
+        core.step(out.append)
+    failed = [o for o in out if isinstance(o, E.Failed)]
+    assert [f.job_id for f in failed] == [1] and "non-finite logits" in str(failed[0].error)
+    assert _tokens(out, 0) == _solo(tiny, reqs[0]) and _tokens(out, 2) == _solo(tiny, reqs[2])
+    assert core.memory.used_tokens == 0
+
+
+def test_a_batched_step_that_raises_is_retried_row_by_row(tiny) -> None:
+    """A token id outside the vocabulary makes the batched forward raise: the step is retried one
+    sequence at a time, only that sequence fails, the others keep their solo tokens."""
+    reqs = [_request(tiny, i, 25) for i in range(3)]
+    core, out = _core(tiny, 1024), []
+    for i, r in enumerate(reqs):
+        core.add(_sequence(tiny, i, r), i)
+    _decoding(core, out, 3)
+    core.scheduler.running[2].data.gen.last_token = tiny.model.config.vocab_size + 7
+    while core.has_work:
+        core.step(out.append)
+    failed = [o for o in out if isinstance(o, E.Failed)]
+    assert [f.job_id for f in failed] == [2] and isinstance(failed[0].error, IndexError)
+    assert _tokens(out, 0) == _solo(tiny, reqs[0]) and _tokens(out, 1) == _solo(tiny, reqs[1])
+
+
+def test_abort_ends_a_request_wherever_it_is(tiny) -> None:
+    reqs = [_request(tiny, i, 30) for i in range(3)]
+    seqs = [_sequence(tiny, i, r) for i, r in enumerate(reqs)]
+    core, out = _core(tiny, seqs[0].kv_tokens + seqs[1].kv_tokens, running=2), []
+    for s in seqs:
+        core.add(s, s.request_id)
+    _decoding(core, out, 2)
+    core.abort(0, out.append)  # decoding: finishes as cancelled
+    core.abort(2, out.append)  # still waiting: fails as cancelled
+    core.abort(2, out.append)  # already gone: nothing
+    ends = [o for o in out if isinstance(o, E.Finished | E.Failed)]
+    assert [(type(o).__name__, o.job_id) for o in ends] == [("Finished", 0), ("Failed", 2)]
+    assert ends[0].seq.gen.finished == "cancelled" and isinstance(ends[1].error, E.Cancelled)
+    assert core.memory.extent_of(0) is None and core.scheduler.num_waiting == 0
+    while core.has_work:
+        core.step(out.append)
+    assert _tokens(out, 1) == _solo(tiny, reqs[1])
+
+
+def test_a_request_that_can_never_fit_is_refused(tiny) -> None:
+    core = _core(tiny, 64)
+    seq = _sequence(tiny, 0, _request(tiny, 0, 100))
+    assert not core.fits(seq.kv_tokens)
+    with pytest.raises(ValueError, match="over the budget"):
+        core.add(seq, 0)

@@ -1,0 +1,93 @@
+"""The KV memory on its own (kvfuse/fusion/engine/kv_memory.py): one buffer at the budget, contiguous
+extents handed out first fit, compaction that slides only settled extents and keeps their bytes, and
+caches that are views of their extent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory, MemoryFull
+
+
+def memory(capacity: int = 100) -> KVMemory:
+    return KVMemory(2, 1, 3, capacity, torch.float32, "cpu")
+
+
+def fill(mem: KVMemory, owner, value: float) -> None:
+    e = mem.extent_of(owner)
+    mem.k[:, :, e.start : e.stop] = value
+    mem.v[:, :, e.start : e.stop] = -value
+
+
+def test_the_buffers_are_the_budget_and_extents_never_exceed_it() -> None:
+    mem = memory(100)
+    assert mem.nbytes == 100 * mem.token_bytes == 2 * mem.k.numel() * 4
+    a, b = mem.allocate("a", 60), mem.allocate("b", 40)
+    assert (a.start, b.start) == (0, 60) and mem.free_tokens == 0 and mem.used_bytes == mem.nbytes
+    assert not mem.can_allocate(1)
+    with pytest.raises(MemoryFull, match="no 1 contiguous KV tokens free"):
+        mem.allocate("c", 1)
+    with pytest.raises(ValueError, match="already holds"):
+        mem.allocate("a", 1)
+    mem.release("a")
+    assert mem.can_allocate(60) and not mem.can_allocate(61)
+    assert mem.allocate("c", 10).start == 0  # first fit
+
+
+def test_compaction_slides_settled_extents_down_and_keeps_their_bytes() -> None:
+    mem = memory(100)
+    for name, size in (("a", 30), ("b", 20), ("c", 30), ("d", 20)):
+        mem.allocate(name, size)
+        fill(mem, name, {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}[name])
+    mem.release("a")
+    mem.release("c")  # 60 free, in two holes of 30
+    assert not any(mem._hole(n) is not None for n in (31, 60))
+    assert not mem.can_allocate(60)  # b and d are still prefilling: nothing may move
+    mem.settle("b")
+    mem.settle("d")
+    assert mem.can_allocate(60)
+    e = mem.allocate("e", 60)
+    assert (mem.extent_of("b").start, mem.extent_of("d").start, e.start) == (0, 20, 40)
+    assert mem.moved_tokens == 40
+    for name, value in (("b", 2.0), ("d", 4.0)):
+        ext = mem.extent_of(name)
+        assert torch.all(mem.k[:, :, ext.start : ext.stop] == value) and torch.all(mem.v[:, :, ext.start : ext.stop] == -value)
+
+
+def test_a_pinned_extent_splits_the_room_compaction_can_make() -> None:
+    mem = memory(100)
+    for name, size in (("a", 20), ("pinned", 20), ("b", 20), ("c", 20)):
+        mem.allocate(name, size)
+    for name in ("a", "b", "c"):
+        mem.settle(name)
+    mem.release("a")
+    mem.release("b")  # 60 free: 20 before the pinned extent, 40 after it once c slides down
+    assert mem.free_tokens == 60 and mem._compactable_room() == 40
+    assert mem.can_allocate(40) and not mem.can_allocate(41)
+    mem.allocate("d", 40)
+    assert mem.extent_of("c").start == 40 and mem.extent_of("d").start == 60
+
+
+def test_a_cache_is_a_view_of_its_extent_that_follows_it() -> None:
+    mem = memory(50)
+    mem.allocate("gap", 10)
+    cache = FusedCache.in_memory(mem, mem.allocate("seq", 20), 15)
+    assert cache.k.shape == (2, 1, 15, 3) and cache.nbytes == 15 * mem.token_bytes
+    cache.write(1, torch.tensor([0, 4]), torch.ones(1, 1, 2, 3), torch.full((1, 1, 2, 3), 2.0))
+    assert torch.all(mem.k[1, :, 10] == 1) and torch.all(mem.v[1, :, 14] == 2)
+    mem.release("gap")
+    mem.settle("seq")
+    mem.allocate("big", 30)  # needs the 10 freed before it plus the 20 after: seq slides to 0
+    assert cache.extent.start == 0 and torch.all(cache.k[1, :, 4] == 1)
+    with pytest.raises(MemoryFull, match="does not fit its extent"):
+        FusedCache.in_memory(mem, mem.extent_of("seq"), 21)
+
+
+def test_shrink_gives_the_tail_back_and_a_standalone_cache_owns_its_memory() -> None:
+    mem = memory(40)
+    mem.allocate("a", 30)
+    mem.shrink("a", 12)
+    assert mem.free_tokens == 28 and mem.allocate("b", 28).start == 12
+    own = FusedCache(2, 1, 3, 7, torch.float32, "cpu")
+    assert own.capacity == 7 and own.memory.capacity == 7 and own.memory.free_tokens == 0
