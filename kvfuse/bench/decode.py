@@ -60,20 +60,17 @@ def _prefill(engine: Any, tokens: int, room: int, seed: int) -> Any:
     return engine.fuse(None, [], ids, FusionOptions(method="vanilla"), max_tokens=room)
 
 
-def _time_path(engine: Any, cache: Any, path: str, streams: int, steps: int) -> list[float]:
-    """Seconds per step of `steps` steps of `streams` copies of `cache` (after the warm-up steps)."""
-    import torch
-
-    from kvfuse.fusion.engine import sampling
+def engine_streams(engine: Any, cache: Any, streams: int, *, static: bool) -> tuple[Any, list]:
+    """The engine core's decode memory and runner (kvfuse/fusion/engine/) holding `streams` copies of the
+    fused `cache`, one extent each; static: the static path (on CUDA captured as graphs), warmed up."""
     from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
     from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
 
-    static = path == "static"
     per_stream = cache.capacity
     capacity = -(-(streams * per_stream + 1) // BLOCK) * BLOCK  # room for every stream and the scratch token
     memory = KVMemory.for_transformer(engine.tf, capacity, zeroed=static)
     runner = ModelRunner(engine.tf, memory, max_batch=streams, static=static,
-                         cuda_graphs=engine.device.type == "cuda")
+                         cuda_graphs=static and engine.device.type == "cuda")
     runner.warm_up()
     caches = []
     for i in range(streams):
@@ -81,8 +78,18 @@ def _time_path(engine: Any, cache: Any, path: str, streams: int, steps: int) -> 
         c.place(0, cache.k[:, :, : cache.length], cache.v[:, :, : cache.length])
         c.length = cache.length
         caches.append(c)
-    tokens = [7 + i for i in range(streams)]
-    rows = [sampling.RowSampling(0.0, 1.0) for _ in range(streams)]
+    return runner, caches
+
+
+def time_steps(runner: Any, caches: list, steps: int) -> list[float]:
+    """Seconds per step of `steps` greedy steps of every cache (after the warm-up steps), the tokens chosen
+    on the device for the batch with one host copy, as the engine core's step does."""
+    import torch
+
+    from kvfuse.fusion.engine import sampling
+
+    tokens = [7 + i for i in range(len(caches))]
+    rows = [sampling.RowSampling(0.0, 1.0) for _ in caches]
     times = []
     with torch.inference_mode():
         for i in range(WARMUP_STEPS + steps):
@@ -91,6 +98,12 @@ def _time_path(engine: Any, cache: Any, path: str, streams: int, steps: int) -> 
             if i >= WARMUP_STEPS:
                 times.append(time.perf_counter() - t)
     return times
+
+
+def _time_path(engine: Any, cache: Any, path: str, streams: int, steps: int) -> list[float]:
+    """Seconds per step of `steps` steps of `streams` copies of `cache` (after the warm-up steps)."""
+    runner, caches = engine_streams(engine, cache, streams, static=path == "static")
+    return time_steps(runner, caches, steps)
 
 
 def run(args: Any) -> dict:

@@ -18,7 +18,8 @@ Per context and method it measures, with the chunks' KV written to a real LMDB s
 - the split of one more run, each phase synchronised: assemble, the full layers and selection
   (a probe or check layers), recompute, and the KV copy with the part of it the compute waited on;
 - peak device memory above the weights during the prefill; decode tokens/s after the prefill;
-- then batched decode over fused caches of the smallest context at 1, 8 and 32 streams.
+- then the engine core's decode steps (its KV memory and runner, CUDA graphs on a GPU) over copies of
+  one fused cache of the smallest context at 1, 8 and 32 streams.
 
 Every figure is also given as a ratio to vanilla (a full prefill, SDPA) from the same run. Results:
 docs/results/gpu/ (the JSON names the device). A tiny shape runs the same code on the CPU (tests).
@@ -274,19 +275,26 @@ class Bench:
         return rows
 
     def streams(self, context_tokens: int, counts: list[int], steps: int) -> list[dict[str, Any]]:
-        """Batched decode over `max(counts)` copies of one fused cache of `context_tokens`."""
-        prefix_ids, chunk_ids, question_ids = self.prompt(context_tokens)
+        """Decode steps of the engine core's runner over its KV memory (kvfuse/fusion/engine/: one extent per
+        stream, the static step captured as CUDA graphs on a GPU, the tokens chosen on the device), each
+        stream holding a copy of one fused cache of `context_tokens`."""
+        from kvfuse.bench.decode import WARMUP_STEPS, engine_streams, time_steps
         from kvfuse.fusion import ChunkKV
 
+        prefix_ids, chunk_ids, question_ids = self.prompt(context_tokens)
         chunks = [ChunkKV(ids) for ids in chunk_ids]
         fused = self.engine.fuse(ChunkKV(prefix_ids), chunks, question_ids, self.options("vanilla"),
-                                 max_tokens=steps + 1)
+                                 max_tokens=WARMUP_STEPS + steps + 1)
         out = []
         for b in counts:
-            caches = [fused.cache.clone() for _ in range(b)]
-            out.append({"streams": b, "context_tokens": fused.cache.length,
-                        "tokens_per_s": self.decode_rate(caches, steps)})
-            del caches
+            runner, caches = engine_streams(self.engine, fused.cache, b, static=self.cuda)
+            self.sync()
+            step_s = statistics.median(time_steps(runner, caches, steps))
+            out.append({"streams": b, "context_tokens": fused.cache.length, "tokens_per_s": b / step_s,
+                        "step_ms": step_s * 1e3, "warmup_s": runner.warmup_s, "path": "static" if runner.static else "eager"})
+            del runner, caches
+            if self.cuda:
+                self.torch.cuda.empty_cache()
         base = out[0]["tokens_per_s"]
         for row in out:
             row["vs_one_stream"] = row["tokens_per_s"] / base
@@ -321,12 +329,12 @@ def run(args) -> int:
         bar.update(1)
 
     try:
-        for ctx in args.contexts:
+        for i, ctx in enumerate(sorted(args.contexts)):
             payload["rows"] += bench.context(ctx, args.methods, progress)
             payload["profiles"] = bench.profiles
+            if i == 0 and args.streams:  # before the longer contexts: a run cut short keeps the streams
+                payload["streams"] = bench.streams(ctx, args.streams, args.stream_steps)
             write_json(payload, out)  # a context at a time: a run cut short keeps what it measured
-        if args.streams:
-            payload["streams"] = bench.streams(min(args.contexts), args.streams, args.stream_steps)
     finally:
         bar.close()
     payload["partial"] = False

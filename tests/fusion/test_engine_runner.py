@@ -144,6 +144,7 @@ def test_the_static_step_traces_whole_and_compiles_only_in_the_warm_up(tiny) -> 
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_give_the_eager_steps_logits(default_llm_path, prompts) -> None:
     """On CUDA the static step replays a graph per batch bucket, captured in the warm-up: the eager step's
