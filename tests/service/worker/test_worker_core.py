@@ -1,0 +1,82 @@
+"""The worker without a transport (kvfuse/service/worker/core.py): wire messages in as calls, messages out
+through the `send` it is given, in this process. The same WorkerCore runs behind the pipe of the local
+worker and the Redis streams of a fleet worker, so this is the whole worker, tested without a process:
+ingestion, queries batched together, cancellation, the engine step's report and the KV memory it holds."""
+
+from __future__ import annotations
+
+import pytest
+from test_scheduler_worker import MODEL_CACHE, essay_chunks, query
+
+from kvfuse.config import load_settings
+from kvfuse.service.wire import protocol as P
+from kvfuse.service.worker.core import WorkerCore
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("worker-core")
+    settings = load_settings(data_dir=root / "data", model_cache_dir=MODEL_CACHE, log_level="warning",
+                             model={"max_context_tokens": 4096, "threads": 1},
+                             server={"max_running_requests": 4, "kv_budget_tokens": 3000, "prefill_tokens_per_step": 256})
+    sent: list = []
+    w = WorkerCore(settings, sent.append)
+    w.sent = sent
+    yield w
+    w.store.close()
+
+
+def drive(w: WorkerCore, *msgs) -> list:
+    """Hand `msgs` to the worker and step it until it has nothing to do; the messages it sent meanwhile."""
+    w.sent.clear()
+    for m in msgs:
+        assert w.receive(m)
+    while w.has_work:
+        w.step()
+    return list(w.sent)
+
+
+def test_ingest_then_queries_batched_and_cancelled(worker, essays, default_llm_path) -> None:
+    chunks = essay_chunks(essays, default_llm_path, 4)
+    out = drive(worker, P.PrecomputeJob(chunks=chunks, job_id=1))
+    done = next(m for m in out if isinstance(m, P.Done))
+    assert done.computed == 4 and len(done.keys) == 4 and done.worker == worker.name
+
+    jobs = []
+    for i, picks in enumerate([[0, 1], [2], [3, 0]]):
+        job = query(chunks, picks, max_tokens=6)
+        job.chunks = [P.ChunkRef(done.keys[p], chunks[p], 1.0) for p in picks]
+        job.job_id = 10 + i
+        jobs.append(job)
+    out = drive(worker, *jobs)
+    for job in jobs:
+        mine = [m for m in out if getattr(m, "job_id", None) == job.job_id]
+        assert isinstance(mine[0], P.Plan) and isinstance(mine[-1], P.Result), mine
+        assert mine[-1].usage["generated_tokens"] >= 1 and mine[-1].rebuilt_chunks == 0
+        assert mine[-1].kv_reads.get("lmdb", 0) + mine[-1].kv_reads.get("hot", 0) == len(job.chunks)
+    steps = [m for m in out if isinstance(m, P.Step)]
+    assert max(s.batch_size for s in steps) == 3  # the three decoded together
+    budget_bytes = worker.info()["kv_budget_bytes"]
+    assert all(0 <= s.kv_bytes <= budget_bytes for s in steps) and max(s.kv_bytes for s in steps) > 0
+    assert steps[-1].kv_bytes == 0 and worker.core.memory.used_tokens == 0  # every extent given back
+
+    # a cancel while decoding ends it with a result; one of a job the worker no longer has is ignored
+    long = query(chunks, [1], max_tokens=64)
+    long.chunks = [P.ChunkRef(done.keys[1], chunks[1], 1.0)]
+    long.job_id = 20
+    worker.sent.clear()
+    worker.receive(long)
+    while not any(isinstance(m, P.Delta) for m in worker.sent):
+        worker.step()
+    out = drive(worker, P.Cancel(20), P.Cancel(99))
+    assert [m.finish_reason for m in out if isinstance(m, P.Result)] == ["cancelled"]
+
+
+def test_a_query_that_can_never_fit_is_refused_at_once(worker, essays, default_llm_path) -> None:
+    chunks = essay_chunks(essays, default_llm_path, 2)
+    job = query(chunks, [0, 1], max_tokens=3000)
+    job.job_id = 30
+    out = drive(worker, job)
+    assert len(out) == 1 and isinstance(out[0], P.Error) and out[0].kind in (P.ERR_KV_BUDGET, P.ERR_MAX_TOKENS)
