@@ -10,7 +10,7 @@ import torch
 
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import eviction
-from kvfuse.fusion.engine.generation import Generation
+from kvfuse.fusion.engine.generation import Generation, decode_loop
 from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.engine.runner import ModelRunner
 from kvfuse.fusion.errors import ContextOverflowError
@@ -19,7 +19,7 @@ from kvfuse.fusion.methods import FusionMethod, get_method
 from kvfuse.fusion.methods.selection import SelectionContext
 from kvfuse.fusion.model import loading as model_loading
 from kvfuse.fusion.model.transformer import Rows, Transformer
-from kvfuse.fusion.prompt import prompt_texts, template_halves
+from kvfuse.fusion.prompt import prompt_texts, stop_token_ids, template_halves
 from kvfuse.fusion.types import (
     ChunkKV,
     FusedPrefill,
@@ -55,7 +55,7 @@ class FusionEngine:
         self.attention_block_rows = attention_block_rows
         self.fingerprint = model_loading.fingerprint(model, tokenizer, dtype)
         self.artifacts: dict[str, object] = {}  # trained per-model data of methods, by method (`load_artifacts`)
-        self.stop_token_ids = self._stop_token_ids()
+        self.stop_token_ids = stop_token_ids(tokenizer, model.generation_config)
         # Phase timings (`FusedPrefill.timings`) after the device drained: on a GPU, work is launched
         # asynchronously and an unsynchronised clock measures the launches. Off by default (each sync
         # stalls the pipeline); `kvfuse bench gpu` turns it on for its split runs.
@@ -120,21 +120,6 @@ class FusionEngine:
         assistant header. Documents go between (`names` and `layout`: kvfuse/fusion/prompt.py)."""
         before, question_part = prompt_texts(self.tokenizer, question, system_prompt, names, layout, history)
         return self.tokenize(before), self.tokenize(question_part)
-
-    def _stop_token_ids(self) -> set[int]:
-        ids = set()
-        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source:
-                ids.update(int(i) for i in source)
-        if getattr(self.tokenizer, "chat_template", None):
-            # The template's end-of-turn token: the first special token after the user's content.
-            special = set(self.tokenizer.all_special_ids)
-            tail = [i for i in self.tokenize(self._template_halves(None)[1]) if i in special]
-            if tail:
-                ids.add(tail[0])
-        return ids
 
     # -- chunk caches -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -356,17 +341,5 @@ class FusionEngine:
         """The decode loop after a fused prefill (`generate` runs it; so does the fidelity benchmark, which
         keeps every step). `started`: when the prefill began (perf_counter), for TTFT; `on_step(logits,
         token)` sees each step's logits and the token chosen from them, the stop token included."""
-        seq = Generation(self.tokenizer, self.stop_token_ids, gen, self.device)
-        logits = fused.logits
-        ttft = None
-        while seq.finished is None:
-            text = seq.cancel() if cancel is not None and cancel() else seq.accept(logits)
-            ttft = ttft if ttft is not None else time.perf_counter() - started
-            if on_step is not None and seq.finished != "cancelled":
-                on_step(logits, seq.last_token)
-            if text:
-                yield TokenDelta(text)
-            if seq.finished is None:
-                logits = self.decode_step(fused.cache, seq.last_token)
-        timings = dict(fused.timings, ttft_s=ttft, decode_s=time.perf_counter() - started - ttft)
-        yield seq.result(fused.stats, timings)
+        return decode_loop(self.runner, Generation(self.tokenizer, self.stop_token_ids, gen, self.device), fused,
+                           cancel, started=started, on_step=on_step)

@@ -114,3 +114,21 @@ def overflow(prompt_tokens: int, max_tokens: int, limit: int) -> str | None:
         return None
     return (f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceed the model context of "
             f"{limit} tokens by {excess}")
+
+
+def stop_token_ids(tokenizer, generation_config) -> set[int]:
+    """The ids that end an answer: EOS (the tokenizer's and the generation config's) and the chat
+    template's end-of-turn token (the first special token after the user's content)."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    if getattr(tokenizer, "chat_template", None):
+        special = set(tokenizer.all_special_ids)
+        tail = tokenizer(template_halves(tokenizer, None)[1], add_special_tokens=False)["input_ids"]
+        tail = [i for i in tail if i in special]
+        if tail:
+            ids.add(tail[0])
+    return ids
