@@ -86,7 +86,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[int, Request] = OrderedDict()
         self.ingest: deque[Request] = deque()
-        self.kv_used = 0
         self.prefill_pending = 0  # prefill tokens of running requests whose prefill is not complete
         self._credit = 0.0
 
@@ -94,6 +93,11 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.ingest)
+
+    @property
+    def kv_used(self) -> int:
+        """KV tokens the running requests hold: read off the memory (one ledger), less what it reserves."""
+        return self.memory.used_tokens - (self.memory.capacity - self.capacity)
 
     @property
     def num_running(self) -> int:
@@ -124,7 +128,6 @@ class Scheduler:
         if req is not None:
             self.memory.release(job_id)
             req.extent = None
-            self.kv_used -= req.kv_tokens
             if req.status is Phase.PREFILLING:
                 self.prefill_pending -= req.prefill_tokens
         return req
@@ -139,7 +142,6 @@ class Scheduler:
             self.prefill_pending -= req.prefill_tokens
         if kv_tokens is not None and kv_tokens < req.kv_tokens:
             self.memory.shrink(job_id, kv_tokens)
-            self.kv_used -= req.kv_tokens - kv_tokens
             req.kv_tokens = kv_tokens
         self.memory.settle(job_id)  # no loader writes its extent any more: compaction may move it
 
@@ -175,7 +177,6 @@ class Scheduler:
             head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
             head.status = Phase.PREFILLING
             self.running[head.job_id] = head
-            self.kv_used += head.kv_tokens
             self.prefill_pending += head.prefill_tokens
             plan.admit.append(head)
         if self.ingest:
