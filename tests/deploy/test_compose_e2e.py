@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from compose_stack import Stack, streamed_answer
+from compose_stack import Phases, Stack, streamed_answer
 from deploy_images import compose_env
 from redis_server import free_port
 
@@ -39,9 +39,9 @@ def _ingest(client, doc_id: str, wait: bool = True):
     return resp.json()
 
 
-def _kv_answer(client) -> dict:
+def _kv_answer(client, max_tokens: int = 16) -> dict:
     """A streamed answer that reused stored KV: its `done` event (tokens arrived, no chunk rebuilt)."""
-    text, events = streamed_answer(client, QUESTION, max_tokens=16, document_ids=["lisbon"])
+    text, events = streamed_answer(client, QUESTION, max_tokens=max_tokens, document_ids=["lisbon"])
     assert text and [e for e, _ in events][-1] == "message" and events[-1][1] == "[DONE]", events
     done = next(d for e, d in events if e == "done")
     assert done["usage"]["cached_tokens"] > 0, done["usage"]  # the stored chunk KV, not a fresh prefill
@@ -128,12 +128,14 @@ def test_fleet_compose_with_two_workers(engine, images, phases) -> None:
 
 
 def _answers_by_worker(c, rounds: int = 4) -> set[str]:
-    """Concurrent streamed queries until answers came from two workers (the least loaded takes each)."""
+    """Concurrent streamed queries until answers came from two workers (a worker holding the chunk keeps
+    a query only while it has few jobs: fleet.route_load_weight)."""
     seen: set[str] = set()
     with ThreadPoolExecutor(4) as pool:
-        for _ in range(rounds):
-            for done in pool.map(lambda _: _kv_answer(c), range(4)):
-                seen.add(done["worker"])
+        for n in range(1, rounds + 1):
+            workers = [d["worker"] for d in pool.map(lambda _: _kv_answer(c, max_tokens=8), range(4))]
+            Phases.say(f"round {n} of 4 concurrent queries answered by {sorted(workers)}")
+            seen.update(workers)
             if len(seen) == 2:
                 break
     return seen
@@ -147,7 +149,7 @@ def _kill_a_worker_under_load(stack: Stack, c) -> None:
     outcomes: list[str] = []
 
     def ask() -> None:
-        _, events = streamed_answer(c, QUESTION, max_tokens=48, document_ids=["lisbon"])
+        _, events = streamed_answer(c, QUESTION, max_tokens=32, document_ids=["lisbon"])
         assert events[-1][1] == "[DONE]", events
         names = [e for e, _ in events]
         if "done" in names:
@@ -165,6 +167,7 @@ def _kill_a_worker_under_load(stack: Stack, c) -> None:
     for t in threads:
         t.join(300)
     assert len(outcomes) == 3 and not any(t.is_alive() for t in threads), outcomes
+    Phases.say(f"in-flight queries when a worker was killed: {sorted(outcomes)}")
     for job_id in jobs:
         deadline = time.monotonic() + 300
         while (job := c.get(f"/v1/jobs/{job_id}").json())["status"] in ("pending", "processing"):
