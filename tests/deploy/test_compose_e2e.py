@@ -114,7 +114,9 @@ def test_fleet_compose_with_two_workers(engine, images, phases) -> None:
         with stack.client() as c:
             with phases("fleet: both workers serve"):
                 assert len(c.get("/ready").json()["workers"]) == 2
+                start = time.monotonic()
                 _ingest(c, "lisbon")
+                Phases.say(f"ingested through the fleet in {time.monotonic() - start:.1f} s")
                 served = _answers_by_worker(c)
                 assert len(served) == 2, served
             with phases("fleet: a worker killed under load, nothing accepted lost"):
@@ -133,8 +135,12 @@ def _answers_by_worker(c, rounds: int = 4) -> set[str]:
     seen: set[str] = set()
     with ThreadPoolExecutor(4) as pool:
         for n in range(1, rounds + 1):
-            workers = [d["worker"] for d in pool.map(lambda _: _kv_answer(c, max_tokens=8), range(4))]
-            Phases.say(f"round {n} of 4 concurrent queries answered by {sorted(workers)}")
+            start = time.monotonic()
+            done = list(pool.map(lambda _: _kv_answer(c, max_tokens=8), range(4)))
+            workers = [d["worker"] for d in done]
+            ttft = sorted(round(d["timings"]["ttft_ms"] / 1000, 1) for d in done)
+            Phases.say(f"round {n} of 4 concurrent queries answered by {sorted(workers)} in "
+                       f"{time.monotonic() - start:.1f} s (first tokens after {ttft} s)")
             seen.update(workers)
             if len(seen) == 2:
                 break
