@@ -6,8 +6,9 @@ STAMP  := $(VENV)/.setup-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
+DEPLOY_PYTEST_ARGS ?= -q -rA
 
-.PHONY: setup serve test test-fast lint bench clean
+.PHONY: setup serve test test-fast test-deploy lint bench clean
 
 setup: $(STAMP)
 	@$(BIN)/kvfuse models prepare
@@ -29,6 +30,11 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The image and both compose files on a private Docker engine, built with no registry (tests/deploy/,
+# docs/deploy.md "Testing the deployment"); phase times are printed as they end.
+test-deploy: setup
+	$(BIN)/python -m pytest -m deploy tests/deploy $(DEPLOY_PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check kvfuse tests

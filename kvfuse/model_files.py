@@ -56,10 +56,38 @@ def _is_prepared(path: Path) -> bool:
     ).is_file()
 
 
+# The prepared model is shared: prepared by one user (root, building an image) and read by another (the
+# service's own user), so its folders and files get these modes whatever the umask says.
+DIR_MODE, FILE_MODE = 0o755, 0o644
+
+
+def _make_shared(root: Path) -> None:
+    """Give `root` and everything under it the shared modes; only what this user owns is changed (a copy
+    prepared by another user is theirs to mend)."""
+    uid = os.geteuid()
+    for path in (root, *root.rglob("*")):
+        st = path.lstat()
+        if st.st_uid != uid or path.is_symlink():
+            continue
+        want = DIR_MODE if path.is_dir() else FILE_MODE
+        if st.st_mode & 0o777 != want:
+            path.chmod(want)
+
+
+def _make_dirs(path: Path) -> None:
+    """Create `path` and its missing parents, each with the shared folder mode."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    for folder in missing:
+        folder.chmod(DIR_MODE)
+
+
 def prepare_default_llm(model_cache_dir: Path) -> Path:
-    """Convert the packaged GGUF to a safetensors directory once; later calls return at once."""
+    """Convert the packaged GGUF to a safetensors directory once; later calls return at once. A copy
+    prepared with narrower modes (an older kvfuse, a umask of 077) is widened when this user owns it."""
     target = default_llm_dir(model_cache_dir)
     if _is_prepared(target):
+        _make_shared(target)
         return target
     gguf = default_gguf_path()
     log.info("converting %s to safetensors under %s (once per model cache)", gguf.name, target)
@@ -78,12 +106,14 @@ def prepare_default_llm(model_cache_dir: Path) -> Path:
                 setattr(model, attr, False)
             except (AttributeError, TypeError):
                 pass
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _make_dirs(target.parent)
     # Write into a temp dir beside the target, then rename: a crash never leaves half a model behind.
+    # mkdtemp makes it 0700 and the files follow the umask: _make_shared opens them before the rename.
     tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=target.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        _make_shared(tmp)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

@@ -218,8 +218,13 @@ def _add_common(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:
 
 def _add_fidelity(bsub: argparse._SubParsersAction) -> None:
     """`kvfuse bench fidelity`: its many options (tasks, layouts, orders, contexts) in one place."""
+    from typing import get_args
+
     from kvfuse.bench.report import SCRATCH_DIR
-    from kvfuse.fusion import chunk_context
+    from kvfuse.config.sections import StoreSettings
+
+    # The modes as the setting declares them: importing kvfuse.fusion here would load torch for `--help`.
+    context_modes = get_args(StoreSettings.model_fields["precompute_context"].annotation)
 
     fid = bsub.add_parser("fidelity", help="answer quality of every fusion method vs vanilla")
     fid.add_argument("--task", type=csv_list(str), action="append",
@@ -235,7 +240,7 @@ def _add_fidelity(bsub: argparse._SubParsersAction) -> None:
     fid.add_argument("--api-key", default=None, help="API key for --url")
     fid.add_argument("--reference-dir", default=None,
                      help="where vanilla's outputs are kept and reused between runs (default: bench.reference_dir)")
-    fid.add_argument("--precompute-context", choices=chunk_context.MODES, default=None,
+    fid.add_argument("--precompute-context", choices=context_modes, default=None,
                      help="what each chunk's KV is computed after (default: store.precompute_context)")
     fid.add_argument("--layout", type=csv_list(str), default=None,
                      help="haystack (one text's consecutive chunks, in order), multidoc (short documents of "

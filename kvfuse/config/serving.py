@@ -59,6 +59,9 @@ class ServerSettings(Section):
         "chunks per KV precompute job sent to the worker"))
     worker_start_timeout_s: float = Field(300.0, gt=0, description=(
         "ingestion waits this long for the model worker to come up"))
+    worker_start_attempts: int = Field(5, ge=1, description=(
+        "worker starts in a row that may fail before the model is loaded (a load error, a crash); after the "
+        "last one the service stops trying and reports failed (/health 503, `kvfuse worker --health` exit 1)"))
     worker_cancel_grace_s: float = Field(30.0, gt=0, description=(
         "a cancelled job still running after this long gets its worker killed"))
     worker_stop_timeout_s: float = Field(10.0, gt=0, description=(

@@ -42,12 +42,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=bounded(int, 0),
                    help="local worker processes (default: server.workers); 0 = dispatch to `kvfuse worker`s "
                         "through Redis (needs redis_url)")
+    p.add_argument("--health", action="store_true",
+                   help="probe the server on this host instead: exit 0 when its /health answers ok, else 1, "
+                        "printing its state (starting, failed and why): a container healthcheck")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("worker", help="run a model worker of a fleet: takes jobs from Redis (needs redis_url)")
     p.add_argument("--name", help="this worker's name in answers and /ready (default: fleet.worker_name, else host-pid)")
     p.add_argument("--health", action="store_true",
-                   help="exit 0 when a worker of this host has a live heartbeat, else 1 (a container healthcheck)")
+                   help="exit 0 when a worker on this data dir has loaded its model and joined, else 1, printing "
+                        "its state (starting, failed and why): a container healthcheck; it needs no Redis")
     p.set_defaults(func=_worker)
 
     p = sub.add_parser("ingest", help="ingest files (text, Markdown, PDF, DOCX, HTML) or folders (into a running "
@@ -99,6 +103,13 @@ def _serve(args: argparse.Namespace) -> int:
     s = get_settings()
     server = s.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port),
                                                             ("workers", args.workers)) if v is not None})
+    if args.health:
+        from kvfuse.service.cli_client import client_key
+        from kvfuse.service.health import probe_server
+
+        code, line = probe_server(server.model_copy(update={"url": ""}).base_url, client_key(s))
+        print(f"kvfuse serve --health: {line}", file=sys.stdout if code == 0 else sys.stderr)
+        return code
     if server.workers == 0 and not s.redis_url:
         print("kvfuse serve: --workers 0 dispatches to `kvfuse worker`s through Redis: set redis_url", file=sys.stderr)
         return 2
@@ -162,20 +173,18 @@ def _worker(args: argparse.Namespace) -> int:
     from kvfuse.store.redis_access import redis_refusal
 
     s = get_settings()
+    if args.health:  # the worker's own status file (health.py): no Redis needed, so an outage is no failure
+        from kvfuse.service.health import WorkerStatus
+
+        code, line = WorkerStatus.probe(s.data_dir)
+        print(f"kvfuse worker --health: {line}", file=sys.stdout if code == 0 else sys.stderr)
+        return code
     if not s.redis_url:
         print("kvfuse worker: set redis_url (KVFUSE_REDIS_URL): workers join the fleet through Redis", file=sys.stderr)
         return 2
     if why := redis_refusal(s):
         print(f"kvfuse worker: {why}", file=sys.stderr)
         return 2
-    if args.health:
-        import socket
-
-        from kvfuse.service.wire.fleet_keys import FleetKeys, read_heartbeats
-        from kvfuse.store.redis_access import RedisAccess
-
-        beats = read_heartbeats(RedisAccess.of(s).client(decode_responses=True), FleetKeys(s.fleet.namespace))
-        return 0 if any(b.get("host") == socket.gethostname() for b in beats.values()) else 1
     if args.name:
         s = s.model_copy(update={"fleet": s.fleet.model_copy(update={"worker_name": args.name})})
     return worker_command(s)

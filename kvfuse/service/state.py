@@ -5,7 +5,8 @@ starts and stops them, and says what is ready. Routes receive it through api/dep
 below the API takes it. The corpus (store, indexes, embedder, tokenizer-only chunker) loads in the
 background, so `/health` answers at once and `/ready` says 503 until every piece is up; until then
 `require_components()` (the `ReadyState` and `Queries` dependencies) turns a request that needs them into
-a 503.
+a 503. `health()` is the container's view (kvfuse/service/health.py): starting until the service was
+ready once, then ok, or failed for good when the store or the worker can never start.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 from kvfuse.config import Settings
 from kvfuse.service.dispatch.base import make_dispatcher, open_api_store
 from kvfuse.service.errors import APIError, retry_after
+from kvfuse.service.health import FAILED, OK, STARTING
 from kvfuse.service.metrics import Metrics
 from kvfuse.service.rag.corpus import Corpus
 from kvfuse.service.rag.fidelity import FidelityLedger
@@ -55,6 +57,7 @@ class ServiceState:
         self.corpus: Corpus | None = None  # once the store is open; its parts load after it
         self.startup_error: str | None = None
         self.waiting_for: str | None = None  # what startup is waiting for (a Redis not up yet)
+        self.ready_since: float | None = None  # when model, store, index and embedder were first all up
         self._stopping = threading.Event()
         self._loader: asyncio.Task | None = None
         self._watch_model: asyncio.Task | None = None
@@ -75,15 +78,19 @@ class ServiceState:
             self._watch_model = asyncio.create_task(self._on_model(), name="kvfuse-model-check")
             self.refresh_document_gauge()
             log.info("store, index and embedder ready")
-        except Exception as err:  # noqa: BLE001 - surfaced by /ready and every request
+        except Exception as err:  # noqa: BLE001 - surfaced by /health, /ready and every request
             self.startup_error = f"{type(err).__name__}: {err}"
-            log.exception("service failed to start")
+            log.exception("service failed to start: %s", self.startup_error)
 
     async def _on_model(self) -> None:
         """Once the worker reports its model: record its fingerprint in the store (what `kvfuse store
         check` compares blob headers with) and rebuild the documents built for another model."""
         while not await self.dispatcher.wait_ready(self.settings.server.worker_start_timeout_s):
-            pass
+            if self.dispatcher.failed:
+                return  # the supervisor gave up and logged why: health() says failed
+        self.ready_since = time.time()
+        log.info("kvfuse is ready: model, store, index and embedder are up (%.1f s after start)",
+                 self.ready_since - self.started_at)
         fp = self.dispatcher.info["fingerprint"]
         self.fidelity.attach_model(fp)
         try:
@@ -149,6 +156,23 @@ class ServiceState:
     async def document_index_available(self) -> bool:
         """Whether the store's document index (Redis, when configured) answers now."""
         return self.corpus is not None and await self.corpus.document_index_available()
+
+    def health(self) -> tuple[str, str | None]:
+        """(state, reason) as health.py defines them: failed for good, ok once ready, else starting."""
+        failure = self.startup_error or self.dispatcher.failed
+        if failure:
+            return FAILED, failure
+        if self.ready_since is not None:
+            return OK, None
+        return STARTING, self.not_ready_reason(self.readiness(document_index=self.corpus is not None))
+
+    def not_ready_reason(self, parts: dict[str, bool]) -> str:
+        """Why the service is not ready, for a valid key (it may name hosts, ports and paths)."""
+        missing = ", ".join(k for k, ok in parts.items() if not ok)
+        index_error = self.corpus.index_error if self.corpus is not None else None
+        return (self.startup_error or self.dispatcher.failed or self.dispatcher.last_error
+                or (f"the document index: {index_error}" if index_error else None)
+                or (f"waiting for {self.waiting_for}" if self.waiting_for else f"waiting for: {missing}"))
 
     def require_components(self) -> None:
         """Raise 503 until store, index and embedder are loaded."""

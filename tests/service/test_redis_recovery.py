@@ -1,7 +1,9 @@
 """A Redis index that comes up late, and one that goes away at runtime: the service waits for it at
 startup (retrying with back-off) and becomes ready when it comes, and `/ready` says 503 while it is
-gone and 200 once it is back (the index rebuilt from LMDB). A private redis-server on a free port is
-started late, stopped and started again by the test."""
+gone and 200 once it is back (the index rebuilt from LMDB). `/health` is 503 `starting` until the service
+was first ready, then stays 200 while Redis is gone (kvfuse/service/health.py: an outage is no reason to
+restart a loaded server). A private redis-server on a free port is started late, stopped and started
+again by the test."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ def test_redis_late_at_startup_then_down_and_back_at_runtime(tmp_path, essays3: 
         resp = _ready(server)
         assert resp.status_code == 503 and "document index" in resp.json()["error"]["message"], resp.text
         assert "startup_failed" not in resp.text
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "starting", health.text
         redis_proc = start_redis(port, tmp_path)
         server.wait_ready(300)  # ready once Redis came, with no restart
         with make_client(server) as c:
@@ -41,6 +45,8 @@ def test_redis_late_at_startup_then_down_and_back_at_runtime(tmp_path, essays3: 
             until(lambda: _ready(server).status_code == 503, 30, "/ready stayed 200 with Redis down")
             body = _ready(server).json()
             assert body["components"]["document_index"] is False
+            health = httpx.get(f"{server.url}/health", timeout=10)
+            assert health.status_code == 200 and health.json()["status"] == "ok", health.text
             assert c.get("/v1/documents/pow").status_code == 503
             redis_proc = start_redis(port, tmp_path)  # back, and empty
             until(lambda: _ready(server).status_code == 200, 60, "/ready stayed 503 with Redis back")

@@ -25,6 +25,7 @@ from kvfuse.service.api.middleware import GuardMiddleware
 from kvfuse.service.api.responses import Health, Readiness
 from kvfuse.service.api.schemas import add_body_schemas
 from kvfuse.service.errors import ErrorBody, error_body
+from kvfuse.service.health import OK
 from kvfuse.service.state import ServiceState
 
 
@@ -77,9 +78,16 @@ def create_app(settings: Settings) -> FastAPI:
         """Whether the open probes may show details (no keys set, or a valid key presented)."""
         return not keys.enabled or keys.principal(presented_key(request)) is not None
 
-    @app.get("/health")
-    async def health(state: State, request: Request) -> Health:
-        return Health.of(__version__, state.dispatcher, details=authorized(request))
+    not_healthy = {"model": Health, "description": "starting, or failed for good (kvfuse/service/health.py)"}
+
+    @app.get("/health", response_model=Health, responses={503: not_healthy})
+    async def health(state: State, request: Request) -> Health | JSONResponse:
+        # 200 only once ready, and through transient outages after that; 503 while starting or failed.
+        status, reason = state.health()
+        body = Health.of(__version__, status, reason, state.dispatcher, details=authorized(request))
+        if status == OK:
+            return body
+        return JSONResponse(body.model_dump(), status_code=503)
 
     not_ready = {"model": ErrorBody, "description": "not ready: the error, beside the Readiness fields"}
 
@@ -93,10 +101,7 @@ def create_app(settings: Settings) -> FastAPI:
             parts.ready = True
             return parts
         missing = ", ".join(k for k, ok in parts.components.items() if not ok)
-        index_error = state.corpus.index_error if state.corpus is not None else None
-        reason = (state.startup_error or state.dispatcher.last_error
-                  or (f"the document index: {index_error}" if index_error else None)
-                  or (f"waiting for {state.waiting_for}" if state.waiting_for else f"waiting for: {missing}"))
+        reason = state.not_ready_reason(parts.components)
         if not authorized(request):  # errors may name hosts and ports: only for a valid key
             reason = f"waiting for: {missing}" if missing else "the service failed to start"
         body = error_body(503, f"not ready: {reason}", code="not_ready")

@@ -275,19 +275,23 @@ class WorkerHealth(BaseModel):
 
 
 class Health(BaseModel):
-    """`GET /health`: the API process answers; the worker's state is reported, not required. With API
-    keys set, only a request with a valid key sees the worker's details (pid, last error)."""
+    """`GET /health`: will this server answer queries (kvfuse/service/health.py)? 200 with `ok` once it was
+    ready, through transient outages; 503 with `starting` before that, `failed` when it never will. With
+    API keys set, only a request with a valid key sees the reason and the worker's details (pid, last
+    error): they may name hosts and paths."""
 
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "starting", "failed"] = "ok"
     version: str
+    reason: str | None = _optional("why it is starting or failed: without API keys, or with a valid key")
     worker: WorkerHealth | None = _optional("the worker's state: without API keys, or with a valid key")
 
     @classmethod
-    def of(cls, version: str, sup: WorkerSupervisor, details: bool = True) -> Health:
+    def of(cls, version: str, status: str, reason: str | None, sup: WorkerSupervisor,
+           details: bool = True) -> Health:
         if not details:
-            return cls(version=version)
-        return cls(version=version, worker=WorkerHealth(pid=sup.pid, ready=sup.ready, restarts=sup.restarts,
-                                                        last_error=sup.last_error))
+            return cls(status=status, version=version)
+        return cls(status=status, version=version, reason=reason,
+                   worker=WorkerHealth(pid=sup.pid, ready=sup.ready, restarts=sup.restarts, last_error=sup.last_error))
 
 
 class Readiness(BaseModel):

@@ -34,6 +34,11 @@ class NoLiveWorker(WorkerCrashed):
     whoever retries a job its worker lost retries this one too."""
 
 
+class WorkerFailed(WorkerCrashed):
+    """The model worker can never start: its supervisor gave up after `server.worker_start_attempts`
+    failed starts (503, and no Retry-After: retrying will not help; /health says failed)."""
+
+
 class WorkerUnavailable(Exception):
     """The service is shutting down (503)."""
 
@@ -93,6 +98,9 @@ class JobBook:
         self.settings = settings
         self.metrics = metrics
         self._ready = asyncio.Event()  # a worker can take jobs
+        # Why no worker will ever take jobs (the supervisor gave up), set once by give_up; None while one may.
+        self.failed: str | None = None
+        self._gave_up = asyncio.Event()
         self._jobs: dict[int, Job] = {}  # submitted, not finished
         self._waiting = 0  # queries submitted and not yet admitted
         self._running = 0  # queries admitted and not finished
@@ -115,17 +123,31 @@ class JobBook:
         return self._running
 
     async def wait_ready(self, timeout: float) -> bool:
+        """True once a worker can take jobs; False after `timeout` s, or at once when it never will."""
+        waits = [asyncio.ensure_future(self._ready.wait()), asyncio.ensure_future(self._gave_up.wait())]
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return self.ready
+
+    def give_up(self, reason: str) -> None:
+        """No worker will ever take jobs: every job ends with WorkerFailed, new ones are refused with it,
+        and wait_ready answers False at once (health.py: the service is failed)."""
+        self.failed = reason
+        self._gave_up.set()
+        for job in list(self._jobs.values()):
+            self._finish(job, Crashed(reason, WorkerFailed))
 
     def _register(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
         """A new job with its id, counted as waiting if it is a query; raises WorkerUnavailable while the
-        service stops and QueueFull when `server.queue_size` queries already wait."""
+        service stops, WorkerFailed once its worker can never start, and QueueFull when `server.queue_size`
+        queries already wait."""
         if self._closing:
             raise WorkerUnavailable("the service is shutting down")
+        if self.failed:
+            raise WorkerFailed(self.failed)
         is_query = isinstance(message, P.QueryJob)
         if is_query and self._waiting >= self.settings.server.queue_size:
             raise QueueFull(f"{self._waiting} queries are waiting")

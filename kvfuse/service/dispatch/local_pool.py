@@ -69,6 +69,13 @@ class LocalPool:
         return next((m.last_error for m in self.members if m.last_error), None)
 
     @property
+    def failed(self) -> str | None:
+        """Failed once every member gave up: a device whose worker cannot start leaves the pool degraded
+        (the others serve), not failed."""
+        reasons = [m.failed for m in self.members]
+        return reasons[0] if all(reasons) else None
+
+    @property
     def steps(self) -> Any:
         return self._first_ready().steps
 
@@ -121,7 +128,8 @@ class LocalPool:
     def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
         if isinstance(message, P.QueryJob) and self.waiting >= self.settings.server.queue_size:
             raise QueueFull(f"{self.waiting} queries are waiting")
-        ready = [m for m in self.members if m.ready] or self.members
+        ready = ([m for m in self.members if m.ready] or [m for m in self.members if not m.failed]
+                 or self.members)
         member = min(ready, key=lambda m: len(m._jobs))
         job = member.submit(message)
         self._owner[job] = member

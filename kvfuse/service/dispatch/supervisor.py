@@ -16,6 +16,11 @@ When the worker dies every job it held that may have run ends with `WorkerCrashe
 Plan, any precompute sent to it); queries it had not admitted yet are sent again to the new worker,
 which starts at once (with a back-off only while starts keep failing). An ingestion whose precompute
 ended so is tried again by its job, within `server.ingest_retry_attempts` (ingest_retry.py).
+
+Starts that keep failing are bounded: after `server.worker_start_attempts` starts in a row that never
+loaded the model (a load error the worker reports as Fatal, or a death before Ready: a crash loop), the
+supervisor gives up (`JobBook.give_up`): it logs why, every job ends with `WorkerFailed`, and the service
+is failed (health.py), so a container that can never answer turns unhealthy instead of retrying forever.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 
 from kvfuse.config import Settings
 from kvfuse.service.dispatch.job_book import Cancelled, Crashed, Job, JobBook
+from kvfuse.service.health import restart_delay_s
 from kvfuse.service.metrics import Metrics
 from kvfuse.service.wire import protocol as P
 from kvfuse.service.worker.core import worker_main
@@ -52,6 +58,8 @@ class WorkerSupervisor(JobBook):
         self._generation = 0
         self._sent: set[int] = set()  # of those, sent to the current worker
         self._failures = 0  # consecutive starts that never reached "ready"
+        self._loaded = False  # the current worker sent Ready
+        self._fatal: str | None = None  # the current worker's Fatal message (its load error)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._restart_task: asyncio.Task | None = None
 
@@ -96,6 +104,7 @@ class WorkerSupervisor(JobBook):
         child.close()
         self._proc, self._outbox = proc, queue.SimpleQueue()
         self._sent = set()
+        self._loaded, self._fatal = False, None
         log.info("worker started (pid %d)", proc.pid)
         threading.Thread(target=self._read, args=(gen, proc, parent), name=f"kvfuse-worker-reader-{gen}",
                          daemon=True).start()
@@ -144,6 +153,7 @@ class WorkerSupervisor(JobBook):
             self.metrics.kv_budget_bytes.labels(name).set(msg.info.get("kv_budget_bytes", 0))
             self.metrics.engine_warmup.labels(name).set(msg.info.get("warmup_s", 0.0))
             self._failures = 0
+            self._loaded = True
             self.last_error = None
             self._ready.set()
             log.info("worker ready (pid %s, max context %s)", msg.info.get("pid"), msg.info.get("max_context_tokens"))
@@ -151,7 +161,7 @@ class WorkerSupervisor(JobBook):
                 self._send(job)
             return
         if isinstance(msg, P.Fatal):
-            self.last_error = msg.message
+            self.last_error = self._fatal = msg.message
             log.error("worker failed to start: %s", self.last_error)
             return
         job = self._jobs.get(getattr(msg, "job_id", -1))
@@ -188,16 +198,21 @@ class WorkerSupervisor(JobBook):
             # decides whether to try again (a bounded number of times, ingest_retry.py).
             if job.status is not P.JobStatus.WAITING or (job.kind == "precompute" and job.id in self._sent):
                 self._finish(job, Crashed(f"the worker process died (exit code {exitcode})"))
-        if not self.info or self.last_error:
+        if not self._loaded:
             self._failures += 1
+            self.last_error = self._fatal or f"the worker exited with code {exitcode} before its model loaded"
+        if self._failures >= self.settings.server.worker_start_attempts:
+            reason = f"the model worker failed {self._failures} starts in a row; the last: {self.last_error}"
+            log.error("giving up on the model worker: %s", reason)
+            self.give_up(reason)
+            return
         self.metrics.worker_restarts.inc()
         self.restarts += 1
         self._restart_task = asyncio.create_task(self._restart())
 
     async def _restart(self) -> None:
         # Back off only when starts keep failing (a bad model path); a crash after a healthy run restarts now.
-        delay = min(30.0, 0.5 * 2 ** (self._failures - 1)) if self._failures else 0.0
-        await asyncio.sleep(delay)
+        await asyncio.sleep(restart_delay_s(self._failures))
         if not self._closing:
             self._spawn()
 

@@ -22,6 +22,7 @@ from kvfuse.service.dispatch.job_book import (
     NoLiveWorker,
     QueueFull,
     WorkerCrashed,
+    WorkerFailed,
     WorkerJobError,
     WorkerUnavailable,
 )
@@ -257,7 +258,7 @@ class QueryService:
                            headers={"Retry-After": str(self.settings.server.retry_after_s)}) from None
         except WorkerUnavailable as err:
             raise APIError(503, str(err), code="shutting_down") from None
-        except NoLiveWorker as err:
+        except WorkerCrashed as err:  # NoLiveWorker, WorkerFailed: refused before it ran
             raise self.api_error(err) from None
         events = self.dispatcher.events(job, plan.deadline)
         try:
@@ -289,6 +290,9 @@ class QueryService:
             self.metrics.requests.labels("no_live_worker").inc()
             return APIError(503, f"{err}; retry once a worker has joined (GET /ready lists the live workers)",
                             code="no_live_worker", headers=retry_after(self.settings))
+        if isinstance(err, WorkerFailed):
+            self.metrics.requests.labels("worker_crashed").inc()
+            return APIError(503, f"the model worker cannot start: {err}", code="worker_failed")
         if isinstance(err, WorkerCrashed):
             self.metrics.requests.labels("worker_crashed").inc()
             return APIError(503, f"{err}; {self.dispatcher.crash_advice}", code="worker_crashed", headers=retry_after(self.settings))

@@ -298,9 +298,12 @@ class FleetWorker:
         pipe.execute(raise_on_error=False)
 
     # -- the loop --------------------------------------------------------------------------------------------
-    def serve(self) -> None:
+    def serve(self, on_joined: Any = None) -> None:
+        """Take and run jobs until stopped; `on_joined()` once registered (health.py: ready)."""
         self.register()
         threading.Thread(target=self._heartbeat, name="kvfuse-heartbeat", daemon=True).start()
+        if on_joined is not None:
+            on_joined()
         k = self.keys
         streams = {k.direct(self.name): ">", k.jobs: ">"}
         last_reclaim = 0.0
@@ -350,17 +353,25 @@ class FleetWorker:
 
 def worker_command(settings: Settings) -> int:
     """`kvfuse worker`: serve until SIGTERM / SIGINT (running jobs finish first, within
-    server.worker_stop_timeout_s); exit code 3 when the fleet runs another model."""
+    server.worker_stop_timeout_s); exit code 3 when the fleet runs another model. Its state (starting,
+    ready, failed) is in a status file for `kvfuse worker --health`; a model that fails every one of
+    server.worker_start_attempts loads leaves it failed until stopped (exit code 1; kvfuse/service/health.py)."""
+    from kvfuse.service.health import READY, WorkerStatus, start_with_retries, wait_failed
+
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s worker: %(message)s")
-    worker = FleetWorker(settings)
+    status = WorkerStatus(settings.data_dir, settings.fleet.worker_name or f"{socket.gethostname()}-{os.getpid()}")
+    worker = start_with_retries(lambda: FleetWorker(settings), settings.server.worker_start_attempts, status)
+    if worker is None:
+        return wait_failed(status)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker._stop.set())
     try:
-        worker.serve()
+        worker.serve(on_joined=lambda: status.set(READY))
     except FingerprintMismatch as err:
         log.error("REFUSED: %s", err)
         print(f"kvfuse worker: refused: {err}", file=sys.stderr)
         return 3
     finally:
         worker.close()
+        status.remove()
     return 0
