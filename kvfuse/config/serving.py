@@ -40,7 +40,8 @@ class ServerSettings(Section):
     allow_unauthenticated_public: bool = Field(False, description=(
         "allow binding a non-loopback address with no API key"))
     metrics_public: bool = Field(False, description=(
-        "serve /metrics without an API key (for a Prometheus scrape; the metrics name no document)"))
+        "serve /metrics without an API key (for a Prometheus scrape; the metrics name no document); off, it "
+        "answers only a key that sees every collection"))
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, description="larger request bodies get 413")
     sse_ping_s: float = Field(15.0, gt=0, description=(
         "seconds between keep-alive comments on a quiet event stream (a long prefill), so proxies keep it open"))
