@@ -40,11 +40,28 @@ class ServerSettings(Section):
     allow_unauthenticated_public: bool = Field(False, description=(
         "allow binding a non-loopback address with no API key"))
     metrics_public: bool = Field(False, description=(
-        "serve /metrics without an API key (for a Prometheus scrape; the metrics name no document)"))
+        "serve /metrics without an API key (for a Prometheus scrape; the metrics name no document); off, it "
+        "answers only a key that sees every collection"))
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, description="larger request bodies get 413")
     sse_ping_s: float = Field(15.0, gt=0, description=(
         "seconds between keep-alive comments on a quiet event stream (a long prefill), so proxies keep it open"))
     max_document_chars: int = Field(2_000_000, gt=0, description="larger documents get 413")
+    # An uploaded file is parsed in a process of its own (kvfuse/service/rag/parse_pool.py), bounded below:
+    # a hostile file is refused with the bound it broke, and the API process never runs a parser.
+    upload_parse_workers: int = Field(2, ge=1, description=(
+        "processes that parse uploaded files (PDF, DOCX, HTML, ...), at low CPU priority; an upload that "
+        "finds none free within upload_parse_timeout_s (and at least a minute) gets 503 parsers_busy"))
+    upload_parse_timeout_s: float = Field(60.0, gt=0, description=(
+        "a file whose parsing takes longer gets 422 parse_timeout; its parse process is killed and replaced"))
+    upload_parse_memory_mb: int = Field(1024, ge=0, description=(
+        "address space of each parse process (RLIMIT_AS); a file that needs more gets 413 "
+        "parse_memory_exceeded (0 = no limit)"))
+    upload_max_decompressed_mb: int = Field(100, gt=0, description=(
+        "a file whose content inflates past this (a DOCX's zip members, by declared and by actual size; a "
+        "PDF's streams; the text found) gets 413 upload_too_large"))
+    upload_max_pages: int = Field(2000, gt=0, description="a PDF with more pages gets 413 too_many_pages")
+    upload_max_nesting: int = Field(256, gt=0, description=(
+        "an HTML file with elements nested deeper gets 422 too_deeply_nested"))
     max_batch_documents: int = Field(256, gt=0, description="documents per batch ingest request")
     request_timeout_s: float = Field(300.0, gt=0, description=(
         "a query that runs longer ends with 504 / an SSE error event"))

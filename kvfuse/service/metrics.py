@@ -60,6 +60,8 @@ class Metrics:
                                           "device tier (store.device_tier_mb)", registry=r)
         self.worker_restarts = Counter("kvfuse_worker_restarts", "Times the worker process was restarted",
                                        registry=r)
+        self.uploads_refused = Counter("kvfuse_uploads_refused", "Uploaded files refused by their parse (over a "
+                                       "limit, unreadable, or no text), by error code", ["code"], registry=r)
         # The quality contract (rag/fidelity.py): shadow checks of fused answers against a full prefill.
         self.shadow_queries = Counter("kvfuse_shadow_queries", "Shadow checks with an agreement verdict (greedy "
                                       "fused answers)", ["method"], registry=r)

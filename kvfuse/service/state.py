@@ -25,6 +25,7 @@ from kvfuse.service.metrics import Metrics
 from kvfuse.service.rag.corpus import Corpus
 from kvfuse.service.rag.fidelity import FidelityLedger
 from kvfuse.service.rag.ingest import IngestManager
+from kvfuse.service.rag.parse_pool import ParsePool
 from kvfuse.service.rag.query import QueryService
 from kvfuse.service.rag.query_log import QueryLog
 
@@ -52,6 +53,8 @@ class ServiceState:
         self.dispatcher.shadow_sink = self.fidelity.record
         # Answered queries for `kvfuse calibrate --from-log`, when `fidelity.query_log` is on (rag/query_log.py).
         self.query_log = QueryLog(settings)
+        # Uploaded files are parsed in processes of their own, within the upload limits (rag/parse_pool.py).
+        self.parsers = ParsePool(settings.server, self.metrics)
         self.queries = QueryService(settings, self.metrics, self.dispatcher, self.ingest, self.fidelity,
                                     self.query_log)
         self.corpus: Corpus | None = None  # once the store is open; its parts load after it
@@ -67,6 +70,7 @@ class ServiceState:
     async def start(self) -> None:
         # The worker starts first: loading the LLM is the slowest part and runs in its own process.
         await self.dispatcher.start()
+        self.parsers.start()
         self._loader = asyncio.create_task(self._load(), name="kvfuse-load")
 
     async def _load(self) -> None:
@@ -139,6 +143,7 @@ class ServiceState:
             if task is not None:
                 task.cancel()
         await self.dispatcher.stop()
+        await self.parsers.close()
         await asyncio.to_thread(self.query_log.close)
         if self.corpus is not None:
             await asyncio.to_thread(self.corpus.close)

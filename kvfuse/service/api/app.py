@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvfuse import __version__
 from kvfuse.config import ConfigError, Settings, setting_error
 from kvfuse.service.api import document_routes, openai_routes, query_routes, search_routes
-from kvfuse.service.api.auth import KeyRing, presented_key
+from kvfuse.service.api.auth import KeyRing, presented_key, request_principal
 from kvfuse.service.api.dependencies import State
 from kvfuse.service.api.errors import install_error_handlers
 from kvfuse.service.api.middleware import GuardMiddleware
@@ -108,7 +108,11 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse({**body, **parts.model_dump()}, status_code=503)
 
     @app.get("/metrics", response_class=Response)
-    async def metrics(state: State) -> Response:
+    async def metrics(state: State, request: Request) -> Response:
+        # Service-wide counts (documents, chunks, queries): public only by the operator's choice, else
+        # for a key that sees every collection (auth.py, Principal.check_every_collection).
+        if not settings.server.metrics_public:
+            request_principal(request).check_every_collection("the metrics (counts over every collection)")
         state.refresh_document_gauge()
         workers = state.dispatcher.live_workers()
         state.metrics.live_workers.set(len(workers))

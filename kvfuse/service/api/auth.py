@@ -8,8 +8,9 @@ request; routes get it with the `Caller` dependency (dependencies.py) and apply 
 collections and documents, so a scoped key is confined however a route is reached.
 
 A key sees what its `allowed_collections` hold: what it may not see answers exactly as what does not
-exist (404 with the same message), so names cannot be probed; a write with a read-only key is 403.
-docs/deploy.md, "Exposing kvfuse".
+exist (404 with the same message), so names cannot be probed; a write with a read-only key is 403. What is
+counted over every collection and kept for none (/metrics unless `server.metrics_public`, /v1/fidelity)
+needs a key that sees every collection (403 otherwise). docs/deploy.md, "Exposing kvfuse".
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ class Principal:
         """403 unless this key writes and sees every collection: `what` concerns every collection's
         users (the query log), which a key confined to some collections may not touch."""
         self.check_write()
+        self.check_every_collection(what)
+
+    def check_every_collection(self, what: str) -> None:
+        """403 unless this key sees every collection: `what` is counted over all of them and kept for none
+        (the metrics, the fidelity ledger), so a key confined to some would learn of the others. 403, not
+        404: the route exists for every key, and the answer names no collection."""
         if self.scoped:
             raise APIError(403, f"{what} needs a key that sees every collection; this one is limited to "
                                 "some", code="collection_forbidden")

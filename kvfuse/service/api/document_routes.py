@@ -50,12 +50,13 @@ router = APIRouter(responses=ERROR_RESPONSES)
 _DELETE_WAIT_S = 30.0  # how long DELETE waits for a cancelled ingestion to roll back
 
 
-async def _parse_documents(request: Request, raw: bytes, doc_id: str | None, on_conflict: str | None,
-                           collection: str | None) -> tuple[list[DocumentIn], bool, str, str]:
+async def _parse_documents(request: Request, state: ServiceState, raw: bytes, doc_id: str | None,
+                           on_conflict: str | None, collection: str | None
+                           ) -> tuple[list[DocumentIn], bool, str, str]:
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     default_collection = collection or DEFAULT_COLLECTION
     if ctype == "multipart/form-data":
-        doc, form_conflict = await read_upload(request, doc_id)
+        doc, form_conflict = await read_upload(request, doc_id, state.parsers)
         return [doc], False, form_conflict or on_conflict or "skip", default_collection
     if ctype == "text/plain":
         # A raw upload: the body is the text; id, on_conflict and collection come from the query string.
@@ -87,8 +88,8 @@ async def create_documents(request: Request, response: Response, state: ReadySta
     text) comes as multipart/form-data: its `file` field, with `id`, `collection`, `on_conflict` and
     `metadata` (a JSON object) as form fields (api/uploads.py)."""
     srv = state.settings.server
-    docs, batch, default_conflict, default_collection = await _parse_documents(request, await request.body(), id,
-                                                                               on_conflict, collection)
+    docs, batch, default_conflict, default_collection = await _parse_documents(
+        request, state, await request.body(), id, on_conflict, collection)
     if len(docs) > srv.max_batch_documents:
         raise APIError(413, f"{len(docs)} documents exceed the batch limit of {srv.max_batch_documents}",
                        code="batch_too_large", param="documents")

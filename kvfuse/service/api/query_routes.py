@@ -96,10 +96,14 @@ async def _sse(queries: QueryService, run: QueryRun) -> AsyncIterator[bytes]:
 
 
 @router.get("/v1/fidelity")
-async def fidelity(state: State) -> dict[str, Any]:
+async def fidelity(state: State, caller: Caller) -> dict[str, Any]:
     """Per method: fused answers shadow-checked against a full prefill, their agreement with its 95 %
     Wilson interval, the mean answer KL, and per prompt-size bucket the ratio held for the target
-    (docs/usage.md, "The quality contract")."""
+    (docs/usage.md, "The quality contract"). The checks are of every collection's queries and kept per
+    method and prompt size only (a check carries no collection), so they tell how much and what other
+    collections ask: a key that sees every collection only. A scoped key's own answers name the ratio
+    and bucket they were served at."""
+    caller.check_every_collection("the fidelity figures (checks of every collection's queries)")
     return state.fidelity.report()
 
 

@@ -2,26 +2,29 @@
 `on_conflict` and `metadata` (a JSON object) as form fields (the id and collection may also come from the
 query string, as for text/plain). The file becomes one document whose text the parser found
 (rag/files.py) and whose metadata adds `filename`, `content_type` and the layout its chunks cite pages or
-sections by. Everything is checked before anything is stored: a refused file writes nothing.
+sections by. Everything is checked before anything is stored: a refused file writes nothing. The file is
+parsed in a parse process, within the upload limits (rag/parse_pool.py), never in this one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 from fastapi import Request
 from starlette.datastructures import UploadFile
 
 from kvfuse.service.api.schemas import DocumentIn, OnConflict, validate
 from kvfuse.service.errors import APIError
-from kvfuse.service.rag.files import parse_file
+from kvfuse.service.rag.files import file_kind
+
+if TYPE_CHECKING:
+    from kvfuse.service.rag.parse_pool import ParsePool
 
 _FIELDS = ("file", "id", "collection", "on_conflict", "metadata")
 
 
-async def read_upload(request: Request, doc_id: str | None) -> tuple[DocumentIn, str | None]:
+async def read_upload(request: Request, doc_id: str | None, parsers: ParsePool) -> tuple[DocumentIn, str | None]:
     """The document a multipart upload carries, and the on_conflict its form names (None: not named)."""
     try:
         form = await request.form(max_files=1, max_fields=len(_FIELDS))
@@ -42,7 +45,8 @@ async def read_upload(request: Request, doc_id: str | None) -> tuple[DocumentIn,
     metadata = _metadata(form.get("metadata"))
     data = await upload.read()
     name = upload.filename or "upload"
-    parsed = await asyncio.to_thread(parse_file, data, name, upload.content_type)
+    kind = file_kind(name, upload.content_type)  # 415 here, before a parse process is asked
+    parsed = await parsers.parse(data, name, kind)
     given = {"id": fields.get("id") or doc_id, "text": parsed.text, "metadata": metadata,
              "collection": fields.get("collection")}
     doc = validate(DocumentIn, {k: v for k, v in given.items() if v is not None})

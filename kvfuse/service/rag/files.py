@@ -6,6 +6,9 @@ docs/results/parsers/README.md. pypdf reads PDFs (pure Python, no dependencies);
 html2text turns HTML into Markdown, which keeps its headings as sections and drops scripts and styles;
 markdown-it-py finds Markdown's headings (not a `#` line inside a code block). A file that cannot be read
 (corrupt, encrypted, no text) is the client's error, refused before anything is stored.
+
+Parsing trusts nothing in the file: each parser runs within `ParseLimits` (rag/file_limits.py), and the
+service calls `parse_kind` only inside a parse process (rag/parse_pool.py) that bounds its time and memory.
 """
 
 from __future__ import annotations
@@ -16,6 +19,15 @@ from pathlib import PurePath
 from typing import Any
 
 from kvfuse.service.errors import APIError
+from kvfuse.service.rag.file_limits import (
+    NestingGuard,
+    ParseLimits,
+    check_text,
+    check_zip,
+    pdf_configuration,
+    too_large,
+    too_many_pages,
+)
 from kvfuse.service.rag.file_types import BY_SUFFIX, BY_TYPE, DOCX_TYPE
 
 _GENERIC = ("", "application/octet-stream")  # a part type that says nothing: the file name decides
@@ -40,33 +52,77 @@ def file_kind(filename: str, content_type: str | None) -> str:
     return kind
 
 
-def parse_file(data: bytes, filename: str, content_type: str | None) -> ParsedFile:
-    """The file's text and layout. CPU-bound: call it in a thread."""
-    kind = file_kind(filename, content_type)
+def parse_file(data: bytes, filename: str, content_type: str | None,
+               limits: ParseLimits | None = None) -> ParsedFile:
+    """The file's text and layout, in this process: for files this process trusts (studies, tests)."""
+    return parse_kind(file_kind(filename, content_type), data, filename, limits or ParseLimits())
+
+
+def parse_kind(kind: str, data: bytes, filename: str, limits: ParseLimits) -> ParsedFile:
+    """A file of a known kind (`file_kind`) to its text and layout, within `limits`. CPU-bound, and a
+    hostile file can still cost what no check foresees: the service runs it in a parse process."""
     try:
-        parsed = _PARSERS[kind](data)
-    except APIError:
+        parsed = _PARSERS[kind](data, filename, limits)
+    except (APIError, MemoryError):
         raise
     except Exception as err:  # noqa: BLE001 - whatever a parser raises on a broken file is the file's fault
+        if _out_of_memory(err):
+            raise MemoryError(str(err)) from None
         raise _unreadable(filename, f"{type(err).__name__}: {err}") from None
+    check_text(filename, parsed.text, limits)
     if not parsed.text.strip():
         raise APIError(422, f"{filename!r} has no text to ingest (a scanned PDF needs OCR first)",
                        code="empty_document", param="file")
     return parsed
 
 
+def _out_of_memory(err: Exception) -> bool:
+    """libxml2 (python-docx's XML, through lxml) reports a failed allocation as a syntax error whose log
+    says ERR_NO_MEMORY: under the parse process's memory cap that is the cap, not the file's syntax."""
+    log = getattr(err, "error_log", None)
+    return log is not None and any(getattr(e, "type_name", "") == "ERR_NO_MEMORY" for e in log)
+
+
 def _unreadable(filename: str, why: str) -> APIError:
     return APIError(422, f"{filename!r} cannot be parsed: {why}", code="unparsable_file", param="file")
 
 
-def _pdf(data: bytes) -> ParsedFile:
-    from pypdf import PdfReader
+def _pdf(data: bytes, filename: str, limits: ParseLimits) -> ParsedFile:
+    from pypdf import PdfReader, apply_configuration
+    from pypdf.errors import LimitReachedError
 
-    reader = PdfReader(io.BytesIO(data))
-    if reader.is_encrypted and not reader.decrypt(""):
-        raise APIError(422, "the PDF is encrypted: send it decrypted", code="unparsable_file", param="file")
-    pages = [(p.extract_text() or "").strip() for p in reader.pages]
+    reader = None
+    with apply_configuration(**pdf_configuration(limits)):
+        try:
+            reader = PdfReader(io.BytesIO(data))
+            if reader.is_encrypted and not reader.decrypt(""):
+                raise APIError(422, "the PDF is encrypted: send it decrypted", code="unparsable_file", param="file")
+            count = len(reader.pages)  # walks the page tree, within pypdf's page tree limits set above
+        except LimitReachedError as err:
+            if "page tree" in str(err):
+                raise too_many_pages(filename, None, limits, _declared_pages(reader)) from None
+            raise too_large(filename, f"holds more than pypdf reads within the limit ({err})", limits) from None
+        if count > limits.max_pages:
+            raise too_many_pages(filename, count, limits)
+        pages, found = [], 0
+        for page in reader.pages:
+            try:
+                pages.append((page.extract_text() or "").strip())
+            except LimitReachedError as err:
+                raise too_large(filename, f"holds more on page {len(pages) + 1} than pypdf reads within the limit "
+                                          f"({err})", limits) from None
+            found += len(pages[-1])
+            if found > limits.max_decompressed_bytes:
+                raise too_large(filename, f"gives more than {limits.decompressed_mb:g} MB of text", limits)
     return _joined(pages, "application/pdf", "page_starts")
+
+
+def _declared_pages(reader: Any) -> object:
+    """The page count the PDF's page tree claims (for the refusal's message only; it may lie)."""
+    try:
+        return int(reader.root_object["/Pages"]["/Count"])
+    except Exception:  # noqa: BLE001 - a tree too broken to say: the message goes without it
+        return None
 
 
 def _joined(parts: list[str], content_type: str, key: str, titles: list[str] | None = None) -> ParsedFile:
@@ -82,10 +138,11 @@ def _joined(parts: list[str], content_type: str, key: str, titles: list[str] | N
     return ParsedFile(text, content_type, layout)
 
 
-def _docx(data: bytes) -> ParsedFile:
+def _docx(data: bytes, filename: str, limits: ParseLimits) -> ParsedFile:
     import docx
     from docx.table import Table
 
+    check_zip(data, filename, limits)  # python-docx reads every member whole
     document = docx.Document(io.BytesIO(data))
     sections: list[tuple[str, list[str]]] = [("", [])]
     for block in document.iter_inner_content():
@@ -103,17 +160,32 @@ def _docx(data: bytes) -> ParsedFile:
                    [title for title, _ in sections])
 
 
-def _html(data: bytes) -> ParsedFile:
-    import html2text
-
-    converter = html2text.HTML2Text()
+def _html(data: bytes, filename: str, limits: ParseLimits) -> ParsedFile:
+    converter = _bounded_html2text(NestingGuard(filename, limits))
     converter.body_width = 0  # no hard line wraps: chunking cuts on paragraphs and sentences itself
     converter.ignore_links = converter.ignore_images = True
     markdown = converter.handle(_utf8(data))
     return ParsedFile(markdown.strip(), "text/html", _markdown_sections(markdown.strip()))
 
 
-def _markdown(data: bytes) -> ParsedFile:
+def _bounded_html2text(guard: NestingGuard) -> Any:
+    """html2text's converter (an HTMLParser) with the guard told of every tag as it is read: a page nested
+    too deep is refused at the first element past the limit, not after html2text's quadratic work."""
+    import html2text
+
+    class Bounded(html2text.HTML2Text):
+        def handle_starttag(self, tag: str, attrs: Any) -> None:
+            guard.start(tag)
+            super().handle_starttag(tag, attrs)
+
+        def handle_endtag(self, tag: str) -> None:
+            guard.end(tag)
+            super().handle_endtag(tag)
+
+    return Bounded()
+
+
+def _markdown(data: bytes, filename: str, limits: ParseLimits) -> ParsedFile:
     text = _utf8(data)
     return ParsedFile(text, "text/markdown", _markdown_sections(text))
 
@@ -140,7 +212,7 @@ def _markdown_sections(text: str) -> dict[str, list[Any]]:
     return {"section_starts": starts, "section_titles": titles}
 
 
-def _text(data: bytes) -> ParsedFile:
+def _text(data: bytes, filename: str, limits: ParseLimits) -> ParsedFile:
     return ParsedFile(_utf8(data), "text/plain")
 
 

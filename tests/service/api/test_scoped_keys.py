@@ -2,7 +2,8 @@
 KVFUSE_API_KEY (full access) and a YAML key file (a key per team, limited to its collection, and a
 read-only key), with /metrics public. A team's key can neither list, read, query, chat about nor delete
 another collection's documents, and what it may not see answers exactly as what does not exist; a
-read-only key reads and queries but cannot write."""
+read-only key reads and queries but cannot write; the fidelity figures, counted over every collection,
+are for full-access keys only."""
 
 from __future__ import annotations
 
@@ -53,11 +54,23 @@ def test_kvfuse_api_key_is_required_by_the_server(holder: Holder) -> None:
 
 
 def test_metrics_are_public_and_nothing_else_is(holder: Holder) -> None:
-    with make_client(holder.server, key=None) as anon:
+    with make_client(holder.server, key=None) as anon, make_client(holder.server, key=TEAM_A) as a:
         resp = anon.get("/metrics")
         assert resp.status_code == 200 and "kvfuse_documents" in resp.text
+        assert a.get("/metrics").status_code == 200  # public is public: a scoped key could leave its key off
         assert anon.get("/v1/collections").status_code == 401
         assert anon.post("/v1/query", json={"query": QUESTION}).status_code == 401
+        assert anon.get("/v1/fidelity").status_code == 401
+
+
+def test_the_fidelity_figures_are_for_keys_that_see_every_collection(holder: Holder) -> None:
+    # Checks of every collection's queries, kept per method only: the scoped keys are refused them
+    # (tests/service/api/test_scoped_figures.py has the same without public metrics).
+    with make_client(holder.server) as admin:
+        assert admin.get("/v1/fidelity").status_code == 200
+    for key in (TEAM_A, TEAM_B, READER):
+        with make_client(holder.server, key=key) as c:
+            assert _error(c.get("/v1/fidelity"))[:2] == (403, "collection_forbidden")
 
 
 def test_a_scoped_key_lists_only_its_collections(holder: Holder) -> None:
