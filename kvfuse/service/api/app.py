@@ -119,6 +119,9 @@ def create_app(settings: Settings) -> FastAPI:
         state.metrics.worker_load.clear()
         for w in workers:
             state.metrics.worker_load.labels(w["id"]).set((w.get("running") or 0) + (w.get("waiting") or 0))
+            if w.get("kv_budget_bytes") is not None:  # a fleet worker's, from its heartbeat
+                state.metrics.kv_pool_bytes.labels(w["id"]).set(w.get("kv_pool_bytes") or 0)
+                state.metrics.kv_budget_bytes.labels(w["id"]).set(w["kv_budget_bytes"])
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

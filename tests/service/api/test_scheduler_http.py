@@ -94,6 +94,11 @@ def test_streams_share_steps_and_a_client_that_leaves_changes_no_other_answer(se
         # the streams shared decode steps: more sequences than steps
         assert metric(c, "kvfuse_decode_batch_size_sum") > metric(c, "kvfuse_decode_batch_size_count")
         assert metric(c, "kvfuse_generation_tokens_total") > 0 and metric(c, "kvfuse_prompt_tokens_total") > 0
+        # the worker's KV memory: allocated once at the budget, and nothing held once every stream ended
+        text = c.get("/metrics").text
+        budget = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("kvfuse_kv_budget_bytes{")]
+        held = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("kvfuse_kv_pool_bytes{")]
+        assert len(budget) == 1 and budget[0] > 0 and held == [0.0], (budget, held)
 
 
 def test_kv_budget_makes_queries_wait_a_full_queue_gets_429_and_none_is_lost(server: ServerProcess) -> None:
