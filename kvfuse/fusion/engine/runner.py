@@ -25,10 +25,12 @@ its own stream while a capture runs is not an error of the capture.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 import torch
+import torch.nn.functional as F
 
 from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
 from kvfuse.fusion.errors import FusionError
@@ -99,31 +101,45 @@ class ModelRunner:
         return logits
 
     def _eager(self, caches: list[FusedCache], token_ids: torch.Tensor) -> torch.Tensor:
+        """Per layer: the batch's projections as one matrix, its K/V written (one index write when the
+        caches share a memory), then one attention call per row over its own keys, the query heads of a
+        KV head folded into that call's rows so each key is read once per KV head."""
         tf, b = self.tf, len(caches)
         device = token_ids.device
         positions = torch.tensor([c.next_position for c in caches], device=device)
-        seen = [c.length + 1 for c in caches]
         shared = caches[0].memory if all(c.memory is caches[0].memory for c in caches) else None
-        if shared is not None:  # one write per layer for the batch
-            slots = torch.tensor([c.extent.start + c.length for c in caches], device=device)
+        slots = [c.extent.start + c.length for c in caches]  # each row's write slot in its memory
+        write = torch.tensor(slots, device=device)
+        ranges = _key_ranges(tf, caches)  # window -> per row (first, stop) slot in its memory
         tables = rope_tables(tf, positions)
+        hkv, d = tf.num_kv_heads, tf.head_dim
+        group = tf.num_heads // hkv
+        softcap = getattr(tf, "softcap", None)
         h = tf.embed(token_ids).view(b, 1, -1)
-        for layer in range(tf.num_layers):
-            cos, sin = tables[layer]
-            q, k, v = tf.project(layer, h, cos, sin)  # [B, H | Hkv, 1, D]
-            if shared is not None:
-                shared.k[layer].index_copy_(1, slots, k[:, :, 0].transpose(0, 1).to(shared.k.dtype))
-                shared.v[layer].index_copy_(1, slots, v[:, :, 0].transpose(0, 1).to(shared.v.dtype))
-            window = _layer_attr(tf, "windows", layer, None)
-            outs = []
-            for i, c in enumerate(caches):
-                if shared is None:
-                    c.k[layer, :, c.length] = k[i, :, 0].to(c.k.dtype)
-                    c.v[layer, :, c.length] = v[i, :, 0].to(c.v.dtype)
-                lo = _window_start(c, seen[i], window)
-                outs.append(tf.attend_all(q[i : i + 1], c.k[layer, :, lo : seen[i]].unsqueeze(0),
-                                          c.v[layer, :, lo : seen[i]].unsqueeze(0)))
-            h = tf.finish(layer, h, torch.cat(outs))
+        with _decode_kernels(device):
+            for layer in range(tf.num_layers):
+                cos, sin = tables[layer]
+                q, k, v = tf.project(layer, h, cos, sin)  # [B, H | Hkv, 1, D]
+                k_new, v_new = k[:, :, 0].transpose(0, 1), v[:, :, 0].transpose(0, 1)  # [Hkv, B, D]
+                if shared is not None:
+                    shared.k[layer].index_copy_(1, write, k_new.to(shared.k.dtype))
+                    shared.v[layer].index_copy_(1, write, v_new.to(shared.v.dtype))
+                q_rows = q.reshape(b, hkv, group, d)
+                spans = ranges[_layer_attr(tf, "windows", layer, None)]
+                outs = []
+                for i, c in enumerate(caches):
+                    keys, values = c.memory.k[layer], c.memory.v[layer]  # [Hkv, T, D]
+                    if shared is None:
+                        keys[:, slots[i]] = k_new[:, i].to(keys.dtype)
+                        values[:, slots[i]] = v_new[:, i].to(values.dtype)
+                    lo, hi = spans[i]
+                    if softcap:  # a model with soft-capped scores: the transformer's own attention
+                        outs.append(tf.attend_all(q[i : i + 1], keys[None, :, lo:hi], values[None, :, lo:hi])
+                                    .reshape(1, hkv, group, d))
+                    else:  # 4-D: the 3-D call takes the math kernel on the CPU, twice as slow
+                        outs.append(F.scaled_dot_product_attention(q_rows[i : i + 1], keys[None, :, lo:hi],
+                                                                   values[None, :, lo:hi], scale=tf.scale))
+                h = tf.finish(layer, h, torch.cat(outs).view(b, tf.num_heads, 1, d))
         return tf.logits(h[:, -1])
 
     # -- the static path --------------------------------------------------------------------------------------
@@ -177,13 +193,29 @@ def rope_tables(tf, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
     return out
 
 
-def _window_start(cache: FusedCache, seen: int, window: int | None) -> int:
-    """The first slot a sliding-window layer's new row reads (0 for a global layer)."""
-    if window is None:
-        return 0
-    if cache.position_offset:
-        raise FusionError("a sliding-window layer cannot decode over a compacted cache (eviction, sparse)")
-    return max(0, seen - window)
+def _key_ranges(tf, caches: list[FusedCache]) -> dict[int | None, list[tuple[int, int]]]:
+    """Per window size (None: global layers), each row's keys as slots [first, stop) of its memory after
+    this step's write: its whole cache, or a sliding-window layer's last `window` keys."""
+    windows = {_layer_attr(tf, "windows", i, None) for i in range(tf.num_layers)}
+    out: dict[int | None, list[tuple[int, int]]] = {}
+    for w in windows:
+        rows = []
+        for c in caches:
+            start, seen = c.extent.start, c.length + 1
+            if w is not None and c.position_offset:
+                raise FusionError("a sliding-window layer cannot decode over a compacted cache (eviction, sparse)")
+            rows.append((start + (0 if w is None else max(0, seen - w)), start + seen))
+        out[w] = rows
+    return out
+
+
+def _decode_kernels(device: torch.device):
+    """On CUDA no cuDNN attention for decode rows (it plans anew for every key length); elsewhere as is."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class _StaticStep:
