@@ -67,10 +67,18 @@ def is_quantized(fmt: str) -> bool:
     return fmt in QUANTIZED
 
 
+def channels_per_scale(s: Side, head_dim: int) -> int:
+    """Channels sharing a per-token scale: `s.group`, or the largest divisor of head_dim below it (a head
+    of 80 channels takes groups of 16), or the whole head (group 0)."""
+    if not s.group or s.group >= head_dim:
+        return head_dim
+    return max(g for g in range(1, s.group + 1) if head_dim % g == 0)
+
+
 def _scale_shape(side: Side, lead: tuple[int, ...], n: int, d: int) -> tuple[int, ...]:
     if side.per_channel:
         return (*lead, -(-n // side.group), d)
-    return (*lead, n, d // (side.group or d))
+    return (*lead, n, d // channels_per_scale(side, d))
 
 
 def payload_specs(fmt: str, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -189,7 +197,7 @@ def _dequantize(data: Tensor, scale: Tensor, zero: Tensor | None, s: Side, head_
     if s.per_channel:
         _affine_per_channel(out, scale, zero, s.group)
     else:
-        view = out.unflatten(-1, (-1, s.group or head_dim))
+        view = out.unflatten(-1, (-1, channels_per_scale(s, head_dim)))
         view.mul_(scale.unsqueeze(-1))
         if zero is not None:
             view.add_(zero.unsqueeze(-1))
@@ -254,7 +262,7 @@ def _quantize(x: Tensor, s: Side) -> tuple[Tensor, Tensor, Tensor | None]:
         scale = _fp16_scales((hi - zero.float()) / s.qmax)
         codes = ((groups - zero.float().unsqueeze(-2)) / scale.float().unsqueeze(-2)).flatten(-3, -2)[..., :n, :]
     else:
-        groups = x.unflatten(-1, (-1, s.group or d))  # [..., n, D/g, g]
+        groups = x.unflatten(-1, (-1, channels_per_scale(s, d)))  # [..., n, D/g, g]
         if s.zero:
             lo, hi = groups.amin(-1), groups.amax(-1)
             zero = lo.to(torch.float16)

@@ -13,6 +13,11 @@ the order the prefill reads it:
 - on the CPU the same steps run in the same order without a stream or a thread, each layer when it is
   first touched.
 
+Each chunk's layer comes from `ChunkKV.layer_kv`: a chunk stored in a quantized format (kvfuse/
+kv_formats.py) is dequantized there a layer at a time, on the device after its codes crossed the bus (a
+CUDA worker takes the direct path for it, never the host staging buffers), on the CPU as the layer is
+placed; no floating copy of the whole chunk is ever made.
+
 Both do the same arithmetic on the same bytes, so the fused result is identical (tests/fusion/
 test_kv_loading.py pins that, and the GPU half of the suite pins it on CUDA). The keys are rotated in
 fp32 from the stored dtype and rounded once into the compute dtype.
@@ -72,8 +77,13 @@ class LayerLoader:
 
     # -- what the loaded layers hold --------------------------------------------------------------
     def _source_dtype(self) -> torch.dtype:
-        dtypes = {c.k.dtype for c in self.chunks} | {c.v.dtype for c in self.chunks}
-        return dtypes.pop() if len(dtypes) == 1 else self.cache.k.dtype
+        """The dtype a layer is gathered in: the chunks' own when they share one (fp32 for quantized
+        chunks, which are dequantized in it), else the cache's; fp32 whenever a quantized chunk is among
+        mixed ones, so its values are not rounded before the keys are rotated."""
+        dtypes = {c.layer_dtype for c in self.chunks}
+        if len(dtypes) == 1:
+            return dtypes.pop()
+        return torch.float32 if any(c.quantized for c in self.chunks) else self.cache.k.dtype
 
     def _shift_tables(self, rope: Rope, chunks: Sequence[ChunkKV], starts: Sequence[int]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +97,7 @@ class LayerLoader:
         """The chunks' K and V of one layer side by side, [Hkv, N, D] each, in the source dtype: on the
         host into page-locked `out_k`/`out_v` when given, else on the cache's device."""
         device = out_k.device if out_k is not None else self.device
-        ks = [c.k[layer].to(device=device, dtype=self.source_dtype, non_blocking=True) for c in self.chunks]
-        vs = [c.v[layer].to(device=device, dtype=self.source_dtype, non_blocking=True) for c in self.chunks]
+        ks, vs = zip(*(c.layer_kv(layer, device, self.source_dtype) for c in self.chunks), strict=True)
         if out_k is None:
             return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
         return torch.cat(ks, dim=1, out=out_k), torch.cat(vs, dim=1, out=out_v)
@@ -125,9 +134,9 @@ class LayerLoader:
             with torch.inference_mode(self._inference), torch.cuda.stream(self.stream):
                 pageable = [c.k.device.type == "cpu" and not (c.k.is_pinned() and c.v.is_pinned())
                             for c in self.chunks]
-                if all(pageable):
+                if all(pageable) and not any(c.quantized for c in self.chunks):
                     self._copy_from_host()
-                else:  # page-locked or in device memory: each chunk's layer copied straight to the device
+                else:  # page-locked, in device memory or quantized: each chunk's layer straight to the device
                     for layer in range(self.num_layers):
                         self._place(layer, *self._gather(layer))
                         self._post(layer)
