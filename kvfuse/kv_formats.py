@@ -163,6 +163,8 @@ class QTensor:
                        zero=None if self.zero is None else fn(self.zero))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> QTensor:
+        if torch.device(device) == self.data.device:
+            return self
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def contiguous(self) -> QTensor:
@@ -191,8 +193,9 @@ class QTensor:
 
 
 def _dequantize(data: Tensor, scale: Tensor, zero: Tensor | None, s: Side, head_dim: int) -> Tensor:
-    out = _values(data, s, head_dim)
-    scale = scale.float()
+    out, scale = _values(data, s, head_dim), scale.float()
+    if s.code == "F8_E4M3":
+        scale = scale * 256  # _values gives e4m3 codes over 256 (see there)
     zero = None if zero is None else zero.float()
     if s.per_channel:
         _affine_per_channel(out, scale, zero, s.group)
@@ -204,16 +207,25 @@ def _dequantize(data: Tensor, scale: Tensor, zero: Tensor | None, s: Side, head_
     return out
 
 
+_NIBBLES = 0x0F0F0F0F  # the low nibble of each byte of an int32 word
+
+
 def _values(data: Tensor, s: Side, head_dim: int) -> Tensor:
-    """The codes as fp32, unpacked."""
-    out = torch.empty((*data.shape[:-1], head_dim), dtype=torch.float32, device=data.device)
-    if s.packed:  # channel c in the low nibble, channel c + D/2 in the high one
-        half = head_dim // 2
-        out[..., :half].copy_(data & 15)
-        out[..., half:].copy_(data >> 4)
-    else:
-        out.copy_(data)
-    return out
+    """The codes as fp32, unpacked, in few whole-tensor operations (each costs a fixed overhead besides
+    its bytes, and a layer of a chunk is small): 4-bit codes split four bytes at a time as int32 words;
+    e4m3 codes turned into fp16 by moving their bits (sign to bit 15, exponent and mantissa to bits 7..13:
+    the fp16 number is the e4m3 one over 256, subnormals too; e4m3's NaN code is never written), several
+    times faster than torch's fp8 cast on a CPU."""
+    if s.packed:  # channel c in the low nibble of byte c, channel c + D/2 in its high nibble
+        if data.shape[-1] % 4 == 0 and data.is_contiguous():
+            words = data.view(torch.int32)
+            lo, hi = (words & _NIBBLES).view(torch.uint8), ((words >> 4) & _NIBBLES).view(torch.uint8)
+        else:
+            lo, hi = data & 15, data >> 4
+        return torch.cat((lo, hi), dim=-1).float()
+    if s.code == "F8_E4M3":  # sign-extended to 16 bits, shifted by 7: bit 14 is the sign again, cleared
+        return ((data.view(torch.int8).to(torch.int16) << 7) & -0x4001).view(torch.float16).float()
+    return data.float()
 
 
 def _affine_per_channel(out: Tensor, scale: Tensor, zero: Tensor | None, group: int) -> None:
