@@ -34,6 +34,14 @@ import torch
 from torch import Tensor
 
 from kvfuse import kv_formats
+from kvfuse.blob_artifacts import (  # noqa: F401 - part of this module's interface
+    ARTIFACT_CODES,
+    ARTIFACT_DTYPES,
+    ARTIFACT_PREFIX,
+    artifact_bytes,
+    artifact_order,
+    prepare_artifacts,
+)
 from kvfuse.blob_checksums import CorruptBlobError, block_checksum, bytes_view, check, checksum, copy_payload
 from kvfuse.chunk_keys import (  # noqa: F401 - the keys are part of this module's interface
     DTYPES,
@@ -54,13 +62,8 @@ KV = Tensor | QTensor  # a chunk's k or v as decoded: a float tensor, or codes a
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 BLOCK_TOKENS = 64  # tokens per checksummed block in version 2 (the SamKV paper's block size)
-ARTIFACT_PREFIX = "a."
 POSITION_ROPE0 = "rope0"
 
-_ARTIFACT_DTYPES: dict[torch.dtype, str] = {
-    torch.int64: "I64", torch.int32: "I32", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-}
-_ARTIFACT_CODES = {code: dt for dt, code in _ARTIFACT_DTYPES.items()}
 _MAX_HEADER_BYTES = 1 << 20  # a real header is < 1 KB; anything larger is garbage, not a blob
 
 if sys.byteorder != "little":  # safetensors is little-endian and decode maps bytes straight into tensors
@@ -114,28 +117,6 @@ class KVHeader:
         return chunk_key_from_hash(self.model_fingerprint, self.dtype, self.token_hash, self.context_hash)
 
 
-def artifact_order(artifacts: dict[str, Tensor]) -> list[str]:
-    """Widest element first, then by name: every artifact then starts aligned to its element size from the
-    payload's end, with no padding between tensors (safetensors allows none). A float payload ends on an
-    8-byte boundary; a quantized one may not, and the artifacts are copied out before they are viewed."""
-    return sorted(artifacts, key=lambda n: (-artifacts[n].element_size(), n))
-
-
-def _artifact_bytes(artifacts: dict[str, Tensor]) -> list[memoryview]:
-    return [bytes_view(artifacts[name]) for name in artifact_order(artifacts)]
-
-
-def _prepare_artifacts(artifacts: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
-    if not artifacts:
-        return None
-    out = {}
-    for name, t in artifacts.items():
-        if t.dtype not in _ARTIFACT_DTYPES:
-            raise ValueError(f"artifact {name!r}: dtype {t.dtype} not storable (use one of {list(_ARTIFACT_DTYPES)})")
-        out[name] = t.detach().to("cpu").contiguous()
-    return out
-
-
 def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[int], dtype: str,
            artifacts: dict[str, Tensor] | None = None, context_ids: Sequence[int] = ()) -> bytes:
     """Serialize one chunk's floating KV in the KV format `dtype` (cast, or quantized) as a version-2
@@ -161,7 +142,7 @@ def _encode(k: Tensor, v: Tensor, dtype: str, model_fingerprint: str, token_hash
     if num_tokens == 0:
         raise ValueError("a chunk's KV needs at least one token")
     k, v = kv_formats.encode_kv(k, v, dtype)
-    arts = _prepare_artifacts(artifacts)
+    arts = prepare_artifacts(artifacts)
     header = KVHeader(
         format_version=FORMAT_VERSION,
         model_fingerprint=model_fingerprint,
@@ -176,7 +157,7 @@ def _encode(k: Tensor, v: Tensor, dtype: str, model_fingerprint: str, token_hash
         block_tokens=BLOCK_TOKENS,
         block_checksums=tuple(block_checksum(k, v, a, min(a + BLOCK_TOKENS, num_tokens))
                               for a in range(0, num_tokens, BLOCK_TOKENS)),
-        artifacts_checksum=checksum(*_artifact_bytes(arts)) if arts else "",
+        artifacts_checksum=checksum(*artifact_bytes(arts)) if arts else "",
         artifacts=arts,
         context_hash=context_hash_hex,
     )
@@ -231,7 +212,7 @@ def pack(k: KV, v: KV, header: KVHeader) -> bytes:
     arts = header.artifacts if header.format_version >= 2 else None
     for name in artifact_order(arts or {}):
         mv = bytes_view(arts[name])
-        table[ARTIFACT_PREFIX + name] = {"dtype": _ARTIFACT_DTYPES[arts[name].dtype], "shape": list(arts[name].shape),
+        table[ARTIFACT_PREFIX + name] = {"dtype": ARTIFACT_DTYPES[arts[name].dtype], "shape": list(arts[name].shape),
                                          "data_offsets": [off, off + mv.nbytes]}
         parts.append(mv)
         off += mv.nbytes
@@ -282,7 +263,7 @@ def _parse(mv: memoryview) -> tuple[KVHeader, int, list[_ArtSpec]]:
         for name, entry in header.items():
             if name.startswith(ARTIFACT_PREFIX) and version >= 2:
                 start, stop = (int(x) for x in entry["data_offsets"])
-                specs.append((name[len(ARTIFACT_PREFIX):], _ARTIFACT_CODES[entry["dtype"]],
+                specs.append((name[len(ARTIFACT_PREFIX):], ARTIFACT_CODES[entry["dtype"]],
                               [int(x) for x in entry["shape"]], start, stop))
     except CorruptBlobError:
         raise
