@@ -193,54 +193,58 @@ class QTensor:
 
 
 def _dequantize(data: Tensor, scale: Tensor, zero: Tensor | None, s: Side, head_dim: int) -> Tensor:
-    out, scale = _values(data, s, head_dim), scale.float()
+    """codes * scale (+ zero) in fp32: one multiply(-add) over the whole tensor from the codes as they are
+    (uint8, int8, or fp16 for e4m3), which on a CPU is cheaper than casting the codes to fp32 first."""
+    codes, scale = _codes(data, s, head_dim), scale.float()
     if s.code == "F8_E4M3":
-        scale = scale * 256  # _values gives e4m3 codes over 256 (see there)
+        scale = scale * 256  # _codes gives e4m3 codes over 256 (see there)
     zero = None if zero is None else zero.float()
     if s.per_channel:
-        _affine_per_channel(out, scale, zero, s.group)
-    else:
-        view = out.unflatten(-1, (-1, channels_per_scale(s, head_dim)))
-        view.mul_(scale.unsqueeze(-1))
-        if zero is not None:
-            view.add_(zero.unsqueeze(-1))
-    return out
+        return _affine_per_channel(codes, scale, zero, s.group)
+    g = channels_per_scale(s, head_dim)
+    grouped, scale = codes.unflatten(-1, (-1, g)), scale.unsqueeze(-1)
+    out = grouped * scale if zero is None else torch.addcmul(zero.unsqueeze(-1), grouped, scale)
+    return out.flatten(-2)
 
 
 _NIBBLES = 0x0F0F0F0F  # the low nibble of each byte of an int32 word
 
 
-def _values(data: Tensor, s: Side, head_dim: int) -> Tensor:
-    """The codes as fp32, unpacked, in few whole-tensor operations (each costs a fixed overhead besides
-    its bytes, and a layer of a chunk is small): 4-bit codes split four bytes at a time as int32 words;
-    e4m3 codes turned into fp16 by moving their bits (sign to bit 15, exponent and mantissa to bits 7..13:
-    the fp16 number is the e4m3 one over 256, subnormals too; e4m3's NaN code is never written), several
-    times faster than torch's fp8 cast on a CPU."""
+def _codes(data: Tensor, s: Side, head_dim: int) -> Tensor:
+    """The codes one per value, in few whole-tensor operations (each costs a fixed overhead besides its
+    bytes, and a layer of a chunk is small): 4-bit codes split four bytes at a time as int32 words into
+    uint8; e4m3 codes turned into fp16 by moving their bits (sign to bit 15, exponent and mantissa to bits
+    7..13: the fp16 number is the e4m3 one over 256, subnormals too; e4m3's NaN code is never written),
+    several times faster than torch's fp8 cast on a CPU; int8 codes as they are."""
     if s.packed:  # channel c in the low nibble of byte c, channel c + D/2 in its high nibble
         if data.shape[-1] % 4 == 0 and data.is_contiguous():
             words = data.view(torch.int32)
             lo, hi = (words & _NIBBLES).view(torch.uint8), ((words >> 4) & _NIBBLES).view(torch.uint8)
         else:
             lo, hi = data & 15, data >> 4
-        return torch.cat((lo, hi), dim=-1).float()
+        return torch.cat((lo, hi), dim=-1)
     if s.code == "F8_E4M3":  # sign-extended to 16 bits, shifted by 7: bit 14 is the sign again, cleared
-        return ((data.view(torch.int8).to(torch.int16) << 7) & -0x4001).view(torch.float16).float()
-    return data.float()
+        return ((data.view(torch.int8).to(torch.int16) << 7) & -0x4001).view(torch.float16)
+    return data
 
 
-def _affine_per_channel(out: Tensor, scale: Tensor, zero: Tensor | None, group: int) -> None:
-    """out[..., t, c] = out * scale[..., t // group, c] (+ zero), in place; a last, shorter group alone."""
-    n = out.shape[-2]
+def _affine_per_channel(codes: Tensor, scale: Tensor, zero: Tensor | None, group: int) -> Tensor:
+    """codes[..., t, c] * scale[..., t // group, c] (+ zero) in fp32: the whole groups in one operation, a
+    last, shorter group in another."""
+    n = codes.shape[-2]
     whole = n // group * group
-    if whole:
-        view = out[..., :whole, :].unflatten(-2, (-1, group))
-        view.mul_(scale[..., : whole // group, :].unsqueeze(-2))
-        if zero is not None:
-            view.add_(zero[..., : whole // group, :].unsqueeze(-2))
-    if whole < n:
-        out[..., whole:, :].mul_(scale[..., -1:, :])
-        if zero is not None:
-            out[..., whole:, :].add_(zero[..., -1:, :])
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    for lo, hi, size in ((0, whole, group), (whole, n, n - whole)):
+        if hi <= lo:
+            continue
+        g0, g1 = lo // group, -(-hi // group)
+        c, o = (x[..., lo:hi, :].unflatten(-2, (-1, size)) for x in (codes, out))
+        sc = scale[..., g0:g1, :].unsqueeze(-2)
+        if zero is None:
+            torch.mul(c, sc, out=o)
+        else:
+            torch.addcmul(zero[..., g0:g1, :].unsqueeze(-2), c, sc, out=o)
+    return out
 
 
 def _fp16_scales(scale: Tensor) -> Tensor:
