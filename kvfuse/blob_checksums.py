@@ -8,6 +8,7 @@ KV from its stored text. The format that carries the checksums is `kvfuse.kvblob
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,10 +37,15 @@ def bytes_view(t: Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
-def block_checksum(k: Tensor, v: Tensor, start: int, stop: int) -> str:
+def block_checksum(k: Any, v: Any, start: int, stop: int) -> str:
     """Checksum of tokens [start, stop) of k and v [L, Hkv, n, D]: k's then v's rows, layer by layer, head by
-    head (the bytes `read_blocks` copies for that block)."""
-    return checksum(bytes_view(k[:, :, start:stop].contiguous()), bytes_view(v[:, :, start:stop].contiguous()))
+    head (the bytes `read_blocks` copies for that block). A quantized k or v (kvfuse.kv_formats.QTensor)
+    contributes each of its tensors over those tokens in turn: codes, then scales (and zeros) of them."""
+    views = []
+    for x in (k, v):
+        parts = x.tokens(start, stop).parts() if hasattr(x, "tokens") else [x[:, :, start:stop]]
+        views += [bytes_view(p.contiguous()) for p in parts]
+    return checksum(*views)
 
 
 def check(stored: str, computed: str) -> None:

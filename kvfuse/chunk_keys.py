@@ -1,4 +1,4 @@
-"""What names a chunk's KV cache: the content key and the hashes it is made of, and the KV dtypes at rest.
+"""What names a chunk's KV cache: the content key and the hashes it is made of, and the KV formats at rest.
 
 Identical chunk + context + model + dtype (+ key version) give the same key, so a cache is stored once;
 any difference gives another key, so a stale or foreign cache is a miss, never a hit. The blob format
@@ -15,22 +15,29 @@ import torch
 FORMAT_NAME = "kvfuse-kv"
 KEY_VERSION = 1  # part of the content key; the KV a key names did not change with blob format version 2
 
-# dtype name -> (torch dtype, safetensors dtype code)
+# float format name -> (torch dtype, safetensors dtype code)
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "float16": (torch.float16, "F16"),
     "bfloat16": (torch.bfloat16, "BF16"),
     "float32": (torch.float32, "F32"),
 }
+# quantized formats: codes plus scales (kvfuse/kv_formats.py says what each stores)
+QUANTIZED_FORMATS = ("fp8", "int8", "int4")
+FORMATS = (*DTYPES, *QUANTIZED_FORMATS)  # every KV format at rest (store.kv_dtype)
 
-def dtype_size(dtype: str) -> int:
-    return torch.empty((), dtype=torch_dtype(dtype)).element_size()
+
+def check_format(kv_dtype: str) -> str:
+    if kv_dtype not in FORMATS:
+        raise ValueError(f"unsupported KV format {kv_dtype!r}; expected one of {', '.join(FORMATS)}")
+    return kv_dtype
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a float format (a quantized one has several tensors: kvfuse.kv_formats)."""
     try:
         return DTYPES[dtype][0]
     except KeyError:
-        raise ValueError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPES)}") from None
+        raise ValueError(f"{dtype!r} is not a float KV format; expected one of {sorted(DTYPES)}") from None
 
 
 def token_hash(token_ids: Sequence[int]) -> str:
@@ -39,8 +46,9 @@ def token_hash(token_ids: Sequence[int]) -> str:
 
 
 def chunk_key_from_hash(model_fingerprint: str, kv_dtype: str, token_hash_hex: str, context_hash: str = "") -> str:
-    """Content key from an already computed token hash (what a stored header carries)."""
-    torch_dtype(kv_dtype)
+    """Content key from an already computed token hash (what a stored header carries). The format is part
+    of it: the same chunk in two formats is two entries, so a store may hold several formats at once."""
+    check_format(kv_dtype)
     text = f"{FORMAT_NAME}/{KEY_VERSION}\n{model_fingerprint}\n{kv_dtype}\n{token_hash_hex}"
     if context_hash:  # a chunk computed after a context is another cache; alone, the key is unchanged
         text += f"\ncontext\n{context_hash}"
@@ -53,6 +61,6 @@ def context_hash(context_ids: Sequence[int]) -> str:
 
 
 def chunk_key(model_fingerprint: str, kv_dtype: str, token_ids: Sequence[int], context_ids: Sequence[int] = ()) -> str:
-    """Identical chunk + context + model + dtype (+ format version) -> the same key, so it is stored
+    """Identical chunk + context + model + KV format (+ key version) -> the same key, so it is stored
     once; any difference -> a different key, so a stale or foreign cache is a miss, never a hit."""
     return chunk_key_from_hash(model_fingerprint, kv_dtype, token_hash(token_ids), context_hash(context_ids))

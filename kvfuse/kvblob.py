@@ -1,10 +1,14 @@
 """The one on-disk format of a chunk's KV cache, shared by `fusion` and `store`.
 
 A blob is a standard safetensors container: tensors `k` and `v`, both `[num_layers, num_kv_heads,
-num_tokens, head_dim]`, and string metadata (format version, model fingerprint, dtype, shapes, token
+num_tokens, head_dim]`, and string metadata (format version, model fingerprint, KV format, shapes, token
 hash, position convention, payload checksum). Any safetensors reader can open it; `decode` parses the
 header itself so the tensors can be views of the caller's buffer (an LMDB memory map, a bytes object)
 with no copy.
+
+The KV format (`dtype` in the metadata, `store.kv_dtype`) is a float dtype or a quantized format
+(kvfuse/kv_formats.py): then `k` and `v` hold codes and `k.scale`, `v.scale` (and `k.zero`, `v.zero`)
+follow them, all inside the checksummed payload; decoding gives a `kv_formats.QTensor` for each.
 
 Keys are post-RoPE at positions 0..n-1 ("rope0"); values carry no position.
 
@@ -29,29 +33,37 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from kvfuse import kv_formats
+from kvfuse.blob_artifacts import (  # noqa: F401 - part of this module's interface
+    ARTIFACT_CODES,
+    ARTIFACT_DTYPES,
+    ARTIFACT_PREFIX,
+    artifact_bytes,
+    artifact_order,
+    prepare_artifacts,
+)
 from kvfuse.blob_checksums import CorruptBlobError, block_checksum, bytes_view, check, checksum, copy_payload
 from kvfuse.chunk_keys import (  # noqa: F401 - the keys are part of this module's interface
     DTYPES,
     FORMAT_NAME,
+    FORMATS,
     KEY_VERSION,
+    check_format,
     chunk_key,
     chunk_key_from_hash,
     context_hash,
-    dtype_size,
     token_hash,
     torch_dtype,
 )
+from kvfuse.kv_formats import QTensor
+
+KV = Tensor | QTensor  # a chunk's k or v as decoded: a float tensor, or codes and scales
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 BLOCK_TOKENS = 64  # tokens per checksummed block in version 2 (the SamKV paper's block size)
-ARTIFACT_PREFIX = "a."
 POSITION_ROPE0 = "rope0"
 
-_ARTIFACT_DTYPES: dict[torch.dtype, str] = {
-    torch.int64: "I64", torch.int32: "I32", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-}
-_ARTIFACT_CODES = {code: dt for dt, code in _ARTIFACT_DTYPES.items()}
 _MAX_HEADER_BYTES = 1 << 20  # a real header is < 1 KB; anything larger is garbage, not a blob
 
 if sys.byteorder != "little":  # safetensors is little-endian and decode maps bytes straight into tensors
@@ -70,7 +82,7 @@ with warnings.catch_warnings():
 class KVHeader:
     format_version: int
     model_fingerprint: str
-    dtype: str  # "float16" | "bfloat16" | "float32"
+    dtype: str  # the KV format: "float16" | "bfloat16" | "float32" | "fp8" | "int8" | "int4"
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -92,7 +104,12 @@ class KVHeader:
 
     @property
     def payload_bytes(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.num_tokens * self.head_dim * dtype_size(self.dtype)
+        """k and v at rest, a quantized format's scales and zeros included."""
+        return kv_formats.payload_bytes(self.dtype, self.shape)
+
+    @property
+    def quantized(self) -> bool:
+        return kv_formats.is_quantized(self.dtype)
 
     @property
     def key(self) -> str:
@@ -100,41 +117,32 @@ class KVHeader:
         return chunk_key_from_hash(self.model_fingerprint, self.dtype, self.token_hash, self.context_hash)
 
 
-def artifact_order(artifacts: dict[str, Tensor]) -> list[str]:
-    """Widest element first, then by name: every artifact then starts aligned to its element size with no
-    padding between tensors (safetensors allows none), as k and v end on an 8-byte boundary."""
-    return sorted(artifacts, key=lambda n: (-artifacts[n].element_size(), n))
-
-
-def _artifact_bytes(artifacts: dict[str, Tensor]) -> list[memoryview]:
-    return [bytes_view(artifacts[name]) for name in artifact_order(artifacts)]
-
-
-def _prepare_artifacts(artifacts: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
-    if not artifacts:
-        return None
-    out = {}
-    for name, t in artifacts.items():
-        if t.dtype not in _ARTIFACT_DTYPES:
-            raise ValueError(f"artifact {name!r}: dtype {t.dtype} not storable (use one of {list(_ARTIFACT_DTYPES)})")
-        out[name] = t.detach().to("cpu").contiguous()
-    return out
-
-
 def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[int], dtype: str,
            artifacts: dict[str, Tensor] | None = None, context_ids: Sequence[int] = ()) -> bytes:
-    """Serialize one chunk's KV (cast to `dtype` at rest) as a version-2 safetensors blob, with per-block
-    checksums and the optional `artifacts` (name -> tensor, stored as they are); `context_ids`: what it
-    was computed after (recorded as its hash, part of the key)."""
-    tdt = torch_dtype(dtype)
+    """Serialize one chunk's floating KV in the KV format `dtype` (cast, or quantized) as a version-2
+    safetensors blob, with per-block checksums and the optional `artifacts` (name -> tensor, stored as
+    they are); `context_ids`: what it was computed after (recorded as its hash, part of the key)."""
+    if k.dim() == 4 and int(k.shape[2]) != len(token_ids):
+        raise ValueError(f"KV has {int(k.shape[2])} tokens but {len(token_ids)} token ids were given")
+    return _encode(k, v, dtype, model_fingerprint, token_hash(token_ids), context_hash(context_ids), artifacts)
+
+
+def reencode(k: Tensor, v: Tensor, header: KVHeader, dtype: str) -> bytes:
+    """The blob of a chunk already stored (`header`: its model, tokens, context and artifacts) with its
+    floating KV `k`, `v` in another KV format (`kvfuse store convert`)."""
+    return _encode(k, v, dtype, header.model_fingerprint, header.token_hash, header.context_hash, header.artifacts)
+
+
+def _encode(k: Tensor, v: Tensor, dtype: str, model_fingerprint: str, token_hash_hex: str, context_hash_hex: str,
+            artifacts: dict[str, Tensor] | None) -> bytes:
+    check_format(dtype)
     if k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [L, Hkv, n, D]; got {tuple(k.shape)} and {tuple(v.shape)}")
     num_layers, num_kv_heads, num_tokens, head_dim = (int(x) for x in k.shape)
-    if num_tokens != len(token_ids) or num_tokens == 0:
-        raise ValueError(f"KV has {num_tokens} tokens but {len(token_ids)} token ids were given (need >= 1)")
-    k = k.detach().to(device="cpu", dtype=tdt).contiguous()
-    v = v.detach().to(device="cpu", dtype=tdt).contiguous()
-    arts = _prepare_artifacts(artifacts)
+    if num_tokens == 0:
+        raise ValueError("a chunk's KV needs at least one token")
+    k, v = kv_formats.encode_kv(k, v, dtype)
+    arts = prepare_artifacts(artifacts)
     header = KVHeader(
         format_version=FORMAT_VERSION,
         model_fingerprint=model_fingerprint,
@@ -143,26 +151,37 @@ def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         num_tokens=num_tokens,
-        token_hash=token_hash(token_ids),
+        token_hash=token_hash_hex,
         position=POSITION_ROPE0,
-        checksum=checksum(bytes_view(k), bytes_view(v)),
+        checksum=checksum(*_payload_views(k, v)),
         block_tokens=BLOCK_TOKENS,
         block_checksums=tuple(block_checksum(k, v, a, min(a + BLOCK_TOKENS, num_tokens))
                               for a in range(0, num_tokens, BLOCK_TOKENS)),
-        artifacts_checksum=checksum(*_artifact_bytes(arts)) if arts else "",
+        artifacts_checksum=checksum(*artifact_bytes(arts)) if arts else "",
         artifacts=arts,
-        context_hash=context_hash(context_ids),
+        context_hash=context_hash_hex,
     )
     return pack(k, v, header)
 
 
-def pack(k: Tensor, v: Tensor, header: KVHeader) -> bytes:
+def _payload_views(k: KV, v: KV) -> list[memoryview]:
+    """The payload's bytes in the blob's order (kv_formats.payload_specs): k, v, then scales and zeros."""
+    parts = kv_formats.named_parts(k, v)
+    return [bytes_view(parts[name].contiguous()) for name in sorted(parts, key=_PART_ORDER.index)]
+
+
+_PART_ORDER = ["k", "v", "k.scale", "k.zero", "v.scale", "v.zero"]
+
+
+def pack(k: KV, v: KV, header: KVHeader) -> bytes:
     """The blob of an already decoded chunk, byte for byte what `encode` wrote: a tier that stores bytes
     keeps what another tier decoded without recomputing the header (its checksum included)."""
-    if k.dtype != torch_dtype(header.dtype) or v.dtype != k.dtype or k.shape != header.shape != v.shape:
-        raise ValueError(f"k {k.dtype} {tuple(k.shape)}, v {v.dtype} {tuple(v.shape)} disagree with {header}")
-    kb, vb = bytes_view(k.contiguous()), bytes_view(v.contiguous())
-    nb = kb.nbytes
+    specs = kv_formats.payload_specs(header.dtype, header.shape)
+    parts = kv_formats.named_parts(k, v)
+    if set(parts) != {name for name, _, _ in specs} or any(
+            parts[name].dtype != kv_formats.torch_code(code) or tuple(parts[name].shape) != shape
+            for name, code, shape in specs):
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} ({sorted(parts)}) disagree with {header}")
     meta = {
         "format": FORMAT_NAME,
         "format_version": str(header.format_version),
@@ -182,18 +201,18 @@ def pack(k: Tensor, v: Tensor, header: KVHeader) -> bytes:
         meta["artifacts_checksum"] = header.artifacts_checksum
     if header.context_hash:  # absent for a chunk computed alone: those blobs are byte for byte as before
         meta["context_hash"] = header.context_hash
-    code, shape = DTYPES[header.dtype][1], list(header.shape)
-    table: dict = {
-        "__metadata__": meta,
-        "k": {"dtype": code, "shape": shape, "data_offsets": [0, nb]},
-        "v": {"dtype": code, "shape": shape, "data_offsets": [nb, 2 * nb]},
-    }
-    parts = [kb, vb]
+    table: dict = {"__metadata__": meta}
+    views, off = [], 0
+    for name, code, shape in specs:
+        mv = bytes_view(parts[name].contiguous())
+        table[name] = {"dtype": code, "shape": list(shape), "data_offsets": [off, off + mv.nbytes]}
+        views.append(mv)
+        off += mv.nbytes
+    parts = views
     arts = header.artifacts if header.format_version >= 2 else None
-    off = 2 * nb
     for name in artifact_order(arts or {}):
         mv = bytes_view(arts[name])
-        table[ARTIFACT_PREFIX + name] = {"dtype": _ARTIFACT_DTYPES[arts[name].dtype], "shape": list(arts[name].shape),
+        table[ARTIFACT_PREFIX + name] = {"dtype": ARTIFACT_DTYPES[arts[name].dtype], "shape": list(arts[name].shape),
                                          "data_offsets": [off, off + mv.nbytes]}
         parts.append(mv)
         off += mv.nbytes
@@ -240,31 +259,33 @@ def _parse(mv: memoryview) -> tuple[KVHeader, int, list[_ArtSpec]]:
             **extra,
             context_hash=meta.get("context_hash", ""),
         )
-        k, v = header["k"], header["v"]
         specs: list[_ArtSpec] = []
         for name, entry in header.items():
             if name.startswith(ARTIFACT_PREFIX) and version >= 2:
                 start, stop = (int(x) for x in entry["data_offsets"])
-                specs.append((name[len(ARTIFACT_PREFIX):], _ARTIFACT_CODES[entry["dtype"]],
+                specs.append((name[len(ARTIFACT_PREFIX):], ARTIFACT_CODES[entry["dtype"]],
                               [int(x) for x in entry["shape"]], start, stop))
     except CorruptBlobError:
         raise
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         raise CorruptBlobError(f"bad blob header: {err!r}") from None
-    if h.dtype not in DTYPES:
-        raise CorruptBlobError(f"blob dtype {h.dtype!r} is not supported")
-    nb = h.payload_bytes // 2
-    want_k = {"dtype": DTYPES[h.dtype][1], "shape": list(h.shape), "data_offsets": [0, nb]}
-    want_v = {**want_k, "data_offsets": [nb, 2 * nb]}
-    if k != want_k or v != want_v or set(header) != {"__metadata__", "k", "v"} | {ARTIFACT_PREFIX + s[0] for s in specs}:
-        raise CorruptBlobError(f"blob tensors {k!r}, {v!r} disagree with its metadata {h}")
+    if h.dtype not in FORMATS:
+        raise CorruptBlobError(f"blob KV format {h.dtype!r} is not supported")
+    want, off = {}, 0
+    for name, code, shape in kv_formats.payload_specs(h.dtype, h.shape):
+        size = kv_formats.spec_bytes(code, shape)
+        want[name] = {"dtype": code, "shape": list(shape), "data_offsets": [off, off + size]}
+        off += size
+    got = {name: entry for name, entry in header.items() if name in want}
+    if got != want or set(header) != {"__metadata__", *want} | {ARTIFACT_PREFIX + s[0] for s in specs}:
+        raise CorruptBlobError(f"blob tensors {sorted(set(header) - {'__metadata__'})} disagree with its metadata {h}")
     nblocks = -(-h.num_tokens // h.block_tokens) if h.block_tokens else 0
     if len(h.block_checksums) != nblocks:
         raise CorruptBlobError(f"blob has {len(h.block_checksums)} block checksums for {nblocks} blocks")
-    end = 2 * nb
+    end = h.payload_bytes
     for name, dt, shape, start, stop in sorted(specs, key=lambda x: x[3]):
         size = torch.empty((), dtype=dt).element_size() * (int(torch.tensor(shape).prod()) if shape else 1)
-        if start != end or stop - start != size or start % torch.empty((), dtype=dt).element_size():
+        if start != end or stop - start != size or (start - h.payload_bytes) % torch.empty((), dtype=dt).element_size():
             raise CorruptBlobError(f"artifact {name!r} at {start}..{stop} does not follow the payload at {end}")
         end = stop
     if mv.nbytes - 8 - n != end:
@@ -292,29 +313,40 @@ def verify_blob(buf: bytes | bytearray | memoryview) -> KVHeader:
     return h
 
 
+def _kv_views(h: KVHeader, base: memoryview | Tensor, start: int) -> tuple[KV, KV]:
+    """k and v as views of the payload at `start` of `base` (a buffer, or a uint8 tensor that owns it)."""
+    parts, off = {}, start
+    for name, code, shape in kv_formats.payload_specs(h.dtype, h.shape):
+        dt, size = kv_formats.torch_code(code), kv_formats.spec_bytes(code, shape)
+        if isinstance(base, Tensor):
+            parts[name] = base[off : off + size].view(dt).view(shape)
+        else:
+            parts[name] = torch.frombuffer(base, dtype=dt, count=size // dt.itemsize, offset=off).view(shape)
+        off += size
+    return kv_formats.from_parts(h.dtype, parts, h.head_dim)
+
+
 def decode(
     buf: bytes | bytearray | memoryview, *, verify: bool = True, copy: bool = False, pin: bool = False
-) -> tuple[Tensor, Tensor, KVHeader]:
-    """(k, v, header). Without `copy`, the tensors are views of `buf` (no copy): treat them as read-only
-    and keep `buf` valid while they are used (an LMDB buffer dies with its transaction). With `copy`,
-    the payload is copied once, in one memcpy, into memory the tensors own (writable); with `pin` too,
-    that memory is page-locked (needs CUDA), so a GPU reads it straight over the bus with no staging copy."""
+) -> tuple[KV, KV, KVHeader]:
+    """(k, v, header): float tensors, or QTensors for a quantized format. Without `copy`, the tensors are
+    views of `buf` (no copy): treat them as read-only and keep `buf` valid while they are used (an LMDB
+    buffer dies with its transaction). With `copy`, the payload is copied once, in one memcpy, into memory
+    the tensors own (writable); with `pin` too, that memory is page-locked (needs CUDA), so a GPU reads it
+    straight over the bus with no staging copy."""
     mv = _byte_view(buf)
     h, start, specs = _parse(mv)
     arts = _artifacts(mv, start, h, specs, verify) if specs else None  # small: always copied
-    tdt = torch_dtype(h.dtype)
-    numel = h.payload_bytes // 2 // dtype_size(h.dtype)
     if copy and pin:
         owned = torch.empty(h.payload_bytes, dtype=torch.uint8, pin_memory=True)
         copy_payload(mv[start : start + h.payload_bytes], h.checksum if verify else None, into=owned.numpy())
-        k, v = (part.view(tdt).view(h.shape) for part in owned.chunk(2))
+        k, v = _kv_views(h, owned, 0)
         return k, v, replace(h, artifacts=arts) if arts else h
     if copy:
         mv, start = memoryview(copy_payload(mv[start : start + h.payload_bytes], h.checksum if verify else None)), 0
     elif verify:
         check(h.checksum, checksum(mv[start : start + h.payload_bytes]))
-    k = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start).view(h.shape)
-    v = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start + h.payload_bytes // 2).view(h.shape)
+    k, v = _kv_views(h, mv, start)
     return k, v, replace(h, artifacts=arts) if arts else h
 
 
@@ -339,29 +371,24 @@ def read_artifacts(buf: bytes | bytearray | memoryview, *, verify: bool = True) 
 
 
 def read_blocks(buf: bytes | bytearray | memoryview, blocks: Sequence[int], *, verify: bool = True
-                ) -> tuple[Tensor, Tensor, KVHeader]:
+                ) -> tuple[KV, KV, KVHeader]:
     """(k, v, header) of the tokens of `blocks` (sorted block indices of `header.block_tokens` tokens), in
-    block order: [L, Hkv, m, D] tensors that own their memory. Only those blocks' bytes are copied and, with
-    `verify`, checked against their block checksums. Version 1 blobs have no blocks: CorruptBlobError
-    (the caller reads the whole blob instead)."""
+    block order: [L, Hkv, m, D] tensors (or QTensors) that own their memory. Only those blocks' bytes are
+    copied and, with `verify`, checked against their block checksums. Version 1 blobs have no blocks:
+    CorruptBlobError (the caller reads the whole blob instead)."""
     mv = _byte_view(buf)
     h, start, _ = _parse(mv)
     if not h.block_tokens:
         raise CorruptBlobError(f"blob format version {h.format_version} has no blocks")
-    tdt = torch_dtype(h.dtype)
-    numel = h.payload_bytes // 2 // dtype_size(h.dtype)
-    k = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start).view(h.shape)
-    v = torch.frombuffer(mv, dtype=tdt, count=numel, offset=start + h.payload_bytes // 2).view(h.shape)
+    k, v = _kv_views(h, mv, start)
     ks, vs, t = [], [], h.block_tokens
     for b in blocks:
         if not 0 <= b < len(h.block_checksums):
             raise ValueError(f"block {b} outside the blob's {len(h.block_checksums)} blocks")
-        kb, vb = k[:, :, b * t : (b + 1) * t].contiguous(), v[:, :, b * t : (b + 1) * t].contiguous()
+        stop = min((b + 1) * t, h.num_tokens)
+        kb, vb = kv_formats.token_slice(k, b * t, stop), kv_formats.token_slice(v, b * t, stop)
         if verify:
-            check(h.block_checksums[b], checksum(bytes_view(kb), bytes_view(vb)))
+            check(h.block_checksums[b], block_checksum(kb, vb, 0, stop - b * t))
         ks.append(kb)
         vs.append(vb)
-    if not ks:
-        empty = torch.empty((h.num_layers, h.num_kv_heads, 0, h.head_dim), dtype=tdt)
-        return empty, empty.clone(), h
-    return torch.cat(ks, dim=2), torch.cat(vs, dim=2), h
+    return kv_formats.cat_tokens(ks, k), kv_formats.cat_tokens(vs, v), h

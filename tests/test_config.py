@@ -75,7 +75,7 @@ def test_env_overrides_nested_keys(monkeypatch: pytest.MonkeyPatch):
         ("KVFUSE_FUSION__RECOMPUTE_RATIO", "1.5", "fusion.recompute_ratio"),
         ("KVFUSE_MODEL__DEVICE", "tpu", "model.device"),
         ("KVFUSE_REDIS_URL", "http://nope", "redis_url"),
-        ("KVFUSE_STORE__KV_DTYPE", "int8", "store.kv_dtype"),
+        ("KVFUSE_STORE__KV_DTYPE", "int2", "store.kv_dtype"),
     ],
 )
 def test_bad_value_names_the_key(monkeypatch: pytest.MonkeyPatch, var: str, value: str, key: str):

@@ -20,6 +20,7 @@ def _flat(values: list[list] | None) -> list:
 
 
 def _fidelity(args: argparse.Namespace) -> int:
+    from kvfuse import kvblob
     from kvfuse.bench import engine_backend, fidelity, report, tasks
     from kvfuse.bench.data import resolve_data_dir
     from kvfuse.bench.machine import command_line, load_info, machine_info
@@ -39,6 +40,11 @@ def _fidelity(args: argparse.Namespace) -> int:
         print(err, file=sys.stderr)
         return 2
     task_names = sorted({t for names in layout_tasks.values() for t in names}, key=tasks.TASKS.index)
+    bad = [f for f in args.kv_formats or [] if f not in kvblob.FORMATS]
+    if bad or (args.kv_formats and args.url):
+        print(f"--kv-formats: {', '.join(bad)} not among {', '.join(kvblob.FORMATS)}" if bad else
+              "--kv-formats runs in-process only (a live server stores one format: store.kv_dtype)", file=sys.stderr)
+        return 2
     if args.url:
         from transformers import AutoTokenizer
 
@@ -52,12 +58,14 @@ def _fidelity(args: argparse.Namespace) -> int:
         ref_dir = None if args.no_reference_cache else (args.reference_dir or settings.bench.reference_dir)
         backend = engine_backend.EngineBackend(settings, max_tokens=args.max_tokens, reference_dir=ref_dir)
     methods = args.methods or backend.methods()
-    plan = fidelity.method_plan(methods, args.ratios, floor=not (args.url or args.no_floor))
+    plan = fidelity.method_plan(methods, args.ratios, floor=not (args.url or args.no_floor),
+                                kv_formats=args.kv_formats or ())
     cfg = tasks.TaskConfig(n=args.n, docs=args.docs, doc_tokens=args.doc_tokens, seed=args.seed)
     params = {"tasks": task_names, "layouts": layout_tasks,
               "doc_orders": args.doc_order if "multidoc" in layout_tasks else None,
               "n": args.n, "docs": args.docs, "doc_tokens": args.doc_tokens,
               "methods": methods, "ratios": args.ratios, "seed": args.seed, "max_tokens": args.max_tokens,
+              "kv_formats": args.kv_formats,
               "url": args.url, "model": settings.model.llm, "prompt_layout": settings.model.prompt_layout, "fusion": settings.fusion.model_dump(),
               "precompute_context": {k: v for k, v in settings.store.model_dump().items()
                                      if k.startswith("precompute_")}}
@@ -253,7 +261,12 @@ def _add_fidelity(bsub: argparse._SubParsersAction) -> None:
     fid.add_argument("--prompt-layout", choices=("plain", "labelled"), default=None,
                      help="how chunks are rendered (default: model.prompt_layout; kvfuse/fusion/prompt.py)")
     fid.add_argument("--no-floor", action="store_true",
-                     help="skip the model's floor (vanilla with two fact-free documents swapped)")
+                     help="skip the model's floor (vanilla with two fact-free documents swapped, and with its "
+                          "documents' KV rounded to fp8)")
+    fid.add_argument("--kv-formats", type=csv_list(str), default=None,
+                     help="run each method once per KV format at rest (float16, bfloat16, float32, fp8, int8, "
+                          "int4), its chunks stored in it and read back; rows `method[format]`, each paired "
+                          "with float16's (default: the KV as computed, unstored)")
     fid.add_argument("--no-reference-cache", action="store_true", help="compute vanilla every run, keep nothing")
     _add_common(fid, max_tokens=None)
     fid.set_defaults(func=_fidelity, parser=fid)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfuse.bench import agreement
-from kvfuse.bench.fidelity import FLOOR, Outcome, first_token_signals, neutral_swap
+from kvfuse.bench.fidelity import FLOOR, FLOOR_FP8, Outcome, first_token_signals, neutral_swap, split_format
 from kvfuse.bench.reference import Reference, ReferenceCache, reference_key
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Example
@@ -166,12 +166,19 @@ class EngineBackend:
                        score=score_answer(ex.metric, text, ex.answers), ttft_s=ttft_s,
                        context_tokens=context_tokens, recomputed_tokens=recomputed_tokens)
 
-    def run(self, ex: Example, prepared: Any, method: str, ratio: float | None,
+    def run(self, ex: Example, prepared: Any, label: str, ratio: float | None,
             reference: Reference | None = None) -> Outcome | None:
         """One method on one example. Vanilla's outcome carries its Reference (read from the reference
         cache when there); any other method is compared with `reference` when given. The floor (FLOOR)
-        is vanilla on the example with two fact-free chunks swapped (None where it has no such pair)."""
+        is vanilla on the example with two fact-free chunks swapped (None where it has no such pair);
+        FLOOR_FP8 vanilla with its documents' KV rounded to fp8. A label `method[format]`
+        (fidelity.with_format) runs the method on chunks stored in that KV format."""
         prefix, chunks, question_ids = prepared
+        method, kv_format = split_format(label)
+        if kv_format is not None:
+            chunks = stored_as(chunks, kv_format)
+        if method == FLOOR_FP8:
+            return self._stored_prefill(ex, prepared, "fp8", ratio, reference)
         if method == FLOOR:
             order = neutral_swap(ex)
             if order is None:
@@ -184,7 +191,25 @@ class EngineBackend:
         self.ingest_artifacts(opts.method, chunks)  # the method itself (a study may run it under a label)
         budget = self.max_tokens or ex.max_tokens
         ans = self.greedy(prefix, chunks, question_ids, opts, budget)
-        out = self._answered(ex, method, ratio, ans)
+        out = self._answered(ex, label, ratio, ans)
+        if reference is not None and reference.tokens:
+            self._compare(out, ans.fused, reference)
+        return out
+
+    def _stored_prefill(self, ex: Example, prepared: Any, kv_format: str, ratio: float | None,
+                        reference: Reference | None) -> Outcome:
+        """Vanilla with its own KV of the documents stored in `kv_format` and read back: the prefix and
+        the documents prefilled as vanilla does (one pass, `precompute_after`), the documents' KV stored,
+        then the question prefilled over it (`pie`: one chunk, already where vanilla has it, nothing
+        recomputed). What the format changes, with no fusion in between."""
+        from kvfuse.fusion import ChunkKV
+
+        prefix, chunks, question_ids = prepared
+        context = [t for c in chunks for t in c.token_ids]
+        whole = self.engine.precompute_after(prefix.token_ids, context)
+        stored = stored_as([ChunkKV(context, whole.k, whole.v, after_context=True)], kv_format)
+        ans = self.greedy(prefix, stored, question_ids, self.options("pie", None), self.max_tokens or ex.max_tokens)
+        out = self._answered(ex, FLOOR_FP8, ratio, ans)
         if reference is not None and reference.tokens:
             self._compare(out, ans.fused, reference)
         return out
@@ -194,7 +219,7 @@ class EngineBackend:
         out = self._outcome(ex, method, ratio, ans.text, ans.ttft_s, int(stats["context_tokens"]),
                             int(stats["recomputed_tokens"]))
         out.kv_loaded_share, out.fused_cache_tokens = loaded_share_and_cache(
-            "vanilla" if method == FLOOR else method, stats)
+            "vanilla" if method == FLOOR else split_format(method)[0], stats)
         out.first_margin, out.first_entropy = first_token_signals(ans.fused.logits)
         out.evidence_coverage = stats.get("evidence_coverage")
         return out
@@ -290,6 +315,15 @@ def load_embedder(settings: Any) -> Any:
     from kvfuse.retriever import Embedder
 
     return Embedder(resolve_embedder(settings.model.embedder), device="cpu")
+
+
+def stored_as(chunks: Any, kv_format: str) -> list[Any]:
+    """The chunks as a store in `kv_format` would hand them back: cast, or quantized (codes and scales,
+    dequantized by the engine's loader layer by layer, as in the service)."""
+    from kvfuse.fusion import ChunkKV
+    from kvfuse.kv_formats import encode_kv
+
+    return [ChunkKV(c.token_ids, *encode_kv(c.k, c.v, kv_format), after_context=c.after_context) for c in chunks]
 
 
 def loaded_share_and_cache(method: str, stats: dict) -> tuple[float, int]:

@@ -8,7 +8,16 @@ answer agreement (kvfuse.answer_match: the same normalised answer, and the same 
 The model's floor: `vanilla_swap` (FLOOR) is vanilla again on the example with two documents that hold
 no fact swapped, a change that should not move the answer. How often it does is the model's own noise;
 each method's value agreement is paired with it on the same examples (`floor_gap`, its bootstrap
-interval, `within_floor`). See docs/DESIGN.md, "Fidelity measures".
+interval, `within_floor`). Its second perturbation, `vanilla_fp8` (FLOOR_FP8), is vanilla with its own
+KV of the documents rounded to fp8 (kvfuse/kv_formats.py: e4m3, a scale per token and head) before the
+question is prefilled over it: the storage error alone, no fusion. See docs/DESIGN.md, "Fidelity
+measures".
+
+KV formats at rest (`--kv-formats`): each method runs once per format, labelled `method[format]`, its
+chunks' KV stored in that format and read back through the engine's own loader; each format's row is
+paired with the same method's float16 row on the same examples (`vs_float16_gap`: float16's value
+agreement minus the format's, `answer_kl_vs_float16`: the ratio of their answer KLs), so what a format
+costs is seen apart from what fusion costs.
 
 Vanilla's outputs are kept on disk (kvfuse.bench.reference) and reused by later runs over the same
 examples. With `--url` the same examples go through a live server's REST API instead
@@ -30,6 +39,8 @@ from kvfuse.bench.reference import Reference
 from kvfuse.bench.tasks import Example
 
 FLOOR = "vanilla_swap"  # vanilla with two documents that hold no fact swapped: the model's own noise
+FLOOR_FP8 = "vanilla_fp8"  # vanilla with its own documents' KV rounded to fp8: the floor's second perturbation
+STORAGE_BASELINE = "float16"  # the KV format every other one is paired with
 # A method is within the floor when the upper end of the 95 % interval of (floor's value agreement minus
 # the method's, paired per example) is at most this: it changes answers at most this much more often.
 FLOOR_MARGIN = 0.05
@@ -40,29 +51,47 @@ FLOOR_MIN_N = 20
 # Methods whose recompute share is fixed by what they are, not by the ratio knob: run once, reported at
 # this ratio; None = set by the chunk structure (epic's edge tokens), reported as the measured share.
 # Every other method runs at each requested ratio.
-FIXED_RATIO: dict[str, float | None] = {"vanilla": 1.0, FLOOR: 1.0, "full_reuse": 0.0, "pie": 0.0, "epic": None,
-                                         "kvlink": None}
+FIXED_RATIO: dict[str, float | None] = {"vanilla": 1.0, FLOOR: 1.0, FLOOR_FP8: 1.0, "full_reuse": 0.0, "pie": 0.0,
+                                         "epic": None, "kvlink": None}
 FIDELITY_COLUMNS = (
     "task", "method", "ratio", "n", "score", "score_vs_vanilla", "score_vs_vanilla_ci", "gained_vs_vanilla",
     "lost_vs_vanilla", "kl_vs_vanilla", "answer_kl_vs_vanilla", "answer_kl_vs_vanilla_ci",
     "same_answer_vs_vanilla", "same_answer_vs_vanilla_ci", "same_value_vs_vanilla", "same_value_vs_vanilla_ci",
-    "floor_gap", "floor_gap_ci", "within_floor", "ttft_s_median", "ttft_vs_vanilla",
+    "floor_gap", "floor_gap_ci", "within_floor", "vs_float16_gap", "vs_float16_gap_ci", "answer_kl_vs_float16",
+    "answer_kl_vs_float16_ci", "ttft_vs_float16", "ttft_s_median", "ttft_vs_vanilla",
     "context_tokens_mean", "recomputed_share", "kv_loaded_share", "fused_cache_tokens_mean",
 )
 SCORE_EPS = 1e-9  # scores closer than this count as equal (F1 is a float)
 
 
-def method_plan(methods: Sequence[str], ratios: Sequence[float], *, floor: bool = True
-                ) -> list[tuple[str, float | None]]:
+def with_format(method: str, kv_format: str | None) -> str:
+    """The label of `method` run on chunks stored in `kv_format` (None: the KV as computed)."""
+    return method if kv_format is None else f"{method}[{kv_format}]"
+
+
+def split_format(label: str) -> tuple[str, str | None]:
+    """(method, KV format or None) of a label `with_format` made."""
+    if label.endswith("]") and "[" in label:
+        method, fmt = label[:-1].split("[", 1)
+        return method, fmt
+    return label, None
+
+
+def method_plan(methods: Sequence[str], ratios: Sequence[float], *, floor: bool = True,
+                kv_formats: Sequence[str] = ()) -> list[tuple[str, float | None]]:
     """(method, ratio) pairs to run, vanilla first (every other figure is relative to it), then the floor
-    (FLOOR) unless `floor` is off."""
+    (FLOOR, FLOOR_FP8) unless `floor` is off; with `kv_formats`, each method once per format
+    (`with_format`), float16 first."""
     plan: list[tuple[str, float | None]] = [("vanilla", FIXED_RATIO["vanilla"])]
     if floor:
-        plan.append((FLOOR, FIXED_RATIO[FLOOR]))
+        plan += [(FLOOR, FIXED_RATIO[FLOOR]), (FLOOR_FP8, FIXED_RATIO[FLOOR_FP8])]
+    formats = sorted(kv_formats, key=lambda f: f != STORAGE_BASELINE) or [None]
     for m in methods:
-        if m in ("vanilla", FLOOR):
+        if m in ("vanilla", FLOOR, FLOOR_FP8):
             continue
-        plan += [(m, FIXED_RATIO[m])] if m in FIXED_RATIO else [(m, float(r)) for r in ratios]
+        for fmt in formats:
+            label = with_format(m, fmt)
+            plan += [(label, FIXED_RATIO[m])] if m in FIXED_RATIO else [(label, float(r)) for r in ratios]
     return plan
 
 
@@ -216,6 +245,7 @@ def aggregate(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             "same_value_vs_vanilla": sum(value) / len(value) if value else None,
             "same_value_vs_vanilla_ci": None if method == "vanilla" else _interval(bootstrap_ci(value)),
             **floor_pairing(method, outs, vanilla, floors),
+            **storage_pairing(method, ratio, outs, vanilla, groups),
             "ttft_s_median": ttft,
             "ttft_vs_vanilla": ttft / ref_ttft if ttft is not None and ref_ttft else None,
             "context_tokens_mean": _mean(o.context_tokens for o in outs),
@@ -245,6 +275,36 @@ def floor_pairing(method: str, outs: Sequence[Outcome], vanilla: dict, floors: d
     shown = ci is not None and ci[1] <= FLOOR_MARGIN and len(gaps) >= FLOOR_MIN_N
     within = "yes" if shown else "no" if gap > FLOOR_MARGIN else "not shown"
     return {"floor_gap": gap, "floor_gap_ci": _interval(ci), "within_floor": within}
+
+
+def storage_pairing(label: str, ratio: float | None, outs: Sequence[Outcome], vanilla: dict, groups: dict
+                    ) -> dict[str, Any]:
+    """A KV format's row against the same method's float16 row on the same examples: float16's value
+    agreement minus the format's (mean and bootstrap interval), the ratio of their answer KLs and of their
+    median TTFTs. None for rows with no format, and for float16's own."""
+    method, fmt = split_format(label)
+    none = {"vs_float16_gap": None, "vs_float16_gap_ci": None, "answer_kl_vs_float16": None,
+            "answer_kl_vs_float16_ci": None, "ttft_vs_float16": None}
+    if fmt is None or fmt == STORAGE_BASELINE or not outs:
+        return none
+    base = {o.example_id: o for o in groups.get((outs[0].task, with_format(method, STORAGE_BASELINE), ratio), [])}
+    pairs = [(o, base[o.example_id]) for o in outs if o.example_id in base]
+    if not pairs:
+        return none
+    gaps = []
+    for o, b in pairs:
+        ref = vanilla.get((o.task, o.example_id))
+        if ref is not None:
+            gaps.append(float(same_answer(b.prediction, ref.prediction, "value"))
+                        - float(same_answer(o.prediction, ref.prediction, "value")))
+    kls = [(o.answer_kl_vs_vanilla, b.answer_kl_vs_vanilla) for o, b in pairs
+           if o.answer_kl_vs_vanilla is not None and b.answer_kl_vs_vanilla is not None]
+    mean_b = _mean(b for _, b in kls)
+    ttft_b = median(b.ttft_s for _, b in pairs)
+    return {"vs_float16_gap": sum(gaps) / len(gaps) if gaps else None, "vs_float16_gap_ci": _interval(bootstrap_ci(gaps)),
+            "answer_kl_vs_float16": _mean(a for a, _ in kls) / mean_b if kls and mean_b else None,
+            "answer_kl_vs_float16_ci": _interval(paired_ratio_ci([a for a, _ in kls], [b for _, b in kls])),
+            "ttft_vs_float16": median(o.ttft_s for o, _ in pairs) / ttft_b if ttft_b else None}
 
 
 def _interval(ci: tuple[float, float] | None) -> list[float] | None:

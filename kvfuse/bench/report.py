@@ -167,6 +167,26 @@ def floor_section(rows: Sequence[dict[str, Any]]) -> list[str]:
     ]
 
 
+FORMAT_TABLE = (
+    ("task", "task"), ("method", "method"), ("n", "n"), ("same_value_vs_vanilla", "same value as vanilla"),
+    ("vs_float16_gap", "float16 − format (value)"), ("vs_float16_gap_ci", "95 % interval"),
+    ("answer_kl_vs_vanilla", "answer KL (nats)"), ("answer_kl_vs_float16", "answer KL / float16's"),
+    ("answer_kl_vs_float16_ci", "95 % interval"), ("ttft_vs_float16", "TTFT / float16's"),
+)
+
+
+def formats_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Each KV format's rows against float16 storage on the same examples (`--kv-formats`); none without."""
+    shown = [r for r in sort_fidelity(rows) if "[" in r["method"]]
+    if not shown:
+        return []
+    return ["## KV formats against float16 storage", "",
+            "`method[format]`: the method on chunks stored in that format and read back through the engine's "
+            "loader. `float16 − format`: float16's value agreement with vanilla minus the format's on the same "
+            "examples, with its 95 % bootstrap interval; the answer KL and median TTFT as ratios to float16's.",
+            "", markdown_table(shown, FORMAT_TABLE), ""]
+
+
 def fidelity_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """The payload's rows, re-aggregated from its per-example outcomes when it has them (so a report
     re-rendered from an older file gains figures added to the aggregation since)."""
@@ -213,7 +233,7 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path]:
             "resampled), and the examples scored above (+) and below (−) vanilla. An interval that "
             "contains 1 means the run cannot tell the method from vanilla; no interval: vanilla scored 0 "
             "on most resamples.", "",
-            fidelity_against_vanilla(rows), "", *floor_section(rows), "## All figures", "",
+            fidelity_against_vanilla(rows), "", *floor_section(rows), *formats_section(rows), "## All figures", "",
             markdown_table(sort_fidelity(rows), FIDELITY_TABLE), "",
             "`score / vanilla`: mean score over mean vanilla score on the same examples; `same answer`: "
             "share of examples whose normalised answer equals vanilla's; `same value`: whose extracted "

@@ -92,8 +92,11 @@ class StoreSettings(Section):
     """The chunk KV store: LMDB (the source of truth), the RAM hot tier in front of it, the Redis index, and
     what each chunk's KV is computed after at ingestion."""
 
-    kv_dtype: Literal["float16", "bfloat16", "float32"] = Field("float16", description=(
-        "dtype of KV at rest: float16 | bfloat16 | float32"))
+    kv_dtype: Literal["float16", "bfloat16", "float32", "fp8", "int8", "int4"] = Field("float16", description=(
+        "format of chunk KV at rest: float16 | bfloat16 | float32 | fp8 (e4m3, a scale per token and head: "
+        "0.52x float16's bytes) | int8 (the same size) | int4 (KIVI: keys per channel, values per token: "
+        "0.30x); new chunks are stored in it, chunks stored in another format are still read "
+        "(`kvfuse store convert` rewrites them; docs/DESIGN.md, \"Storage\")"))
     lmdb_map_size_mb: int = Field(1024, ge=1, description=(
         "initial LMDB map size; it grows instead of failing"))
     lmdb_max_readers: int = Field(256, ge=1, description="concurrent LMDB read transactions")
@@ -107,6 +110,11 @@ class StoreSettings(Section):
         "rebuild the Redis index from LMDB when Redis comes up empty"))
     redis_timeout_s: float = Field(5.0, gt=0, description=(
         "Redis connect/read timeout; past it the index counts as unavailable"))
+    reload_policy: bool = Field(True, description=(
+        "per query, recompute a chunk's KV instead of reading it when its tier's measured bandwidth makes "
+        "reading slower than the engine's measured precompute (docs/DESIGN.md, \"Reload or recompute\")"))
+    reload_ewma_weight: float = Field(0.2, gt=0, le=1, description=(
+        "weight of each new read or precompute in the measured rates' moving averages"))
     verify_checksums: bool = Field(True, description=(
         "verify each blob's checksum when it is read from LMDB (hot-tier hits skip it)"))
     orphan_grace_s: float = Field(3600.0, ge=0, description=(

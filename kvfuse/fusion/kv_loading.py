@@ -19,6 +19,11 @@ CUDA from page-locked memory, the transfer into place), a key once plus its rota
 cast into a temporary, the rotation written into place). Only pageable host memory on CUDA adds the
 gather into the staging buffer.
 
+Each chunk's layer comes from `ChunkKV.layer_kv`: a chunk stored in a quantized format (kvfuse/
+kv_formats.py) is dequantized there a layer at a time, on the device after its codes crossed the bus (a
+CUDA worker takes the direct path for it, never the host staging buffers), on the CPU as the layer is
+placed; no floating copy of the whole chunk is ever made.
+
 Both do the same arithmetic on the same bytes, so the fused result is identical (tests/fusion/
 test_kv_loading.py pins that, and the GPU half of the suite pins it on CUDA). The keys are rotated in
 fp32 from the stored dtype and rounded once into the compute dtype.
@@ -81,8 +86,13 @@ class LayerLoader:
 
     # -- what the loaded layers hold --------------------------------------------------------------
     def _source_dtype(self) -> torch.dtype:
-        dtypes = {c.k.dtype for c in self.chunks} | {c.v.dtype for c in self.chunks}
-        return dtypes.pop() if len(dtypes) == 1 else self.cache.k.dtype
+        """The dtype a layer is gathered in: the chunks' own when they share one (fp32 for quantized
+        chunks, which are dequantized in it), else the cache's; fp32 whenever a quantized chunk is among
+        mixed ones, so its values are not rounded before the keys are rotated."""
+        dtypes = {c.layer_dtype for c in self.chunks}
+        if len(dtypes) == 1:
+            return dtypes.pop()
+        return torch.float32 if any(c.quantized for c in self.chunks) else self.cache.k.dtype
 
     def _shift_tables(self, rope: Rope, chunks: Sequence[ChunkKV], starts: Sequence[int]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +106,7 @@ class LayerLoader:
         """The chunks' K and V of one layer side by side, [Hkv, N, D] each, in the source dtype: on the
         host into page-locked `out_k`/`out_v` when given, else on the cache's device."""
         device = out_k.device if out_k is not None else self.device
-        ks = [c.k[layer].to(device=device, dtype=self.source_dtype, non_blocking=True) for c in self.chunks]
-        vs = [c.v[layer].to(device=device, dtype=self.source_dtype, non_blocking=True) for c in self.chunks]
+        ks, vs = zip(*(c.layer_kv(layer, device, self.source_dtype) for c in self.chunks), strict=True)
         if out_k is None:
             return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
         return torch.cat(ks, dim=1, out=out_k), torch.cat(vs, dim=1, out=out_v)
@@ -114,11 +123,10 @@ class LayerLoader:
         self.cache.v[layer, :, lo:hi].copy_(v)
 
     def _place_chunks(self, layer: int) -> None:
-        """Each chunk's layer straight into its positions (from the host, page-locked memory or the device)."""
+        """Each chunk's layer straight into its positions (from the host, page-locked memory or the device;
+        a quantized chunk's codes dequantized on the way)."""
         for c, row in zip(self.chunks, self.offsets, strict=False):
-            k = c.k[layer].to(device=self.device, non_blocking=True)
-            v = c.v[layer].to(device=self.device, non_blocking=True)
-            self._place(layer, k, v, row)
+            self._place(layer, *c.layer_kv(layer, self.device), row)
 
     # -- the transfer ---------------------------------------------------------------------------------
     def start(self) -> LayerLoader:
@@ -142,9 +150,9 @@ class LayerLoader:
             with torch.inference_mode(self._inference), torch.cuda.stream(self.stream):
                 pageable = [c.k.device.type == "cpu" and not (c.k.is_pinned() and c.v.is_pinned())
                             for c in self.chunks]
-                if all(pageable):
+                if all(pageable) and not any(c.quantized for c in self.chunks):
                     self._copy_from_host()
-                else:  # page-locked or in device memory: each chunk's layer copied straight into place
+                else:  # page-locked, in device memory or quantized: each chunk's layer straight to the device
                     for layer in range(self.num_layers):
                         self._place_chunks(layer)
                         self._post(layer)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, make_dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 from kvfuse.config import FusionRequestSettings, GenerationSettings
+from kvfuse.kv_formats import QTensor, dequantize
 
 _GEN_DEFAULTS = GenerationSettings()
 
@@ -49,14 +50,16 @@ class Layout:
 class ChunkKV:
     """One chunk's cache, computed alone at positions 0..n-1 (keys post-RoPE, convention "rope0").
 
-    k, v: [num_layers, num_kv_heads, n, head_dim], any dtype/device (the engine casts on assembly).
+    k, v: [num_layers, num_kv_heads, n, head_dim], any float dtype/device (the engine casts on assembly),
+    or, read from a store in a quantized format, its codes and scales (kvfuse.kv_formats.QTensor; same
+    `shape`). Either way `layer_kv` gives one layer as floats and `dequantized` the whole chunk.
     None for both: the chunk's tokens only, enough for a method that prefills everything (`vanilla`),
     so such a request never loads or rebuilds stored KV.
     """
 
     token_ids: list[int]
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
+    k: torch.Tensor | QTensor | None = None
+    v: torch.Tensor | QTensor | None = None
     # Computed after a context (store.precompute_context, FusionEngine.precompute_after) rather than as
     # the start of a sequence: its first tokens hold no attention sink, so `anchor` forces none of them.
     after_context: bool = False
@@ -64,6 +67,36 @@ class ChunkKV:
     @property
     def has_kv(self) -> bool:
         return self.k is not None and self.v is not None
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.k, QTensor)
+
+    @property
+    def layer_dtype(self) -> torch.dtype:
+        """The dtype `layer_kv` gives when none is asked for: a float chunk's own, fp32 for a quantized one
+        (what it is dequantized in)."""
+        return torch.float32 if self.quantized else self.k.dtype
+
+    def layer_kv(self, layer: int, device: torch.device | str, dtype: torch.dtype | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V as floating [Hkv, n, D] tensors on `device`, in `dtype` (default
+        `layer_dtype`). A quantized chunk's codes and scales are moved to `device` first and dequantized
+        there, so only the smaller codes cross the bus (docs/DESIGN.md, "Storage")."""
+        if not self.has_kv:
+            raise ValueError("token ids only: this chunk has no KV")
+        dtype = dtype or self.layer_dtype
+        if self.quantized:
+            return tuple(x.layer(layer).to(device, non_blocking=True).dequantize(dtype) for x in (self.k, self.v))
+        return tuple(x[layer].to(device=device, dtype=dtype, non_blocking=True) for x in (self.k, self.v))
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> ChunkKV:
+        """This chunk with floating k and v of every layer (in `dtype`, default `layer_dtype`), for what
+        needs the whole chunk at once (samkv's block sources, a system prompt's prefix); a float chunk
+        is returned as it is when no other dtype is asked for."""
+        if not self.has_kv or (not self.quantized and dtype in (None, self.k.dtype)):
+            return self
+        return replace(self, k=dequantize(self.k, dtype or self.layer_dtype), v=dequantize(self.v, dtype or self.layer_dtype))
 
     def __len__(self) -> int:
         return len(self.token_ids)

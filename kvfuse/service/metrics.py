@@ -46,7 +46,8 @@ class Metrics:
         self.requests = Counter("kvfuse_requests", "Finished queries by outcome", ["outcome"], registry=r)
         self.precomputed_chunks = Counter("kvfuse_precomputed_chunks", "Chunk KV caches computed by the worker",
                                           registry=r)
-        self.rebuilt_chunks = Counter("kvfuse_rebuilt_chunks", "Chunk KV rebuilt at query time (miss or corrupt)",
+        self.rebuilt_chunks = Counter("kvfuse_rebuilt_chunks", "Chunk KV rebuilt at query time (miss, corrupt, "
+                                      "or faster to compute than to read)",
                                       registry=r)
         self.fingerprint_misses = Counter(
             "kvfuse_kv_fingerprint_misses", "Chunks queried whose stored KV is from another model (rebuilt)", registry=r)
@@ -56,6 +57,10 @@ class Metrics:
                                  ["worker"], registry=r)
         self.kv_tier_reads = Counter("kvfuse_kv_tier_reads", "Chunk KV reads of queries by the store tier that "
                                      "served them (device, hot, lmdb, ...; miss: rebuilt)", ["tier"], registry=r)
+        self.kv_chunk_sources = Counter("kvfuse_kv_chunk_sources", "Chunks of queries read from their tier or "
+                                        "recomputed from their tokens, by why (worker/reload_policy.py: "
+                                        "read_faster, unmeasured, read_slower, miss, policy_off)",
+                                        ["source", "reason"], registry=r)
         self.kv_device_tier_bytes = Gauge("kvfuse_kv_device_tier_bytes", "Bytes of chunk KV held in the worker's "
                                           "device tier (store.device_tier_mb)", registry=r)
         self.worker_restarts = Counter("kvfuse_worker_restarts", "Times the worker process was restarted",

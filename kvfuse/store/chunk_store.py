@@ -20,24 +20,24 @@ good as any other; tiers that keep bytes verify what they read and raise Corrupt
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-import torch
-from torch import Tensor
+from kvfuse.kv_formats import cat_tokens, token_slice
+from kvfuse.kvblob import BLOCK_TOKENS, KV, KVHeader
 
-from kvfuse.kvblob import BLOCK_TOKENS, KVHeader
-
-Entry = tuple[Tensor, Tensor, KVHeader]
+Entry = tuple[KV, KV, KVHeader]  # k and v: float tensors, or a quantized format's (kvfuse.kv_formats.QTensor)
 
 
 def slice_blocks(entry: Entry, blocks: list[int]) -> Entry:
-    """The tokens of `blocks` (sorted indices of the header's blocks) of a decoded chunk, copied."""
+    """The tokens of `blocks` (sorted indices of the header's blocks) of a decoded chunk, copied (a quantized
+    chunk's scales with them: kvfuse.kv_formats.token_slice)."""
     k, v, header = entry
     t = header.block_tokens or BLOCK_TOKENS
-    idx = [i for b in blocks for i in range(b * t, min((b + 1) * t, header.num_tokens))]
-    index = torch.tensor(idx, dtype=torch.long)
-    return k.index_select(2, index), v.index_select(2, index), header
+    spans = [(b * t, min((b + 1) * t, header.num_tokens)) for b in blocks]
+    return (cat_tokens([token_slice(k, a, z) for a, z in spans], k),
+            cat_tokens([token_slice(v, a, z) for a, z in spans], v), header)
 
 
 class ChunkStore(ABC):
@@ -75,6 +75,16 @@ class ChunkStore(ABC):
         entry = self.get(key)
         return None if entry is None else entry[2]
 
+    def probe_read(self) -> tuple[int, float] | None:
+        """(bytes, seconds) of one read as this tier reads a chunk, to measure it before any query does
+        (the worker's reload-or-recompute policy); None where there is nothing to read or it is memory."""
+        return None
+
+
+def entry_bytes(entry: Entry) -> int:
+    """The bytes a decoded chunk holds (a quantized one's codes and scales)."""
+    return entry[0].nbytes + entry[1].nbytes
+
 
 class TieredStore(ChunkStore):
     """Cache tiers over storage tiers, read in that order (see the module docstring): the first `caches`
@@ -91,14 +101,23 @@ class TieredStore(ChunkStore):
         # Reads served by each tier, and misses in all of them (what shows where KV came from).
         self.hits: dict[str, int] = {t.name: 0 for t in self.tiers} | {"miss": 0}
         self._count = threading.Lock()
+        # Told (tier name, bytes, seconds) of every read a tier served: the worker's measured bandwidths.
+        self.observer: Callable[[str, int, float], None] | None = None
 
     def contains(self, key: str) -> bool:
         return any(t.contains(key) for t in self.tiers)
 
+    def where(self, key: str) -> str | None:
+        """The name of the first tier that has the chunk (where `get` would read it), None for none."""
+        return next((t.name for t in self.tiers if t.contains(key)), None)
+
     def get(self, key: str) -> Entry | None:
         for i, tier in enumerate(self.tiers):
+            t0 = time.perf_counter()
             entry = tier.get(key)
             if entry is not None:
+                if self.observer is not None:
+                    self.observer(tier.name, entry_bytes(entry), time.perf_counter() - t0)
                 with self._count:
                     self.hits[tier.name] += 1
                 for upper in reversed(self.tiers[:i]):  # the RAM tier first: the device tier copies from it

@@ -56,6 +56,34 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if (not rep.problems or args.repair) else 1
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from kvfuse.config import get_settings
+    from kvfuse.store import KVStore, StoreError
+    from kvfuse.store.convert import convert_store
+
+    settings = get_settings()
+    try:
+        with KVStore.open(settings) as store:
+            rep = convert_store(store, args.kv_dtype, batch=args.batch, limit=args.limit,
+                                progress=None if args.json else lambda d, n: print(f"{d}/{n}", file=sys.stderr))
+    except StoreError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=2))
+    else:
+        ratio = f" ({rep.bytes_after / rep.bytes_before:.3f}x the bytes)" if rep.bytes_before else ""
+        print(f"converted {rep.converted} chunk blobs to {rep.kv_dtype}{ratio} in {rep.seconds:.1f} s; "
+              f"{rep.remaining} left (run it again to go on)")
+        for key, why in rep.skipped[:20]:
+            print(f"  left alone {key[:16]}: {why}")
+        if settings.store.kv_dtype != args.kv_dtype:
+            print(f"note: store.kv_dtype is {settings.store.kv_dtype}: new chunks are still stored in it; set "
+                  f"KVFUSE_STORE__KV_DTYPE={args.kv_dtype} (or store.kv_dtype in config.yaml) to store them in "
+                  f"{args.kv_dtype} too. Chunks in either format are read.")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add this package's subcommands; import nothing heavy here."""
     store = sub.add_parser("store", help="KV store maintenance")
@@ -69,3 +97,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "kv_lost (rebuilt at the next start), fix the index")
     chk.add_argument("--json", action="store_true", help="print the report as JSON")
     chk.set_defaults(func=_check)
+    from kvfuse.chunk_keys import FORMATS
+
+    cnv = ssub.add_parser("convert", help="rewrite every stored chunk's KV in another format, in place, without "
+                                          "the model (resumable: run it again after an interruption)")
+    cnv.add_argument("--kv-dtype", required=True, choices=FORMATS, help="the KV format to convert to")
+    cnv.add_argument("--batch", type=int, default=16, help="chunks per LMDB transaction")
+    cnv.add_argument("--limit", type=int, default=None, help="convert at most this many chunks in this run")
+    cnv.add_argument("--json", action="store_true", help="print the report as JSON")
+    cnv.set_defaults(func=_convert)

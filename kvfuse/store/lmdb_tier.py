@@ -71,6 +71,19 @@ class LmdbTier(ChunkStore):
         check_key(key, entry[2].key)
         return entry
 
+    def probe_read(self) -> tuple[int, float] | None:
+        """A read of the first stored blob, timed (None: the store holds none)."""
+        with self.env.read() as txn:
+            first = next(txn.cursor(db=self._blobs).iternext(keys=True, values=False), None)
+        if first is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            entry = self.get(bytes(first).decode())
+        except CorruptBlobError:
+            return None
+        return (None if entry is None else (entry[0].nbytes + entry[1].nbytes, time.perf_counter() - t0))
+
     def fingerprint(self, key: str) -> str | None:
         """The model fingerprint in the blob's header, read without its payload (None: absent or unreadable)."""
         with self.env.read() as txn:
@@ -114,24 +127,7 @@ class LmdbTier(ChunkStore):
         if header.key != key:
             raise ValueError(f"blob belongs under key {header.key}, not {key}")
         blob = pack(k, v, header)
-        info = ChunkInfo(key=key, tokens=header.num_tokens, bytes=len(blob), created_at=time.time())
-        kb = key.encode()
-
-        def fn(txn: lmdb.Transaction) -> bool:
-            existing = txn.get(kb, db=self._blobs)
-            if existing is not None:
-                try:
-                    verify_blob(existing)
-                    return False
-                except CorruptBlobError as err:
-                    log.warning("replacing corrupt blob %s: %s", key, err)
-                self._add_kv_bytes(txn, -len(existing))
-            txn.put(kb, blob, db=self._blobs)
-            txn.put(kb, info.to_json(), db=self._infos)
-            self._add_kv_bytes(txn, len(blob))
-            return True
-
-        return self.env.write(fn)
+        return self.env.write(lambda txn: self.write(txn, key, blob, header.num_tokens))
 
     def remove(self, key: str) -> bool:
         if not self.contains(key):  # no write transaction (and its sync) for nothing
@@ -141,6 +137,22 @@ class LmdbTier(ChunkStore):
     # --- steps inside a caller's transaction
     def stored(self, txn: lmdb.Transaction, key: str) -> bool:
         return txn.get(key.encode(), db=self._blobs) is not None
+
+    def write(self, txn: lmdb.Transaction, key: str, blob: bytes, tokens: int) -> bool:
+        """Store `blob` under `key`; False if a valid copy is already there (a corrupt one is replaced)."""
+        kb = key.encode()
+        existing = txn.get(kb, db=self._blobs)
+        if existing is not None:
+            try:
+                verify_blob(existing)
+                return False
+            except CorruptBlobError as err:
+                log.warning("replacing corrupt blob %s: %s", key, err)
+            self._add_kv_bytes(txn, -len(existing))
+        txn.put(kb, blob, db=self._blobs)
+        txn.put(kb, ChunkInfo(key=key, tokens=tokens, bytes=len(blob), created_at=time.time()).to_json(), db=self._infos)
+        self._add_kv_bytes(txn, len(blob))
+        return True
 
     def drop(self, txn: lmdb.Transaction, key: str) -> bool:
         """Delete the blob and its info; False if it was not there."""

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+import uuid
 
 from kvfuse.kvblob import CorruptBlobError, decode, pack
 from kvfuse.store.chunk_store import ChunkStore, Entry
@@ -35,6 +37,7 @@ from kvfuse.store.errors import IndexUnavailableError
 from kvfuse.store.redis_access import RedisAccess
 
 log = logging.getLogger(__name__)
+PROBE_BYTES = 256 << 10  # what a worker reads through this tier at start to measure it
 
 _PUT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
@@ -151,6 +154,21 @@ class RedisTier(ChunkStore):
         except self._redis.RedisError as err:
             log.warning("%s: %s not removed", self._unavailable("remove", err), key[:16])
             return False
+
+    def probe_read(self, nbytes: int = PROBE_BYTES) -> tuple[int, float] | None:
+        """A round trip of `nbytes` through this tier, the GET timed: a value written under a probe key of
+        this host's own and deleted after (None: Redis does not answer)."""
+        key = f"{self.prefix}:probe:{uuid.uuid4().hex}"
+        try:
+            self._r.set(key, os.urandom(nbytes), ex=60)
+            t0 = time.perf_counter()
+            got = self._r.get(key)
+            seconds = time.perf_counter() - t0
+            self._r.delete(key)
+        except self._redis.RedisError as err:
+            log.warning("%s: not measured", self._unavailable("probe", err))
+            return None
+        return (len(got), seconds) if got else None
 
     # --- housekeeping
     def used_bytes(self) -> int:

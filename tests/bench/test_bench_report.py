@@ -11,12 +11,14 @@ from kvfuse.bench import report
 from kvfuse.bench.fidelity import (
     FIDELITY_COLUMNS,
     FLOOR,
+    FLOOR_FP8,
     Outcome,
     aggregate,
     kl_divergence,
     method_plan,
     outcome_dicts,
     paired_ratio_ci,
+    split_format,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -44,8 +46,27 @@ OUTCOMES = [
 
 def test_method_plan_runs_vanilla_first_and_fixed_methods_once():
     plan = method_plan(["a3", "pie", "vanilla", "epic"], [0.1, 1.0])
-    assert plan == [("vanilla", 1.0), (FLOOR, 1.0), ("a3", 0.1), ("a3", 1.0), ("pie", 0.0), ("epic", None)]
+    assert plan == [("vanilla", 1.0), (FLOOR, 1.0), (FLOOR_FP8, 1.0), ("a3", 0.1), ("a3", 1.0), ("pie", 0.0),
+                    ("epic", None)]
     assert method_plan(["a3", FLOOR], [0.1], floor=False) == [("vanilla", 1.0), ("a3", 0.1)]
+    # with KV formats, each method once per format, float16 first
+    assert method_plan(["anchor", "pie"], [0.15], floor=False, kv_formats=["int4", "float16"]) == [
+        ("vanilla", 1.0), ("anchor[float16]", 0.15), ("anchor[int4]", 0.15), ("pie[float16]", 0.0), ("pie[int4]", 0.0)]
+    assert split_format("anchor[int4]") == ("anchor", "int4") and split_format("anchor") == ("anchor", None)
+
+
+def test_a_format_is_paired_with_float16_storage_on_the_same_examples():
+    outs = []
+    for i in range(20):
+        outs += [_outcome("needle", f"e{i}", "vanilla", 1.0, f"{i}00.", 1.0, 2.0),
+                 _outcome("needle", f"e{i}", "anchor[float16]", 0.15, f"{i}00.", 1.0, 0.5, 0.0),
+                 _outcome("needle", f"e{i}", "anchor[int4]", 0.15, "9." if i < 2 else f"{i}00.", 1.0, 0.4, 0.0)]
+        outs[-2].answer_kl_vs_vanilla, outs[-1].answer_kl_vs_vanilla = 0.01, 0.02
+    rows = {r["method"]: r for r in aggregate(outs)}
+    q = rows["anchor[int4]"]
+    assert q["vs_float16_gap"] == pytest.approx(0.1) and q["vs_float16_gap_ci"][0] >= 0.0
+    assert q["answer_kl_vs_float16"] == pytest.approx(2.0) and q["ttft_vs_float16"] == pytest.approx(0.8)
+    assert rows["anchor[float16]"]["vs_float16_gap"] is None and rows["vanilla"]["answer_kl_vs_float16"] is None
 
 
 def test_aggregate_compares_with_vanilla_on_the_same_examples():

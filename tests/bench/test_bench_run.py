@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfuse.bench.fidelity import FIDELITY_COLUMNS, FLOOR
+from kvfuse.bench.fidelity import FIDELITY_COLUMNS, FLOOR, FLOOR_FP8
 from kvfuse.bench.speed import SPEED_COLUMNS
 from kvfuse.cli import main
 
@@ -35,13 +35,16 @@ def test_fidelity_fast_subset(model_env, tmp_path: Path, capsys):
     # 48-token chunks: musique's 10 passages stay a ~500-token context (the test's cost is its prefills)
     rc = main(["bench", "fidelity", "--task", "needle,musique", "--n", "2", "--docs", "3", "--doc-tokens", "48",
                "--methods", "vanilla,a3", "--ratios", "1.0", "--max-tokens", "16", "--json", str(out),
+               "--kv-formats", "float16,int4",
                "--reference-dir", str(tmp_path / "refs")])
     assert rc == 0
     payload = json.loads(out.read_text())
     rows = payload["rows"]
-    # the floor (vanilla with two fact-free chunks swapped) runs where the facts are known: not on musique
+    # the floor (vanilla with two fact-free chunks swapped) runs where the facts are known: not on musique;
+    # its second perturbation (vanilla's own documents' KV in fp8) everywhere; a3 once per KV format
     assert {(r["task"], r["method"], r["ratio"]) for r in rows} == {
-        (t, m, 1.0) for t in ("needle", "musique") for m in ("vanilla", "a3")} | {("needle", FLOOR, 1.0)}
+        (t, m, 1.0) for t in ("needle", "musique") for m in ("vanilla", "a3[float16]", "a3[int4]", FLOOR_FP8)
+    } | {("needle", FLOOR, 1.0)}
     for r in rows:
         assert set(FIDELITY_COLUMNS) <= set(r)
         assert r["n"] == 2 and 0.0 <= r["score"] <= 1.0 and r["ttft_s_median"] > 0
@@ -56,12 +59,15 @@ def test_fidelity_fast_subset(model_env, tmp_path: Path, capsys):
     for runs in by_example.values():
         if FLOOR in runs:  # the neutral change: vanilla again, compared with vanilla's own answer
             assert runs[FLOOR]["answer_kl_vs_vanilla"] >= 0.0 and runs[FLOOR]["recomputed_tokens"] == runs[FLOOR]["context_tokens"]
-        assert runs["a3"]["prediction"] == runs["vanilla"]["prediction"]
-        assert runs["a3"]["recomputed_tokens"] == runs["a3"]["context_tokens"]
-        assert runs["a3"]["kl_vs_vanilla"] < 1e-3 and runs["a3"]["answer_kl_vs_vanilla"] < 1e-3
-    for r in (r for r in rows if r["method"] == "a3"):
+        for a3 in ("a3[float16]", "a3[int4]"):  # whatever the chunks were stored in: recomputed, not read
+            assert runs[a3]["prediction"] == runs["vanilla"]["prediction"]
+            assert runs[a3]["recomputed_tokens"] == runs[a3]["context_tokens"]
+            assert runs[a3]["kl_vs_vanilla"] < 1e-3 and runs[a3]["answer_kl_vs_vanilla"] < 1e-3
+        assert 0.0 <= runs[FLOOR_FP8]["answer_kl_vs_vanilla"] < 0.05  # fp8 KV: a small, nonzero change
+    for r in (r for r in rows if r["method"].startswith("a3")):
         assert r["same_answer_vs_vanilla"] == 1.0 and r["score"] == pytest.approx(
             next(v["score"] for v in rows if v["method"] == "vanilla" and v["task"] == r["task"]))
+        assert r["vs_float16_gap"] == (None if r["method"] == "a3[float16]" else 0.0)
     # vanilla on 4 examples and the floor on the 2 needles, each kept for the next run
     assert payload["vanilla_references"]["computed"] == 6 and payload["vanilla_references"]["reused"] == 0
     assert "kvfuse bench fidelity --task needle,musique --n 2 --docs 3" in payload["command"]
@@ -69,7 +75,7 @@ def test_fidelity_fast_subset(model_env, tmp_path: Path, capsys):
     assert "--methods vanilla,a3 " in payload["command"] and "--ratios 1 " in payload["command"]
     assert payload["machine"]["torch"]
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
-    assert "| needle | a3 |" in out.with_suffix(".md").read_text()
+    assert "| needle | a3[int4] |" in out.with_suffix(".md").read_text()
     assert "| vanilla |" in capsys.readouterr().out
 
 

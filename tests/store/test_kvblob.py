@@ -78,8 +78,11 @@ def test_keys_separate_model_dtype_and_tokens() -> None:
     assert base != kvblob.chunk_key("model-b", "float16", ids)
     assert base != kvblob.chunk_key("model-a", "bfloat16", ids)
     assert base != kvblob.chunk_key("model-a", "float16", ids[:-1])
-    with pytest.raises(ValueError):
-        kvblob.chunk_key("model-a", "int8", ids)
+    # every KV format names its own entry: the same chunk in two formats is two keys
+    keys = {kvblob.chunk_key("model-a", fmt, ids) for fmt in kvblob.FORMATS}
+    assert len(keys) == len(kvblob.FORMATS) == 6 and base in keys
+    with pytest.raises(ValueError, match="unsupported KV format"):
+        kvblob.chunk_key("model-a", "int2", ids)
 
 
 def test_encode_rejects_mismatched_inputs() -> None:

@@ -336,6 +336,8 @@ class QueryService:
                     for tier, n in p.get("kv_reads", {}).items():
                         if tier == "device_bytes":
                             m.kv_device_tier_bytes.set(n)
+                        elif tier.startswith("source:"):  # source:<read|recompute>:<reason>
+                            m.kv_chunk_sources.labels(*tier.split(":")[1:3]).inc(n)
                         elif n:
                             m.kv_tier_reads.labels(tier).inc(n)
                     m.requests.labels(p["finish_reason"] if p["finish_reason"] == "cancelled" else "ok").inc()

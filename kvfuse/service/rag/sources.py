@@ -7,8 +7,10 @@ functions over the corpus and a key function, so `kvfuse calibrate` picks a quer
 same code as the service without its dispatcher, metrics or ingestion jobs; `Sources` adds what serving
 needs around it (the caller's collections, documents still being ingested, stale KV rebuilt).
 
-A key is never the one recorded at ingest: KV stored for another model (weights, tokenizer, dtypes) or
-another prompt layout is a miss, rebuilt from the tokens, and its document is rebuilt in the background.
+A key is never taken from the record on trust: KV stored for another model (weights, tokenizer, dtypes)
+or another prompt layout is a miss, rebuilt from the tokens, and its document is rebuilt in the
+background. KV of this model in another format at rest (`store.kv_dtype` changed since) is the same
+cache stored otherwise: it is read as it is (`kvfuse store convert` rewrites it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvfuse.chunk_keys import chunk_key_from_hash, token_hash
+from kvfuse.chunk_keys import FORMATS, chunk_key_from_hash, token_hash
 from kvfuse.fusion.prompt import in_prompt_order
 from kvfuse.service.errors import APIError, document_not_found, retry_after
 from kvfuse.service.rag.chunks import document_chunks, found_chunks
@@ -58,6 +60,14 @@ def chunk_key_now(fingerprint: str, kv_dtype: str, rec: Any, i: int, token_ids: 
     (from the document's record). The service's queries and `kvfuse calibrate` key chunks this way."""
     context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
     return chunk_key_from_hash(fingerprint, kv_dtype, token_hash(token_ids), context)
+
+
+def in_another_format(fingerprint: str, kv_dtype: str, rec: Any, i: int, token_ids: list[int]) -> bool:
+    """Whether chunk i's recorded key names its KV under the model `fingerprint` in a KV format other than
+    `kv_dtype`: a store may hold several formats, and any of them reads."""
+    context = rec.chunk_contexts[i] if rec.chunk_contexts else ""
+    th = token_hash(token_ids)
+    return any(chunk_key_from_hash(fingerprint, f, th, context) == rec.chunk_keys[i] for f in FORMATS if f != kv_dtype)
 
 
 def document_source_chunks(corpus: Corpus, rec: Any, key: KeyOf) -> list[SourceChunk]:
@@ -114,11 +124,14 @@ class Sources:
         """Chunk i's key under the model running now (and the context its KV was computed after, from the
         record), never the key recorded at ingest: KV stored for
         another model (weights, tokenizer, dtypes) is a miss, rebuilt from the tokens. A document built
-        for another model is counted, logged once, and rebuilt for this one in the background."""
+        for another model is counted, logged once, and rebuilt for this one in the background. KV of this
+        model in another format at rest is read under its recorded key."""
         fp = self.dispatcher.info.get("fingerprint")
         if not fp:  # no worker yet: the query waits for one, which will have this model
             return rec.chunk_keys[i]
         key = chunk_key_now(fp, self.settings.store.kv_dtype, rec, i, token_ids)
+        if key != rec.chunk_keys[i] and in_another_format(fp, self.settings.store.kv_dtype, rec, i, token_ids):
+            return rec.chunk_keys[i]
         if key != rec.chunk_keys[i]:
             self.metrics.fingerprint_misses.inc()
             if rec.id not in self._stale_logged:

@@ -1,6 +1,7 @@
 """The worker's chunk KV, in the role of a block manager: content keys, precompute-and-store at ingestion,
-loads for a query (rebuilt from the tokens on a miss, a damaged blob or another model's KV), samkv's
-block-by-block sources, and the system prompt's KV kept decoded.
+loads for a query (rebuilt from the tokens on a miss, a damaged blob or another model's KV, or where
+reading it would be slower than computing it: reload_policy.py), samkv's block-by-block sources, and the
+system prompt's KV kept decoded.
 
 The engine loop (core.py) and the per-job state (sequences.py) both use it; it knows neither.
 """
@@ -8,15 +9,18 @@ The engine loop (core.py) and the per-job state (sequences.py) both use it; it k
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
 from kvfuse.config import Settings
+from kvfuse.service.worker import reload_policy as policy
 
 log = logging.getLogger("kvfuse.worker")
 
 _PREFIX_CACHE_ENTRIES = 8  # distinct system prompts kept decoded in the worker
 _UNREAD = object()  # load_or_rebuild reads the chunk itself
+_PROBE_TOKENS = 128  # the precompute timed at start (token ids 10..137: any ids the vocabulary has)
 
 
 class ChunkCache:
@@ -30,15 +34,42 @@ class ChunkCache:
         self.kv_dtype = settings.store.kv_dtype
         self.share_rebuilt = share_rebuilt
         self.rebuilt = 0  # chunks rebuilt from their tokens since start
-        self.last_reads: dict[str, int] = {}  # the last `load_all`: chunks served per tier (and device bytes)
+        # the last `load_all`: chunks served per tier (and device bytes), and "source:<decision>:<reason>"
+        # counts of the reload-or-recompute plan
+        self.last_reads: dict[str, int] = {}
         self._prefixes: OrderedDict[str, Any] = OrderedDict()
+        self.rates = policy.Rates(settings.store.reload_ewma_weight)
+        self.reload_policy = settings.store.reload_policy
+        if self.reload_policy:
+            store.chunks.observer = self.rates.observe_read
+            self.measure()
+
+    def measure(self) -> dict[str, float | None]:
+        """The policy's rates at start: one read from every storage tier that holds something, and one
+        timed precompute (after an untimed one that warms the engine up)."""
+        for tier in self.store.chunks.stores:
+            got = tier.probe_read()
+            if got is not None:
+                self.rates.observe_read(tier.name, *got)
+        ids = list(range(10, 10 + _PROBE_TOKENS))
+        self.engine.precompute([ids])
+        self._precompute([ids])
+        log.info("reload-or-recompute rates at start: %s", self.rates.snapshot())
+        return self.rates.snapshot()
+
+    def _precompute(self, chunks: list[list[int]]) -> list[Any]:
+        """engine.precompute, its throughput observed (chunk tokens per second)."""
+        t0 = time.perf_counter()
+        out = self.engine.precompute(chunks)
+        self.rates.observe_precompute(sum(map(len, chunks)), time.perf_counter() - t0)
+        return out
 
     def stored_nbytes(self, num_tokens: int) -> int:
-        """Payload size at rest of a chunk of `num_tokens` (for a chunk already stored)."""
-        from kvfuse import kvblob
+        """Payload size at rest of a chunk of `num_tokens` (for a chunk already stored), scales included."""
+        from kvfuse.kv_formats import payload_bytes
 
         e = self.engine
-        return 2 * e.num_layers * e.num_kv_heads * num_tokens * e.head_dim * kvblob.dtype_size(self.kv_dtype)
+        return payload_bytes(self.kv_dtype, (e.num_layers, e.num_kv_heads, num_tokens, e.head_dim))
 
     def key_of(self, token_ids: list[int], context: list[int] | None = None) -> str:
         from kvfuse import kvblob
@@ -51,10 +82,12 @@ class ChunkCache:
         batched); returns (key, blob bytes) each."""
         fp, contexts = self.engine.fingerprint, contexts or [[] for _ in chunks]
         alone = [i for i, c in enumerate(contexts) if not c]
-        computed = dict(zip(alone, self.engine.precompute([chunks[i] for i in alone]), strict=True))
+        computed = dict(zip(alone, self._precompute([chunks[i] for i in alone]), strict=True))
         for i, context in enumerate(contexts):
             if context:
+                t0 = time.perf_counter()
                 computed[i] = self.engine.precompute_after(context, chunks[i])
+                self.rates.observe_precompute(len(context) + len(chunks[i]), time.perf_counter() - t0)
         return [self.store.put_kv(fp, self.kv_dtype, chunks[i], computed[i].k, computed[i].v,
                                   self.chunk_artifacts(chunks[i]), context_ids=contexts[i])
                 for i in range(len(chunks))]
@@ -76,17 +109,38 @@ class ChunkCache:
         return StoreSource(self.store, key, token_ids,
                            fallback=lambda: self.load_or_rebuild(key, token_ids, write_back=False)[0])
 
+    def plan(self, chunks: list[tuple[str, list[int]]]) -> list[policy.Choice]:
+        """Each chunk read or recomputed (reload_policy.plan over the tier it is in, its stored bytes and
+        its tokens); every chunk read when the policy is off."""
+        if not self.reload_policy:
+            return [policy.Choice(policy.READ, "policy_off") for _ in chunks]
+        where = self.store.chunks.where
+        return policy.plan([policy.Chunk(where(key), self.stored_nbytes(len(ids)), len(ids)) for key, ids in chunks],
+                           self.rates)
+
     def load_all(self, chunks: list[tuple[str, list[int]]]) -> list[tuple[Any, bool]]:
-        """`load_or_rebuild` (no write-back of a miss) of every (key, token ids), the blobs read on the
-        store's thread pool first (KVStore.load_chunks); `last_reads` says which tier served them (the
-        worker loads one query at a time, so the counters' difference is this query's)."""
+        """`load_or_rebuild` (no write-back of a miss) of every (key, token ids) the plan reads, the blobs
+        read on the store's thread pool first (KVStore.load_chunks); the chunks a slow tier would take
+        longer to read than to compute are computed from their tokens instead, alone, as a miss is (True:
+        rebuilt). `last_reads` says which tier served them and how the plan chose (the worker loads one
+        query at a time, so the counters' difference is this query's)."""
         before = dict(self.store.chunks.hits)
-        reads = self.store.load_chunks([key for key, _ in chunks])
+        choices = self.plan(chunks)
+        slow = [i for i, c in enumerate(choices) if c.reason == policy.SLOWER]
+        read = [i for i in range(len(chunks)) if i not in set(slow)]
+        reads = self.store.load_chunks([chunks[i][0] for i in read])
         self.last_reads = {tier: n - before.get(tier, 0) for tier, n in self.store.chunks.hits.items()}
+        self.last_reads |= {f"source:{k}": n for k, n in policy.counts(choices).items()}
         if self.store.device_tier is not None:
             self.last_reads["device_bytes"] = self.store.device_tier.stats()["device_bytes"]
-        return [self.load_or_rebuild(key, ids, write_back=False, read=got)
-                for (key, ids), got in zip(chunks, reads, strict=True)]
+        out: list[Any] = [None] * len(chunks)
+        for i, got in zip(read, reads, strict=True):
+            out[i] = self.load_or_rebuild(*chunks[i], write_back=False, read=got)
+        if slow:
+            for i, ckv in zip(slow, self._precompute([chunks[i][1] for i in slow]), strict=True):
+                out[i] = (ckv, True)
+            self.rebuilt += len(slow)
+        return out
 
     def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool,
                         read: Any = _UNREAD) -> tuple[Any, bool]:
@@ -117,7 +171,7 @@ class ChunkCache:
                 return ChunkKV(token_ids=token_ids, k=k, v=v, after_context=bool(header.context_hash)), False
             log.warning("chunk %s does not match its tokens: rebuilding it", key[:16])
             corrupt = True
-        ckv = self.engine.precompute([token_ids])[0]
+        ckv = self._precompute([token_ids])[0]
         self.rebuilt += 1
         if (corrupt or write_back or self.share_rebuilt) and key == self.key_of(token_ids):
             self.store.put_kv(self.engine.fingerprint, self.kv_dtype, token_ids, ckv.k, ckv.v)

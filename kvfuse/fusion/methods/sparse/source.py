@@ -10,6 +10,10 @@ only the middle blocks it selected. A source counts the bytes each read takes fr
   `KVStore.load_blocks`, which copies only those blocks out of LMDB (kvfuse.kvblob.read_blocks); a
   version-1 blob has no blocks and is read whole (counted whole). On a miss or a damaged blob it falls
   back to `fallback()`, a full ChunkKV (the worker rebuilds it from the tokens), counted whole.
+
+A chunk stored in a quantized format (kvfuse/kv_formats.py) is read block by block the same way (its
+scales are cut by block too, and checked with them) and each read is dequantized as it arrives; its bytes
+count as stored. A quantized chunk in memory is dequantized whole first (`ChunkKV.dequantized`).
 """
 
 from __future__ import annotations
@@ -48,9 +52,9 @@ class MemorySource(BlockSource):
         super().__init__(chunk.token_ids)
         if not chunk.has_kv:
             raise ValueError("samkv needs the chunk's KV (token ids alone were given)")
-        self.chunk = chunk
+        self.chunk = chunk.dequantized()
         self.artifacts = artifacts
-        self.total_bytes = chunk.k.nbytes + chunk.v.nbytes
+        self.total_bytes = self.chunk.k.nbytes + self.chunk.v.nbytes
 
     def stored_artifacts(self, expected_config: torch.Tensor) -> Artifacts | None:
         a = self.artifacts
@@ -103,8 +107,10 @@ class StoreSource(BlockSource):
             except CorruptBlobError:
                 got = None
             if got is not None:
+                from kvfuse.kv_formats import dequantize
+
                 (k, v, _), nbytes = got
                 self.loaded_bytes += nbytes
-                return k, v
+                return dequantize(k), dequantize(v)
         full = self._use_full()
         return full.read(blocks)

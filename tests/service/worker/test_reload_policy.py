@@ -1,0 +1,76 @@
+"""The reload-or-recompute policy (kvfuse/service/worker/reload_policy.py): pure arithmetic over measured
+rates, so these tests give it rates and chunks and read its plan."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvfuse.service.worker import reload_policy as P
+
+MB = 1 << 20
+
+
+def test_an_ewma_starts_at_its_first_sample_and_follows_later_ones() -> None:
+    e = P.Ewma(0.25)
+    assert e.value is None
+    e.add(100.0)
+    assert e.value == 100.0
+    e.add(200.0)
+    assert e.value == 125.0 and e.samples == 2
+    with pytest.raises(ValueError):
+        P.Ewma(0.0)
+
+
+def test_nothing_measured_means_read_and_a_miss_is_computed() -> None:
+    rates = P.Rates(0.2)
+    plan = P.plan([P.Chunk("lmdb", 4 * MB, 512), P.Chunk(None, 4 * MB, 512)], rates)
+    assert [(c.decision, c.reason) for c in plan] == [(P.READ, P.UNMEASURED), (P.RECOMPUTE, P.MISS)]
+    rates.observe_read("lmdb", 4 * MB, 0.002)  # a read rate alone still decides nothing
+    assert P.plan([P.Chunk("lmdb", 4 * MB, 512)], rates)[0].reason == P.UNMEASURED
+
+
+def test_a_tier_slower_than_the_engine_is_recomputed_and_a_fast_one_read() -> None:
+    rates = P.Rates(0.2)
+    rates.observe_precompute(2000, 1.0)  # 2000 tokens/s
+    rates.observe_read("lmdb", 2000 * MB, 1.0)  # 2 GB/s
+    rates.observe_read("shared", 1 * MB, 1.0)  # 1 MB/s: a congested link
+    chunks = [P.Chunk("lmdb", 11 * MB, 512), P.Chunk("shared", 11 * MB, 512), P.Chunk("hot", 11 * MB, 512)]
+    plan = P.plan(chunks, rates)
+    assert [(c.decision, c.reason) for c in plan] == [
+        (P.READ, P.FASTER), (P.RECOMPUTE, P.SLOWER), (P.READ, P.UNMEASURED)]
+    assert plan[1].read_s == pytest.approx(11.0) and plan[1].recompute_s == pytest.approx(0.256)
+    assert P.counts(plan) == {"read:read_faster": 1, "recompute:read_slower": 1, "read:unmeasured": 1}
+
+
+def test_a_tiers_chunks_share_its_bandwidth_and_go_together() -> None:
+    """Each chunk alone reads faster than it computes, but together they saturate the tier: all recomputed."""
+    rates = P.Rates(1.0)
+    rates.observe_precompute(1000, 1.0)
+    rates.observe_read("shared", 10 * MB, 1.0)  # 10 MB/s
+    one = [P.Chunk("shared", 4 * MB, 512)]  # 0.4 s to read, 0.512 s to compute
+    assert P.plan(one, rates)[0].decision == P.READ
+    # the same chunk, stored at a quarter of the bytes, stays read as the query grows further
+    assert all(c.decision == P.READ for c in P.plan([P.Chunk("shared", 1 * MB, 512)] * 4, rates))
+    many = [P.Chunk("shared", 4 * MB, 512), P.Chunk("shared", 4 * MB, 64)]  # 0.8 s against 0.576 s
+    assert [c.decision for c in P.plan(many, rates)] == [P.RECOMPUTE, P.RECOMPUTE]
+
+
+def test_rates_follow_observations_from_many_threads() -> None:
+    rates = P.Rates(0.5)
+
+    def reads() -> None:
+        for _ in range(200):
+            rates.observe_read("lmdb", 1000, 0.001)
+
+    threads = [threading.Thread(target=reads) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert rates.read_bps["lmdb"].samples == 800 and rates.read_rate("lmdb") == pytest.approx(1e6)
+    rates.observe_read("lmdb", 0, 0.1)  # nothing read: not a sample
+    rates.observe_precompute(100, 0.0)
+    assert rates.read_bps["lmdb"].samples == 800 and rates.precompute_tps.value is None
+    assert rates.snapshot() == {"read_bps_lmdb": pytest.approx(1e6), "precompute_tokens_per_s": None}
