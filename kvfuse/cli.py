@@ -31,6 +31,35 @@ def _models_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models_check(args: argparse.Namespace) -> int:
+    """Load PATH as the worker would and run the load check (kvfuse/fusion/model/check.py): a verdict per
+    check, exit 0 when every check passed, 2 otherwise (or when the model cannot load)."""
+    from kvfuse.config import get_settings
+    from kvfuse.fusion import FusionEngine, UnsupportedModelError
+    from kvfuse.fusion.model.check import check_model
+    from kvfuse.model_files import resolve_llm
+
+    m = get_settings().model
+    path = resolve_llm(args.path, get_settings().models_dir)
+    try:
+        engine = FusionEngine.load(path, device=args.device or m.device, dtype=args.dtype or m.dtype, threads=m.threads)
+    except UnsupportedModelError as err:
+        print(f"{args.path}: refused: {err}", file=sys.stderr)
+        return 2
+    report = check_model(engine)
+    print(report.summary())
+    return 0 if report.ok else 2
+
+
+def _models_docs(args: argparse.Namespace) -> int:
+    from kvfuse.fusion.model.models_doc import write
+
+    text = write(args.output)
+    if not args.output:
+        sys.stdout.write(text)
+    return 0
+
+
 def _config_show(args: argparse.Namespace) -> int:
     import json
 
@@ -52,11 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvfuse {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    models = sub.add_parser("models", help="prepare the configured models for offline use")
+    models = sub.add_parser("models", help="prepare the configured models, check a model, list the supported ones")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     msub.add_parser("prepare", help="convert/locate the LLM and embedder (one time, idempotent)").set_defaults(
         func=_models_prepare
     )
+    mcheck = msub.add_parser("check", help="compare the engine with transformers' forward on PATH (exit 0 or 2)")
+    mcheck.add_argument("path", help='a model directory or hub id ("default": the default LLM)')
+    mcheck.add_argument("--device", help="default: model.device")
+    mcheck.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: model.dtype")
+    mcheck.set_defaults(func=_models_check)
+    mdocs = msub.add_parser("docs", help="render the supported-models page (docs/models.md)")
+    mdocs.add_argument("-o", "--output", help="write the page here (e.g. docs/models.md), not stdout")
+    mdocs.set_defaults(func=_models_docs)
     config = sub.add_parser("config", help="show the effective configuration, or render its reference")
     csub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     csub.add_parser("show", help="print every setting after env overrides").set_defaults(func=_config_show)

@@ -54,7 +54,10 @@ class ModelSettings(Section):
         "float32 | float16 | bfloat16 (compute dtype of the LLM)"))
     threads: int = Field(0, ge=0, description="torch CPU threads in the worker; 0 = torch default")
     max_context_tokens: int = Field(0, ge=0, description=(
-        "0 = the model's own limit (max_position_embeddings)"))
+        "0 = the model's own limit (max_position_embeddings, or LongRoPE's original length; docs/models.md)"))
+    check_on_load: bool = Field(True, description=(
+        "before serving, compare the engine's prefill, decode and fused prefills of a short canned prompt with "
+        "transformers' forward; a mismatch refuses to start, naming the layer (docs/models.md)"))
     system_prompt: str = Field(
         "You are a helpful assistant. Answer the question using the documents. Answer briefly.",
         description="default system prompt")

@@ -21,3 +21,8 @@ class ContextOverflowError(FusionError, ValueError):
 
 class UnsupportedModelError(FusionError):
     """The model's architecture or position encoding cannot be fused exactly."""
+
+
+class MethodRefusedError(FusionError, ValueError):
+    """A fusion method (or eviction) cannot compute this model exactly, and refuses the request rather
+    than answer wrong (docs/models.md says which, and why)."""

@@ -28,6 +28,9 @@ tokens simply leave gaps. New tokens take the next original positions (`FusedCac
 prompt length - C), so a generated token's query and key are rotated as they would be without eviction.
 Decode attention needs no mask over the gaps: a decode row sees every slot of its own cache, and which
 slot a key sits in does not matter to attention (softmax over a set), only its rotation does.
+
+Refused for models with sliding-window layers (`check_serves`): a local layer reads the keys of the last
+`window` positions, which a compacted cache no longer keeps at known slots (docs/models.md).
 """
 
 from __future__ import annotations
@@ -39,9 +42,21 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from kvfuse.fusion.errors import MethodRefusedError
 from kvfuse.fusion.types import FusedPrefill, Layout
 
 SNAPKV_KERNEL = 5  # SnapKV's max-pool kernel over the summed window attention (its default)
+
+
+WINDOW_REFUSAL = ("eviction compacts the cache into fewer slots than positions, and a sliding-window layer reads "
+                  "its keys by position")
+
+
+def check_serves(engine, capacity: int) -> None:
+    """Raise MethodRefusedError when eviction is asked of a model with sliding-window layers."""
+    if capacity > 0 and any(w is not None for w in engine.tf.windows):
+        raise MethodRefusedError(f"evict_capacity {capacity} cannot serve {engine.family.model_type} model: "
+                                 f"{WINDOW_REFUSAL}")
 
 
 def kept_count(layout: Layout, capacity: int) -> int:
@@ -95,7 +110,7 @@ def evict_steps(engine, fused: FusedPrefill, layout: Layout, question_ids: torch
     hkv, w, d = tf.num_kv_heads, layout.question_len, tf.head_dim
     group = tf.num_heads // hkv
     for layer in range(engine.num_layers):
-        q, _, _ = tf.project(layer, h, rows.cos, rows.sin)  # [1, H, W, D]; K/V of these rows are cached
+        q, _, _ = tf.project(layer, h, *rows.cos_sin(layer))  # [1, H, W, D]; K/V of these rows are cached
         keys, values = cache.k[layer, :, :total], cache.v[layer, :, :total]  # [Hkv, T, D]
         logits = torch.matmul(q[0].reshape(hkv, group * w, d).float(), keys.float().transpose(1, 2)) * tf.scale
         attn = torch.softmax(logits.view(hkv, group, w, total) + rows.mask.float(), dim=-1)

@@ -38,7 +38,7 @@ class FusionEngine:
                  precompute_batch_tokens: int = _DEFAULTS.precompute_batch_tokens,
                  attention_block_rows: int = _DEFAULTS.attention_block_rows,
                  sparse_attention: bool = _DEFAULTS.sparse_attention) -> None:
-        model_loading.check_supported(model.config)
+        self.family = model_loading.check_supported(model.config)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.dtype_name = dtype
@@ -51,6 +51,8 @@ class FusionEngine:
         self.num_kv_heads = self.tf.num_kv_heads
         self.head_dim = self.tf.head_dim
         self.max_context_tokens = model_loading.context_limit(model.config, max_context_tokens)
+        bound, why = model_loading.context_bound(model.config)
+        self.context_reason = why if bound is not None and bound <= self.max_context_tokens else ""
         self.precompute_batch_tokens = precompute_batch_tokens
         self.attention_block_rows = attention_block_rows
         self.fingerprint = model_loading.fingerprint(model, tokenizer, dtype)
@@ -64,22 +66,26 @@ class FusionEngine:
     @classmethod
     def load(cls, model: str, *, device: str = "cpu", dtype: str = "float32", threads: int = 0,
              max_context_tokens: int = 0, **kwargs) -> FusionEngine:
-        """model: a local directory or hub id of a Llama/Mistral/Qwen2-family causal LM."""
+        """model: a local directory or hub id of a causal LM of a supported family (docs/models.md), loaded
+        with the family's attention implementation (families.py: SDPA, or eager for Gemma 2)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         if threads > 0:
             torch.set_num_threads(threads)
-        model_loading.check_supported(AutoConfig.from_pretrained(model))
+        config = AutoConfig.from_pretrained(model)
+        model_loading.check_supported(config)
         tokenizer = AutoTokenizer.from_pretrained(model)
         lm = AutoModelForCausalLM.from_pretrained(
-            model, dtype=model_loading.torch_dtype(dtype), attn_implementation="sdpa"
+            model, dtype=model_loading.torch_dtype(dtype), attn_implementation=model_loading.attn_implementation(config)
         ).to(device)
         return cls(lm, tokenizer, dtype=dtype, max_context_tokens=max_context_tokens, **kwargs)
 
     @classmethod
     def from_settings(cls, settings, **overrides) -> FusionEngine:
         """The engine that `settings` (kvfuse.config.Settings) describe: model, device, dtype, threads,
-        context limit and the fusion section's engine knobs."""
+        context limit and the fusion section's engine knobs. With `model.check_on_load` the engine is
+        checked against transformers' own forward before it is returned (kvfuse/fusion/model/check.py):
+        a model it would compute wrong raises ModelCheckError, naming the layer where the two part."""
         from kvfuse.model_files import resolve_llm
 
         m, f = settings.model, settings.fusion
@@ -88,6 +94,10 @@ class FusionEngine:
                       attention_block_rows=f.attention_block_rows, sparse_attention=f.sparse_attention)
         engine = cls.load(resolve_llm(m.llm, settings.models_dir), **{**kwargs, **overrides})
         engine.load_artifacts(settings)
+        if m.check_on_load:
+            from kvfuse.fusion.model.check import check_model
+
+            check_model(engine).raise_on_failure()
         return engine
 
     def load_artifacts(self, settings) -> None:
@@ -104,7 +114,7 @@ class FusionEngine:
 
     def rows(self, positions: torch.Tensor) -> Rows:
         """Query rows at sorted global positions (cos/sin and causal mask built once for every layer)."""
-        return Rows(positions, self.rope, self.dtype)
+        return self.tf.rows(positions)
 
     # -- prompt ---------------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -146,8 +156,7 @@ class FusionEngine:
         ids = torch.zeros(len(chunks), width, dtype=torch.long, device=self.device)
         for row, c in enumerate(chunks):
             ids[row, : len(c)] = torch.tensor(c, dtype=torch.long)
-        cache = self.model.model(input_ids=ids, use_cache=True).past_key_values
-        layers = cache.layers
+        layers = self._hf_cache(ids).layers
         return [
             ChunkKV(list(c), torch.stack([layer.keys[row, :, : len(c)] for layer in layers]),
                     torch.stack([layer.values[row, :, : len(c)] for layer in layers]))
@@ -162,12 +171,20 @@ class FusionEngine:
         if not context or not chunk:
             return self.precompute([chunk])[0]
         ids = torch.tensor([list(context) + list(chunk)], dtype=torch.long, device=self.device)
-        layers = self.model.model(input_ids=ids, use_cache=True).past_key_values.layers
+        layers = self._hf_cache(ids).layers
         c = len(context)
         k = torch.stack([layer.keys[0, :, c:] for layer in layers]).contiguous()
         v = torch.stack([layer.values[0, :, c:] for layer in layers]).contiguous()
-        self.rope.shift_keys_(k, -c)
+        self.tf.shift_keys_(k, -c)
         return ChunkKV(list(chunk), k, v, after_context=True)
+
+    def _hf_cache(self, ids: torch.Tensor):
+        """The model's own forward over `ids` [B, n]: its cache, every layer's K/V of every position. The
+        cache is built without the config, so a sliding-window layer keeps all its keys (one built from
+        the config keeps only the last window of them) while its mask still applies the window."""
+        from transformers import DynamicCache
+
+        return self.model.model(input_ids=ids, use_cache=True, past_key_values=DynamicCache()).past_key_values
 
     def new_cache(self, capacity: int) -> FusedCache:
         """A cache of its own (outside any engine core's memory) for `capacity` tokens."""
@@ -188,9 +205,10 @@ class FusionEngine:
     def check_context(self, total_tokens: int, max_tokens: int = 0) -> None:
         excess = total_tokens + max_tokens - self.max_context_tokens
         if excess > 0:
+            why = f": {self.context_reason}" if self.context_reason else ""
             raise ContextOverflowError(
                 f"prompt ({total_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model context "
-                f"({self.max_context_tokens}) by {excess} tokens", excess_tokens=excess)
+                f"({self.max_context_tokens}{why}) by {excess} tokens", excess_tokens=excess)
 
     def fuse(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
              options: FusionOptions | None = None, *, max_tokens: int = 0,
@@ -218,6 +236,8 @@ class FusionEngine:
         Selection and assembly run whole."""
         options = options or FusionOptions()
         method = get_method(options.method)
+        method.check_serves(self, options)  # a method that cannot compute this model refuses before any work
+        eviction.check_serves(self, options.evict_capacity)
         prefix = prefix if prefix is not None else self._empty_chunk()
         chunks = method.prepare(self, chunks, options)  # hook: kvlink adds its link slots
         if not question_ids:
@@ -291,7 +311,8 @@ class FusionEngine:
         (kv_loading.LayerLoader: on a GPU behind the compute, each layer cast to the compute dtype and
         its keys rotated to their global positions on the way in). Any access to a layer waits for it."""
         cache.place(0, prefix.k, prefix.v)
-        cache.loader = LayerLoader(cache, self.rope, chunks, layout.chunk_starts(), recover).start()
+        cache.loader = LayerLoader(cache, self.tf.layer_ropes or self.rope, chunks, layout.chunk_starts(),
+                                   recover).start()
 
     def _layers(self, cache: FusedCache, h: torch.Tensor, rows: Rows, layers: range
                 ) -> Generator[int, None, torch.Tensor]:

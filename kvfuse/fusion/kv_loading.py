@@ -43,7 +43,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvfuse.fusion.model.rope import Rope, rotate_half
+from kvfuse.fusion.model.rope import Rope, apply_rope
 from kvfuse.fusion.types import ChunkKV
 
 _HOST_SLOTS = 3  # page-locked staging buffers in flight: the host gathers layer l + 2 while l copies
@@ -51,12 +51,15 @@ _HOST_SLOTS = 3  # page-locked staging buffers in flight: the host gathers layer
 
 class LayerLoader:
     """Places `chunks` (ChunkKV with KV on any device) at global positions `starts` of `cache`, layer by
-    layer; keys rotated from positions 0..n-1 to their place when `recover` (RoPE position recovery).
+    layer; keys rotated from positions 0..n-1 to their place when `recover` (RoPE position recovery),
+    each layer by its own rope (`rope`: one for every layer, or one per layer: Gemma 3's local and
+    global layers rotate by different bases).
 
     `start()` begins the transfer; `wait(layer)` makes the caller's stream wait until that layer is in
     place; `finish()` waits for every layer and releases the staging buffers."""
 
-    def __init__(self, cache, rope: Rope, chunks: Sequence[ChunkKV], starts: Sequence[int], recover: bool) -> None:
+    def __init__(self, cache, rope: Rope | Sequence[Rope], chunks: Sequence[ChunkKV], starts: Sequence[int],
+                 recover: bool) -> None:
         self.cache = cache
         self.chunks = [c for c in chunks if len(c)]
         self.first = starts[0] if starts else 0
@@ -66,7 +69,13 @@ class LayerLoader:
         self.num_layers = cache.k.shape[0]
         self.device = cache.k.device
         self.recover = recover
-        self.cos_sin = self._shift_tables(rope, chunks, starts) if recover and self.n else None
+        ropes = [rope] * self.num_layers if isinstance(rope, Rope) else list(rope)
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if recover and self.n:  # one shift table per distinct rope
+            for r in ropes:
+                if id(r) not in tables:
+                    tables[id(r)] = self._shift_tables(r, chunks, starts)
+        self.tables = [tables[id(r)] for r in ropes] if tables else None
         self.offsets = [0]  # each chunk's first row among the context's N
         for c in self.chunks:
             self.offsets.append(self.offsets[-1] + len(c))
@@ -115,10 +124,9 @@ class LayerLoader:
         """Cast K/V [Hkv, n, D] of context rows row..row+n-1 into the compute dtype at their positions,
         keys rotated in fp32 and rounded once."""
         lo, hi = self.first + row, self.first + row + k.shape[1]
-        if self.cos_sin is not None:
-            cos, sin = (t[row : row + k.shape[1]] for t in self.cos_sin)
-            k32 = k.float()
-            k = k32 * cos + rotate_half(k32) * sin
+        if self.tables is not None:
+            cos, sin = (t[row : row + k.shape[1]] for t in self.tables[layer])
+            k = apply_rope(k.float(), cos, sin)
         self.cache.k[layer, :, lo:hi].copy_(k)
         self.cache.v[layer, :, lo:hi].copy_(v)
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.errors import UnsupportedModelError
 from kvfuse.fusion.methods.kvlink import link_layout
 from kvfuse.fusion.methods.kvlink_artifact import LinkArtifact, artifact_path
 from kvfuse.fusion.types import ChunkKV
@@ -103,15 +104,15 @@ def link_rows_forward(engine, enc: Encoded, links: torch.Tensor, k: int) -> torc
         start = p
         for c in enc.chunks:
             base.place(start, c.k, c.v)
-            engine.rope.shift_keys_(base.k[:, :, start : start + len(c)], start)
+            tf.shift_keys_(base.k[:, :, start : start + len(c)], start)
             start += len(c) + k
     h = tf.embed(torch.tensor(tail, device=device))
     if k:
         h = torch.cat([links[: len(chunk_lens), :k].reshape(1, -1, h.shape[-1]).to(h.dtype), h], dim=1)
-    cos, sin = (t.unsqueeze(1) for t in engine.rope.cos_sin(positions, engine.dtype))
+    rows = tf.rows(positions)
     mask = positions[:, None] >= torch.arange(total, device=device)[None, :]  # causal by global position
     for layer in range(tf.num_layers):
-        q, kk, vv = tf.project(layer, h, cos, sin)
+        q, kk, vv = tf.project(layer, h, *rows.cos_sin(layer))
         keys = base.k[layer].index_copy(1, positions, kk[0].to(base.k.dtype)).unsqueeze(0)
         values = base.v[layer].index_copy(1, positions, vv[0].to(base.v.dtype)).unsqueeze(0)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=tf.scale, enable_gqa=True)
@@ -147,6 +148,10 @@ class Trainer:
 
     def __init__(self, engine, cfg: TrainConfig, data_dir: Path, run_dir: Path, artifact_dir: Path,
                  log: Callable[[str], None] = print) -> None:
+        if any(w is not None for w in engine.tf.windows) or engine.tf.softcap is not None:
+            # link_rows_forward attends with a plain causal mask: no sliding window, no soft-capping
+            raise UnsupportedModelError(f"kvfuse train kvlink does not compute the sliding windows or soft-capped "
+                                        f"attention of this {engine.family.model_type} model")
         self.engine, self.cfg, self.run_dir, self.artifact_dir, self.log = engine, cfg, Path(run_dir), \
             Path(artifact_dir), log
         for p in engine.model.parameters():

@@ -58,5 +58,5 @@ def test_attention_matches_attention_by_hand(engine, path: str, kind: str) -> No
     else:
         out = attention_cpu.BlockedAttention(16, tf.scale)(q, k, v, rows)
         if kind == "scattered":  # 70 rows in blocks of 16
-            assert [b.stop - b.start for b in rows.plan] == [16, 16, 16, 16, 6]
+            assert [b.stop - b.start for b in rows._plans[("blocked", None)]] == [16, 16, 16, 16, 6]
     torch.testing.assert_close(out, _reference(q, k, v, positions, tf.scale), atol=1e-5, rtol=1e-5)

@@ -55,7 +55,7 @@ def rows_at(positions: torch.Tensor, dtype=torch.float32) -> Rows:
     rows.positions, rows.dtype, rows.count = positions, dtype, int(positions.numel())
     rows.stop = int(positions[-1]) + 1
     rows.contiguous = rows.stop - int(positions[0]) == rows.count
-    rows._mask, rows.plan = None, None
+    rows._plans = {}
     return rows
 
 
@@ -88,7 +88,7 @@ def test_cuda_picks_flex_for_scattered_rows_and_no_mask_for_contiguous_ones() ->
         rows = rows_at(positions)
         want = {"contiguous": "lower_right", "one-row": "lower_right", "from-zero": "causal"}.get(kind, "flex")
         assert att.path(rows) == (want if attention_flex.available() else want.replace("flex", "dense"))
-        assert rows._mask is None  # choosing builds no mask
+        assert not rows._plans  # choosing builds no mask
     assert Attention(SCALE, torch.device("cuda"), sparse=False).path(rows_at(torch.tensor([3, 9]))) == "dense"
 
 

@@ -1,5 +1,7 @@
 """Architecture coverage with tiny random-weight models built in-test: Llama with llama3 rope scaling,
-Mistral, Qwen2 (qkv bias). r = 1 must reproduce the model's own forward; pie on one chunk its cache."""
+Mistral, Qwen2 (qkv bias). r = 1 must reproduce the model's own forward; pie on one chunk its cache.
+Rope variants and their limits, and what bounds the context. Every family, window and soft-capping:
+tests/fusion/test_families.py."""
 
 from __future__ import annotations
 
@@ -86,14 +88,45 @@ def test_llama3_rope_recovery_is_exact_at_layer0(tokenizer):
     torch.testing.assert_close(fused.cache.k[0, :, 300:350], ref.layers[0].keys[0, :, 300:350], atol=1e-5, rtol=1e-4)
 
 
-def test_length_dependent_rope_is_refused(tokenizer):
+def test_dynamic_ntk_is_served_as_the_plain_rotation_within_the_models_positions(tokenizer):
+    """Dynamic NTK rescales only past max_position_embeddings, which the engine never passes: within it
+    the rotation is fixed, so stored keys move exactly (the load check's recovery and fused checks)."""
+    from kvfuse.fusion.model.check import check_model
+
     dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), rope_parameters=dynamic, **SMALL))
-    with pytest.raises(UnsupportedModelError, match="dynamic"):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), rope_parameters=dynamic, **SMALL)).eval()
+    engine = FusionEngine(model, tokenizer, dtype="float32")
+    assert engine.max_context_tokens == SMALL["max_position_embeddings"]
+    report = check_model(engine)
+    assert report.ok, report.summary()
+
+
+def test_a_rope_that_is_not_a_rotation_the_engine_knows_is_refused(tokenizer):
+    proportional = {"rope_type": "proportional", "rope_theta": 10000.0}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), rope_parameters=proportional, **SMALL))
+    with pytest.raises(UnsupportedModelError, match="proportional"):
         FusionEngine(model, tokenizer, dtype="float32")
 
 
-def test_sliding_window_bounds_the_context(tokenizer):
+def test_longrope_bounds_the_context_where_stored_caches_stop_being_valid(tokenizer):
+    """Past original_max_position_embeddings LongRoPE switches every position to its long factors: the
+    context stops there, and a longer prompt is refused saying why."""
+    import tiny_models
+
+    from kvfuse.fusion import ContextOverflowError
+
+    engine = FusionEngine(tiny_models.build("phi3", len(tokenizer)), tokenizer, dtype="float32")
+    assert engine.max_context_tokens == tiny_models.LONGROPE_ORIGINAL < engine.model.config.max_position_embeddings
+    prompt = chunks_of(engine, [tiny_models.LONGROPE_ORIGINAL - 4])[0]
+    with pytest.raises(ContextOverflowError, match="LongRoPE switches every position to its long factors"):
+        engine.fuse(None, [], prompt, FusionOptions(method="vanilla"), max_tokens=8)
+    engine.fuse(None, [], prompt, FusionOptions(method="vanilla"), max_tokens=4)  # within it: served
+
+
+def test_a_sliding_window_no_longer_bounds_the_context(tokenizer):
+    """Local layers attend to their window at any length: the context is the model's positions."""
     torch.manual_seed(0)
     model = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), sliding_window=256, **SMALL))
-    assert FusionEngine(model, tokenizer, dtype="float32").max_context_tokens == 256
+    engine = FusionEngine(model, tokenizer, dtype="float32")
+    assert engine.max_context_tokens == SMALL["max_position_embeddings"] and engine.tf.windows == [256] * 3

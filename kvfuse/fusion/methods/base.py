@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvfuse.fusion.errors import MethodRefusedError
 from kvfuse.fusion.methods.selection import SelectionContext
 from kvfuse.fusion.model.transformer import Rows
 from kvfuse.fusion.types import ChunkKV, FusionOptions
@@ -35,6 +36,25 @@ class FusionMethod:
         ChunkKV or the method's own sources (samkv: kvfuse.fusion.methods.sparse.source); `new_cache(capacity)`
         gives the cache the prefill leaves behind (in the engine core, a view of the request's extent)."""
         raise NotImplementedError
+
+    # Why the method cannot serve a model with sliding-window layers (None: it can; docs/models.md lists it).
+    window_refusal: ClassVar[str | None] = None
+    # What it refuses of such a model when it refuses only some requests (docs/models.md; `refusal` decides).
+    window_note: ClassVar[str | None] = None
+
+    def refusal(self, engine: Any, options: FusionOptions) -> str | None:
+        """Why the method cannot compute `engine`'s model exactly for these options (None: it can).
+        Default: `window_refusal` when any layer has a sliding window."""
+        if self.window_refusal and any(w is not None for w in engine.tf.windows):
+            return self.window_refusal
+        return None
+
+    def check_serves(self, engine: Any, options: FusionOptions) -> None:
+        """Raise MethodRefusedError (a request error: 422) when `refusal` gives a reason."""
+        reason = self.refusal(engine, options)
+        if reason:
+            raise MethodRefusedError(f"fusion method {self.name!r} cannot serve {engine.family.model_type} "
+                                     f"model: {reason}")
 
     @classmethod
     def load_artifacts(cls, engine: Any, settings: Any) -> None:

@@ -33,6 +33,10 @@ Departures, and why:
 - N* is the last ceil(L / 8) layers, not derived per model (sparse/blocks.py).
 - `samkv_min_p` (a floor on P) and `samkv_cross_cut` are not in the paper; their defaults (0, on) are the
   paper's method; min_p = 1 with the cut off keeps every block (the test that pins samkv to vanilla).
+
+Refused for models with sliding-window layers (`window_refusal`): the sparse cache compacts positions,
+so a local layer's window would cover other tokens than the model's, and the analysis pass and the
+probe score every block against every key, which a local layer never sees.
 """
 
 from __future__ import annotations
@@ -114,6 +118,9 @@ def as_source(chunk) -> BlockSource:
 class SamKV(FusionMethod):
     name = "samkv"
     own_pipeline: ClassVar[bool] = True
+    window_refusal: ClassVar[str | None] = (
+        "its sparse cache compacts positions, so a sliding-window layer would see other tokens than the model's "
+        "window, and its block scores assume every layer sees every key")
 
     def pipeline(self, engine, prefix: ChunkKV, chunks: list, question_ids: list[int], options,
                  max_tokens: int, new_cache) -> Generator[int, None, FusedPrefill]:
@@ -203,7 +210,7 @@ class SamKV(FusionMethod):
             at = start
             for b in bl:
                 toks = s.seg.tokens(b)
-                engine.rope.shift_keys_(cache.k[:, :, at : at + len(toks)], at - toks.start)
+                engine.tf.shift_keys_(cache.k[:, :, at : at + len(toks)], at - toks.start)
                 at += len(toks)
         return cache, layout
 
@@ -216,13 +223,14 @@ class SamKV(FusionMethod):
         positions = torch.arange(layout.question_start, layout.total, device=engine.device)
         rows = engine.rows(positions)
         h = tf.embed(q_ids)
-        s2 = engine.rope.attention_scaling ** 2
         q_que, attn = [], torch.zeros(layout.context_len, device=engine.device)
         for layer in range(tf.num_layers):
-            q, k, v = tf.project(layer, h, rows.cos, rows.sin)
+            cos, sin = rows.cos_sin(layer)
+            q, k, v = tf.project(layer, h, cos, sin)
             cache.write(layer, positions, k, v)
-            if layer in stable:
-                q_que.append(apply_rope(q[0].float(), rows.cos[0].float(), -rows.sin[0].float()).mean(dim=1) / s2)
+            if layer in stable:  # the inverse rotation (cos/sin carry the rope's attention scaling a: divide it out)
+                a = tf.rope_of(layer).attention_scaling
+                q_que.append(apply_rope(q[0].float(), cos[0].float() / a, -sin[0].float() / a).mean(dim=1))
                 probs = scoring.attention_probs(q, positions, cache.keys(layer, layout.total), tf.scale)
                 attn += probs[:, :, layout.context_start : layout.question_start].mean(dim=(0, 1)) / len(stable)
             if layer + 1 < tf.num_layers:

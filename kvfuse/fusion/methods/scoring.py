@@ -12,41 +12,58 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from kvfuse.fusion.model import attention_math
+
 
 def budget(ratio: float, n: int) -> int:
     """Selection size round(ratio * n), rounding halves up, within [0, n]."""
     return max(0, min(n, int(math.floor(ratio * n + 0.5))))
 
 
-def attention_probs(q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def attention_probs(q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tensor, scale: float, *,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Softmax attention of query rows over keys at positions 0..T-1, causal by position; fp32.
 
     q: [1, H, R, D]; keys: [1, Hkv, T, D] with query head h reading kv head h // (H / Hkv).
-    Returns [H, R, T] probabilities (each row sums to 1 over the keys it may see).
+    window: a sliding-window layer's (a row at p sees keys > p - window); softcap: logits capped as the
+    model caps them (attention_math.capped). Returns [H, R, T] probabilities (each row sums to 1 over
+    the keys it may see).
     """
     _, h, r, d = q.shape
     hkv, t = keys.shape[1], keys.shape[2]
     qf = q[0].float().reshape(hkv, (h // hkv) * r, d)
     scores = torch.matmul(qf, keys[0].float().transpose(1, 2)).mul_(scale)  # [Hkv, g*R, T]
-    scores = scores.view(h, r, t)
+    scores = attention_math.capped(scores, softcap).view(h, r, t)
     lo = int(q_positions.min()) + 1  # keys before it are seen by every row: only the tail is masked
     if lo < t:
         hidden = torch.arange(lo, t, device=q.device)[None, :] > q_positions[:, None]  # [R, T - lo]
         scores[:, :, lo:].masked_fill_(hidden[None], float("-inf"))
+    if window is not None:
+        seen = attention_math.visible(q_positions, 0, t, window)
+        scores.masked_fill_(~seen[None], float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 
-def probs_from_lse(q: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax probabilities of query rows onto keys every row sees, given each row's log-sum-exp over
+def probs_from_lse(q: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scale: float, *,
+                   softcap: float | None = None, window: int | None = None,
+                   q_positions: torch.Tensor | None = None, key_start: int = 0) -> torch.Tensor:
+    """Softmax probabilities of query rows onto keys before them, given each row's log-sum-exp over
     all the keys it sees (an attention kernel's, kvfuse.fusion.model.attention.with_lse): exp(q.k * scale -
     lse). q [1, H, R, D], keys [1, Hkv, N, D] (a view: no copy), lse [1, H, R] fp32 -> [H, R, N] fp32.
+    softcap: the logits capped as the model caps them; window (with the rows' `q_positions` and the
+    keys' first position `key_start`): keys outside a row's window get 0.
 
     Only the N scored columns are computed; the product is taken in the inputs' dtype with fp32 output
     (`_scores`), so 16-bit K is never widened to an fp32 copy."""
     _, h, r, d = q.shape
     hkv, n = keys.shape[1], keys.shape[2]
     scores = _scores(q[0].reshape(hkv, (h // hkv) * r, d), keys[0].transpose(1, 2))  # [Hkv, g*R, N]
-    return torch.exp(scores.view(h, r, n).mul_(scale).sub_(lse[0, :, :, None]))
+    scores = attention_math.capped(scores.mul_(scale), softcap).view(h, r, n)
+    probs = torch.exp(scores.sub_(lse[0, :, :, None]))
+    if window is not None and q_positions is not None:
+        seen = attention_math.visible(q_positions, key_start, key_start + n, window)
+        probs.masked_fill_(~seen[None], 0.0)
+    return probs
 
 
 _OUT_DTYPE_BMM = [True]  # whether this torch build has bmm with an fp32 output for 16-bit inputs here

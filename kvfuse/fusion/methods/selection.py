@@ -71,20 +71,22 @@ class SelectionContext:
             if self.hidden is None:  # check layer 0: its input is the embeddings
                 self.hidden = self.tf.embed(self.ids[self.layout.context_start :])
             rows = self.rows_all()
-            self._projections = self.tf.project(self.check_layer, self.hidden, rows.cos, rows.sin)
+            self._projections = self.tf.project(self.check_layer, self.hidden, *rows.cos_sin(self.check_layer))
         return self._projections
 
     def question_attention(self) -> torch.Tensor:
         """[H, Qn, N] fp32: each question row's softmax attention onto the context at the check layer.
 
         Keys are exact at the check layer: the cached prefix plus the freshly projected context and
-        question rows (the softmax runs over all keys each question row may see).
+        question rows (the softmax runs over all keys each question row may see: within its window on a
+        sliding-window layer, with the logits soft-capped where the model caps them).
         """
         q, k, _ = self.check_projections()
         p = self.layout.prefix_len
         keys = torch.cat([self.cache.keys(self.check_layer, p), k.to(self.cache.k.dtype)], dim=2)
         qn = self.layout.question_len
-        probs = scoring.attention_probs(q[:, :, -qn:], self.question_positions, keys, self.tf.scale)
+        probs = scoring.attention_probs(q[:, :, -qn:], self.question_positions, keys, self.tf.scale,
+                                        window=self.tf.windows[self.check_layer], softcap=self.tf.softcap)
         return probs[:, :, self.context]
 
     def value_deviation(self) -> torch.Tensor:
@@ -115,19 +117,23 @@ class SelectionContext:
     def _run_probe(self, scored: range) -> torch.Tensor:
         """The question rows are the last rows of the keys they see: the attention kernel's lower-right
         causal call gives their output and, on the scored layers, the log-sum-exp that turns their
-        scores onto the context into probabilities (no softmax over every key, no fp32 copy of K/V)."""
+        scores onto the context into probabilities (no softmax over every key, no fp32 copy of K/V). A
+        sliding-window layer's rows score only the context keys in their window (the others get 0)."""
         tf, cache, positions = self.tf, self.cache, self.question_positions
         rows = self.make_rows(positions)
         h = tf.embed(self.ids[positions])
         total = self.layout.total
         per_layer = []
         for layer in range(scored.stop):
-            q, k, v = tf.project(layer, h, rows.cos, rows.sin)
+            q, k, v = tf.project(layer, h, *rows.cos_sin(layer))
             cache.write(layer, positions, k, v)
             keys, values = cache.keys(layer, total), cache.values(layer, total)
             if layer in scored:
-                out, lse = attention.with_lse(q, keys, values, tf.scale)
-                probs = scoring.probs_from_lse(q, keys[:, :, self.context], lse, tf.scale)  # [H, Qn, N]
+                window, softcap = tf.windows[layer], tf.softcap
+                out, lse = attention.with_lse(q, keys, values, tf.scale, window=window, softcap=softcap)
+                probs = scoring.probs_from_lse(q, keys[:, :, self.context], lse, tf.scale, softcap=softcap,
+                                               window=window, q_positions=positions,
+                                               key_start=self.layout.context_start)  # [H, Qn, N]
                 per_layer.append(probs.mean(dim=1))
             elif layer + 1 < scored.stop:
                 out = tf.attend(cache, layer, rows, q)

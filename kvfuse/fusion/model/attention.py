@@ -13,6 +13,14 @@ Rows at sorted positions read keys [0, stop) with stop = last position + 1 (`Row
 - `dense`: one SDPA call with the [rows, keys] mask, the reference every path is tested against
   (tests/fusion/test_attention_paths.py), and the fallback where no other path applies.
 
+A sliding-window layer (`window`: a row at position p sees keys > p - window, as transformers'
+sliding-window mask) takes the same choice with its window: the blocked kernel masks each block at both
+edges, FlexAttention's block mask skips the key blocks below every row's window, the dense mask spans
+only the keys some row sees; the kernel's own causal flags have no lower edge, so the causal and
+lower-right paths serve a windowed layer only while its rows' window hides nothing
+(`effective_window`). Soft-capped logits (Gemma 2) are in no SDPA kernel: those models attend by the
+written-out path (attention_math), or FlexAttention with a score_mod for scattered rows on CUDA.
+
 `with_lse` serves the question-only probe (selection.py): the question's attention output and its
 log-sum-exp over every key it sees, which normalises the probe's scores without a softmax over all keys
 in fp32. docs/DESIGN.md (Fusion) says which path runs where.
@@ -26,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kvfuse.fusion.model import attention_cpu, attention_flex
+from kvfuse.fusion.model import attention_cpu, attention_flex, attention_math
 
 log = logging.getLogger(__name__)
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
@@ -45,10 +53,15 @@ def _flash_fits(q: torch.Tensor) -> bool:
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
 
 
-def with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, window: int | None = None,
+             softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`lower_right`, and each row's log-sum-exp of its scaled scores over the keys it sees: (out
-    [1, H, R, D] in q's dtype, lse [1, H, R] fp32)."""
+    [1, H, R, D] in q's dtype, lse [1, H, R] fp32). A sliding window that hides keys from the rows, or
+    soft-capped logits, take the written-out path (attention_math)."""
     r, t = q.shape[2], k.shape[2]
+    if softcap is not None or (window is not None and t > window):
+        positions = torch.arange(t - r, t, device=q.device)
+        return attention_math.attend(q, k, v, positions, scale, window=window, softcap=softcap, with_lse=True)
     if _flash_fits(q):  # causal = lower right in this op; GQA native; lse [1, H, R] fp32
         out, lse = _FLASH(q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale)[:2]
         return out, lse[:, :, :r].float()
@@ -77,43 +90,63 @@ def _math_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return (torch.exp(scores - lse[..., None]) @ vv).to(q.dtype), lse
 
 
+def effective_window(rows, window: int | None) -> int | None:
+    """The window if it hides any key from any of the rows (their last position reaches it), else None:
+    rows that all see every key before them attend as on a global layer."""
+    return window if window is not None and rows.stop > window else None
+
+
 class Attention:
     """Rows (kvfuse.fusion.model.transformer.Rows) q [1, H, R, D] over k/v [1, Hkv, stop, D]: [1, H, R, D].
 
     block_rows: rows per block of the blocked CPU kernel (0: no blocked kernel);
-    sparse: on CUDA, scattered rows through FlexAttention (False: the dense mask, the old path)."""
+    sparse: on CUDA, scattered rows through FlexAttention (False: the dense mask, the old path);
+    softcap: attention logits capped at softcap * tanh(s / softcap) (Gemma 2; None: off)."""
 
-    def __init__(self, scale: float, device: torch.device, block_rows: int = 0, sparse: bool = True) -> None:
+    def __init__(self, scale: float, device: torch.device, block_rows: int = 0, sparse: bool = True,
+                 softcap: float | None = None) -> None:
         self.scale = scale
+        self.softcap = softcap
         self.blocked = (attention_cpu.BlockedAttention(block_rows, scale)
-                        if block_rows > 0 and attention_cpu.supports(device) else None)
-        self.flex = (attention_flex.FlexRows(scale, compiled=True)
+                        if block_rows > 0 and attention_cpu.supports(device) and softcap is None else None)
+        self.flex = (attention_flex.FlexRows(scale, compiled=True, softcap=softcap)
                      if sparse and device.type == "cuda" and attention_flex.available() else None)
 
-    def path(self, rows) -> str:
-        """The path rows take: "causal", "lower_right", "blocked", "flex" or "dense"."""
+    def path(self, rows, window: int | None = None) -> str:
+        """The path rows take on a layer with `window` (None: global): "causal", "lower_right", "blocked",
+        "flex", "written" (attention_math: soft-capped logits) or "dense"."""
+        w = effective_window(rows, window)
+        scattered = rows.count != rows.stop and not rows.contiguous
+        if self.softcap is not None:
+            return "flex" if self.flex is not None and scattered else "written"
         if self.blocked is not None:
             return "blocked"
-        if rows.count == rows.stop:
+        if w is None and rows.count == rows.stop:
             return "causal"
-        if rows.contiguous:
+        if w is None and rows.contiguous:
             return "lower_right"
         return "flex" if self.flex is not None else "dense"
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
-        path = self.path(rows)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows, window: int | None = None
+                 ) -> torch.Tensor:
+        w = effective_window(rows, window)
+        path = self.path(rows, window)
+        if path == "written":
+            return attention_math.attend(q, k, v, rows.positions, self.scale, window=w, softcap=self.softcap)
         if path == "blocked":
-            return self.blocked(q, k, v, rows)
+            return self.blocked(q, k, v, rows, w)
         if path == "causal":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         if path == "lower_right":
             return lower_right(q, k, v, self.scale)
         if path == "flex":
             try:
-                if rows.plan is None:
-                    rows.plan = attention_flex.plan(rows.positions)
-                return self.flex(q, k, v, rows.plan)
+                return self.flex(q, k, v, rows.planned(("flex", w), lambda: attention_flex.plan(rows.positions, w)))
             except Exception:  # noqa: BLE001 - no Triton, a compile error: the dense mask is always right
                 log.exception("FlexAttention failed: scattered rows take the dense mask from now on")
-                self.flex, rows.plan = None, None
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, scale=self.scale, enable_gqa=True)
+                self.flex = None
+                if self.softcap is not None:
+                    return attention_math.attend(q, k, v, rows.positions, self.scale, window=w, softcap=self.softcap)
+        lo, mask = rows.mask_for(w)
+        return F.scaled_dot_product_attention(q, k[:, :, lo:], v[:, :, lo:], attn_mask=mask, scale=self.scale,
+                                              enable_gqa=True)

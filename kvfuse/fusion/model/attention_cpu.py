@@ -8,6 +8,10 @@ row) and a masked call over the short tail up to its last row. Query heads that 
 folded into the rows of a call, so each key is read once per KV head and the kernel tiles taller
 query blocks. The speed-up and how it was measured: docs/DESIGN.md (Fusion).
 
+A sliding-window layer's row sees only keys > position - window: a block then reads keys from its first
+row's lower edge to its last row's position, in one call masked at both edges (window + block keys at
+most, whatever the context).
+
 The kernel that also returns the log-sum-exp is private to torch (present since 2.2, GQA-aware);
 without it, or off the CPU, the transformer keeps the dense path. tests/fusion/test_attention_blocks.py
 pins this module to the dense path.
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvfuse.fusion.model import attention_math
 
 lse_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -38,9 +44,10 @@ def supports(device: torch.device) -> bool:
 
 @dataclass
 class Block:
-    """Query rows [start, stop) of a Rows; they read keys [0, key_len): [0, visible) are seen by every
-    row of the block, the tail [visible, key_len) is causal (the rows are exactly those positions) or
-    masked by `tail_mask`."""
+    """Query rows [start, stop) of a Rows; they read keys [key_lo, key_len): [key_lo, visible) are seen by
+    every row of the block, the tail [visible, key_len) is causal (the rows are exactly those positions)
+    or masked by `tail_mask`. A windowed block (key_lo may be > 0) has visible == key_lo: its whole key
+    range is masked by `tail_mask`."""
 
     start: int
     stop: int
@@ -48,11 +55,30 @@ class Block:
     key_len: int
     tail_mask: torch.Tensor | None  # additive [rows * group, key_len - visible], heads folded; None: causal
     no_tail: torch.Tensor | None  # bool [rows * group]: rows that see none of the tail (their partial is empty)
+    key_lo: int = 0
+    windowed: bool = False
 
 
-def plan(positions: torch.Tensor, block_rows: int, group: int, dtype: torch.dtype) -> list[Block]:
+def windowed_plan(positions: torch.Tensor, block_rows: int, group: int, dtype: torch.dtype, window: int
+                  ) -> list[Block]:
+    """The blocks of rows at sorted `positions` on a sliding-window layer: each reads keys from its first
+    row's lower edge to its last row's position, masked at both edges (heads folded into the mask)."""
+    blocks = []
+    for a in range(0, int(positions.numel()), block_rows):
+        b = min(a + block_rows, int(positions.numel()))
+        lo, hi = attention_math.key_range(int(positions[a]), int(positions[b - 1]), window)
+        mask = attention_math.additive(attention_math.visible(positions[a:b], lo, hi, window), dtype)
+        blocks.append(Block(a, b, lo, hi, mask.repeat(group, 1), None, key_lo=lo, windowed=True))
+    return blocks
+
+
+def plan(positions: torch.Tensor, block_rows: int, group: int, dtype: torch.dtype, window: int | None = None
+         ) -> list[Block]:
     """The blocks of rows at sorted `positions`, with `group` query heads per KV head folded into each
-    tail mask (additive, in `dtype`; built from the positions, never from a dense [rows, keys] mask)."""
+    tail mask (additive, in `dtype`; built from the positions, never from a dense [rows, keys] mask).
+    window: a sliding-window layer's (`windowed_plan`); None: every key up to the row's position."""
+    if window is not None:
+        return windowed_plan(positions, block_rows, group, dtype, window)
     count, first, last = int(positions.numel()), int(positions[0]), int(positions[-1])
     if count == 1:  # one row (a decode step): it sees every key up to its position
         return [Block(0, 1, last + 1, last + 1, None, None)]
@@ -83,17 +109,23 @@ class BlockedAttention:
         self.block_rows = block_rows
         self.scale = scale
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows) -> torch.Tensor:
-        """rows: kvfuse.fusion.model.transformer.Rows (its blocks are planned once, on the first layer)."""
-        if rows.plan is None:
-            rows.plan = plan(rows.positions, self.block_rows, q.shape[1] // k.shape[1], q.dtype)
-        outs = [self._block(q[:, :, b.start : b.stop], k[:, :, : b.key_len], v[:, :, : b.key_len], b, rows)
-                for b in rows.plan]
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows, window: int | None = None
+                 ) -> torch.Tensor:
+        """rows: kvfuse.fusion.model.transformer.Rows (its blocks are planned once per window size, on the
+        first layer that needs them); window: the layer's sliding window (None: a global layer)."""
+        blocks = rows.planned(("blocked", window), lambda: plan(rows.positions, self.block_rows,
+                                                                q.shape[1] // k.shape[1], q.dtype, window))
+        outs = [self._block(q[:, :, b.start : b.stop], k[:, :, b.key_lo : b.key_len], v[:, :, b.key_lo : b.key_len],
+                            b, rows) for b in blocks]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def _block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Block, rows) -> torch.Tensor:
         h, hkv, r, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
         vis, scale = b.visible, self.scale
+        if b.windowed:  # both edges masked, heads folded (every row sees at least its own key)
+            out = F.scaled_dot_product_attention(q.reshape(1, hkv, (h // hkv) * r, d), k, v, attn_mask=b.tail_mask,
+                                                 scale=scale)
+            return out.view(1, h, r, d)
         if b.key_len == vis:  # every row sees every key: heads folded, no mask
             out = F.scaled_dot_product_attention(q.reshape(1, hkv, (h // hkv) * r, d), k, v, scale=scale)
             return out.view(1, h, r, d)

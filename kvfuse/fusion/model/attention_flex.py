@@ -5,8 +5,11 @@ dense [rows, keys] mask makes the kernel read the mask and compute the masked ha
 (docs/results/gpu/README.md). Here the rows go in blocks of `BLOCK` (the kernel's tile): every key block
 that ends at or before a row block's first position is seen by all its rows (a full block, no mask
 evaluated), the key blocks from there to its last row's position are partial (the mask `position[row]
->= key` evaluated in the kernel), and later key blocks are never read. Building it takes the sorted
-positions only: O(row blocks x key blocks) integers, no [rows, keys] tensor.
+>= key` evaluated in the kernel), and later key blocks are never read. A sliding-window layer's rows
+see only keys > position - window: key blocks wholly inside every row's window are full, those that
+reach past the first row's lower edge or the last row's position partial, earlier ones never read (a
+plan per window size). Building it takes the sorted positions only: O(row blocks x key blocks)
+integers, no [rows, keys] tensor. Soft-capped logits (Gemma 2) are a `score_mod`.
 
 Shapes are rounded up into buckets so requests of similar size share one compiled kernel (compiled for
 static sizes: dynamic sizes do not compile on every backend). Rows go to the next power of two, which
@@ -66,22 +69,26 @@ class FlexPlan:
     block_mask: object
 
 
-def block_tables(positions: torch.Tensor, key_len: int, count: int) -> tuple[torch.Tensor, ...]:
+def block_tables(positions: torch.Tensor, key_len: int, count: int, window: int | None = None
+                 ) -> tuple[torch.Tensor, ...]:
     """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) of rows at sorted `positions`
     (padded to a multiple of BLOCK; the first `count` are real) over `key_len` keys: per row block, its
-    partial key blocks (from the one holding its first row's position to the one holding its last's) and
-    its full key blocks (every key block before that), each as counts [1, 1, Qb] and indices
-    [1, 1, Qb, Kb] (listed first). A row block of padding only gets none."""
+    full key blocks (seen whole by every row: before its first row's position, and with a window, at or
+    after its last row's lower edge) and its partial key blocks (any other block some row sees: up to
+    the one holding its last row's position, from the one holding its first row's lower edge), each as
+    counts [1, 1, Qb] and indices [1, 1, Qb, Kb] (listed first). A row block of padding only gets none."""
     device = positions.device
     qb, kb = positions.numel() // BLOCK, -(-key_len // BLOCK)
-    first = positions[::BLOCK]  # [Qb]
-    last = positions[BLOCK - 1 :: BLOCK]
-    full = torch.div(first + 1, BLOCK, rounding_mode="floor")  # key blocks [0, full) wholly seen
-    stop = torch.div(last, BLOCK, rounding_mode="floor") + 1  # key blocks [full, stop) partly seen
+    first = positions[::BLOCK][:, None]  # [Qb, 1]
+    last = positions[BLOCK - 1 :: BLOCK][:, None]
+    start = torch.arange(kb, device=device)[None, :] * BLOCK  # each key block's first key
     real = (torch.arange(qb, device=device) * BLOCK < count)[:, None]
-    j = torch.arange(kb, device=device)
-    is_full = (j[None, :] < full[:, None]) & real
-    is_partial = (j[None, :] >= full[:, None]) & (j[None, :] < stop[:, None]) & real
+    is_full = (start + BLOCK <= first + 1) & real
+    is_partial = (start <= last) & real
+    if window is not None:
+        is_full &= start >= last - window + 1
+        is_partial &= start + BLOCK > first - window + 1
+    is_partial &= ~is_full
 
     def table(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # indices of the chosen blocks first (a stable sort of "not chosen"), then anything
@@ -91,16 +98,21 @@ def block_tables(positions: torch.Tensor, key_len: int, count: int) -> tuple[tor
     return (*table(is_partial), *table(is_full))
 
 
-def plan(positions: torch.Tensor) -> FlexPlan:
-    """The bucketed shapes and the block mask of rows at sorted `positions`."""
+def plan(positions: torch.Tensor, window: int | None = None) -> FlexPlan:
+    """The bucketed shapes and the block mask of rows at sorted `positions` (seeing keys > position -
+    window on a sliding-window layer)."""
     count, stop = int(positions.numel()), int(positions[-1]) + 1
     rows, keys = bucket_rows(count), bucket_keys(stop)
     padded = torch.cat([positions, positions[-1:].expand(rows - count)]) if rows > count else positions
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return padded[q_idx] >= kv_idx
+    if window is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return padded[q_idx] >= kv_idx
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (padded[q_idx] >= kv_idx) & (padded[q_idx] - kv_idx < window)
 
-    tables = block_tables(padded, keys, count)
+    tables = block_tables(padded, keys, count, window)
     block_mask = BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(rows, keys))
     return FlexPlan(count, keys, padded, block_mask)
 
@@ -112,11 +124,21 @@ def padded_kv(kv: torch.Tensor, keys: int) -> torch.Tensor:
     return F.pad(kv, (0, 0, 0, keys - kv.shape[2])) if keys > kv.shape[2] else kv
 
 
-class FlexRows:
-    """Rows q [1, H, R, D] over a cache layer's K/V, by a FlexPlan: [1, H, R, D]."""
+def softcap_mod(softcap: float):
+    """Gemma 2's logit soft-capping as a FlexAttention score_mod."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
 
-    def __init__(self, scale: float, compiled: bool) -> None:
+    return score_mod
+
+
+class FlexRows:
+    """Rows q [1, H, R, D] over a cache layer's K/V, by a FlexPlan: [1, H, R, D]. softcap: attention
+    logits capped at softcap * tanh(s / softcap) (None: off)."""
+
+    def __init__(self, scale: float, compiled: bool, softcap: float | None = None) -> None:
         self.scale = scale
+        self.score_mod = softcap_mod(softcap) if softcap is not None else None
         self.kernel = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: FlexPlan) -> torch.Tensor:
@@ -126,5 +148,6 @@ class FlexRows:
             q = torch.cat([q, q[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
         k, v = padded_kv(k, p.keys), padded_kv(v, p.keys)
         with torch._dynamo.config.patch(cache_size_limit=MAX_COMPILES):  # `recompile_limit` from torch 2.7
-            out = self.kernel(q, k, v, block_mask=p.block_mask, scale=self.scale, enable_gqa=True)
+            out = self.kernel(q, k, v, score_mod=self.score_mod, block_mask=p.block_mask, scale=self.scale,
+                              enable_gqa=True)
         return out[:, :, : p.rows]

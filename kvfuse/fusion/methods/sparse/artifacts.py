@@ -116,8 +116,7 @@ def build(tf: Transformer, token_ids: list[int], seg: Segments | None = None) ->
     seg = seg or Segments(n)
     device = tf.embed_tokens.weight.device
     positions = torch.arange(n, device=device)
-    cos, sin = (t.unsqueeze(1) for t in tf.rope.cos_sin(positions, tf.dtype))
-    ones, zeros = torch.ones_like(cos), torch.zeros_like(sin)
+    rows = tf.rows(positions)
     h = tf.embed(torch.tensor(token_ids, dtype=torch.long, device=device))
     local_tokens = seg.token_list(seg.local) or list(range(n))
     stable = set(stable_layers(tf.num_layers))
@@ -125,7 +124,8 @@ def build(tf: Transformer, token_ids: list[int], seg: Segments | None = None) ->
     block_keys, local_q, max_b, min_b, cands = [], [], [], [], set()
     group = tf.num_heads // tf.num_kv_heads
     for layer in range(tf.num_layers):
-        q0, k0, v = tf.project(layer, h, ones, zeros)  # pre-RoPE q and k
+        cos, sin = rows.cos_sin(layer)
+        q0, k0, v = tf.project(layer, h, torch.ones_like(cos), torch.zeros_like(sin))  # pre-RoPE q and k
         block_keys.append(torch.stack([k0[0, :, list(seg.tokens(b))].float().mean(dim=1)
                                        for b in range(seg.num_blocks)], dim=1))
         local_q.append(q0[0, :, local_tokens].float().mean(dim=1))

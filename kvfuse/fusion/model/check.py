@@ -1,0 +1,258 @@
+"""The load check: before a model serves, the engine's computation of it is compared with transformers'.
+
+Why: the engine runs its own layer loop (transformer.py) over the HF modules, by a family table
+(families.py). A checkpoint whose config asks for something that table does not compute -- a setting
+the engine ignores, a new variant behind a known model type -- would load, and answer wrong. So the
+worker runs a short canned prompt through both before it reports ready (`FusionEngine.from_settings`
+with `model.check_on_load`), and `kvfuse models check PATH` runs the same from the command line.
+
+The checks, on one canned prompt (prefix, three chunks, a question: `CHECK_TOKENS` tokens, or a window
+plus `WINDOW_MARGIN` on a model whose smallest sliding window is shorter than `WINDOW_CHECKED`, so the
+window is crossed) and a short canned continuation:
+- `forward`: the engine's full prefill against transformers' forward: the embedding, the hidden state
+  after every layer (transformers' `output_hidden_states`), every layer's K/V and the last row's logits;
+- `decode`: the continuation decoded token by token through the engine's decode step, each step's
+  logits against transformers' forward over prompt + continuation;
+- `recovery`: a chunk cached after its context (its keys rotated back to positions 0..n-1 by each
+  layer's rope) and moved back into place reproduces the full prefill's cache and logits exactly;
+- `fused:<method>`: every selective method at recompute ratio 1.0, chunks cached alone, against the
+  engine's full prefill (logits and every layer's K/V); a method that refuses the model is reported
+  with its reason, not failed.
+A failure names the first layer where the two part. Errors are measured relative to the reference's
+RMS, against `TOLERANCE[dtype]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvfuse.fusion.errors import UnsupportedModelError
+
+log = logging.getLogger("kvfuse.fusion")
+
+CHECK_TOKENS = 96  # the canned prompt's length
+WINDOW_CHECKED = 512  # a smallest window up to this long is crossed by the prompt ...
+WINDOW_MARGIN = 48  # ... by this many tokens
+DECODE_STEPS = 4
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}  # RMS-relative error
+FUSED_METHODS = ("anchor", "a3", "cacheblend", "prophetkv", "epic")
+TEXT = ("The harbour town kept its records in a stone archive by the water. Every spring the clerks copied the "
+        "ledgers of the previous year, counted the ships that had come and gone, and wrote down the price of "
+        "salt, rope and timber. In the year of the long winter the archive flooded, and the oldest books were "
+        "dried one page at a time on lines strung across the market square. ")
+
+
+class ModelCheckError(UnsupportedModelError):
+    """The engine computes this model differently from transformers: it must not serve it."""
+
+
+@dataclass
+class CheckResult:
+    name: str
+    verdict: str  # "ok" | "FAILED" | "refused"
+    detail: str
+    layer: int | None = None  # where the engine and the reference part (a failure)
+
+
+@dataclass
+class CheckReport:
+    model_type: str
+    tokens: int
+    results: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(r.verdict != "FAILED" for r in self.results)
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if r.verdict == "FAILED"]
+
+    def lines(self) -> list[str]:
+        width = max((len(r.name) for r in self.results), default=0)
+        return [f"{r.name:<{width}}  {r.verdict:<7}  {r.detail}" for r in self.results]
+
+    def summary(self) -> str:
+        head = (f"{self.model_type}: {len(self.results)} checks on {self.tokens} tokens in {self.seconds:.2f} s: "
+                + ("passed" if self.ok else "FAILED"))
+        return "\n".join([head, *self.lines()])
+
+    def raise_on_failure(self) -> None:
+        if not self.ok:
+            first = self.failures[0]
+            raise ModelCheckError(f"the engine does not compute this {self.model_type} model as transformers does "
+                                  f"({first.name}: {first.detail}); refusing to serve it\n{self.summary()}")
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """RMS of the difference over the RMS of the reference (fp32)."""
+    ref = ref.float()
+    diff = (got.float() - ref).pow(2).mean().sqrt()
+    return float(diff / ref.pow(2).mean().sqrt().clamp_min(1e-12))
+
+
+def first_parting(pairs: list[tuple[str, int | None, torch.Tensor, torch.Tensor]], tol: float
+                  ) -> tuple[float, tuple[str, int | None, float] | None]:
+    """(largest error, (what, layer, error) of the first pair over `tol`, or None)."""
+    worst, parted = 0.0, None
+    for what, layer, got, ref in pairs:
+        err = rel_error(got, ref)
+        worst = max(worst, err)
+        if parted is None and not err <= tol:  # NaN parts too
+            parted = (what, layer, err)
+    return worst, parted
+
+
+def _verdict(name: str, pairs, tol: float, passed: str) -> CheckResult:
+    worst, parted = first_parting(pairs, tol)
+    if parted is None:
+        return CheckResult(name, "ok", f"{passed} within {worst:.1e} (tolerance {tol:.0e})")
+    what, layer, err = parted
+    where = f"at layer {layer}" if layer is not None else "at the output"
+    return CheckResult(name, "FAILED", f"parts {where}: {what} error {err:.2e} > {tol:.0e}", layer)
+
+
+def canned_ids(engine, total: int) -> list[int]:
+    ids = engine.tokenize(TEXT)
+    while len(ids) < total:
+        ids = ids + ids
+    return ids[:total]
+
+
+def prompt_length(engine) -> int:
+    windows = [w for w in engine.tf.windows if w is not None]
+    n = CHECK_TOKENS
+    if windows and min(windows) <= WINDOW_CHECKED:
+        n = max(n, min(windows) + WINDOW_MARGIN)
+    return min(n, engine.max_context_tokens - DECODE_STEPS)
+
+
+@torch.inference_mode()
+def check_model(engine) -> CheckReport:
+    """Run every check on `engine` (a kvfuse.fusion.FusionEngine); the report says what passed, and
+    `raise_on_failure()` refuses a model that failed. Logs the verdict and the time it took."""
+    t = time.perf_counter()
+    n = prompt_length(engine)
+    ids = canned_ids(engine, n + DECODE_STEPS)
+    report = CheckReport(engine.family.model_type, n)
+    ref = _reference(engine, ids)
+    report.results.append(_forward(engine, ids[:n], ref))
+    report.results.append(_decode(engine, ids, n, ref))
+    parts = _parts(n)
+    report.results.append(_recovery(engine, ids[:n], parts, ref))
+    report.results += _fused(engine, ids[:n], parts)
+    report.seconds = time.perf_counter() - t
+    log.log(logging.INFO if report.ok else logging.ERROR, "model check %s in %.2f s (%d checks, %d tokens)%s",
+            "passed" if report.ok else "FAILED", report.seconds, len(report.results), n,
+            "" if report.ok else ":\n" + "\n".join(report.lines()))
+    return report
+
+
+@dataclass
+class _Reference:
+    hidden: tuple[torch.Tensor, ...]  # transformers' hidden states: embedding, after layers 0..L-2, final (normed)
+    logits: torch.Tensor  # [T, vocab] fp32
+    keys: list[torch.Tensor]  # per layer [Hkv, T, D]
+    values: list[torch.Tensor]
+
+
+def _reference(engine, ids: list[int]) -> _Reference:
+    """transformers' own forward over prompt + continuation: a cache that keeps every layer's keys."""
+    from transformers import DynamicCache
+
+    out = engine.model(torch.tensor([ids], device=engine.device), use_cache=True, output_hidden_states=True,
+                       past_key_values=DynamicCache())
+    layers = out.past_key_values.layers
+    return _Reference(tuple(h[0] for h in out.hidden_states), out.logits[0].float(),
+                      [layer.keys[0] for layer in layers], [layer.values[0] for layer in layers])
+
+
+def _forward(engine, ids: list[int], ref: _Reference) -> CheckResult:
+    tf, n = engine.tf, len(ids)
+    tol = TOLERANCE[engine.dtype]
+    cache = engine.new_cache(n)
+    rows = tf.rows(torch.arange(n, device=engine.device))
+    h = tf.embed(torch.tensor(ids, device=engine.device))
+    pairs = [("embedding", 0, h[0], ref.hidden[0][:n])]
+    for layer in range(tf.num_layers):
+        h = tf.layer(cache, layer, h, rows, last_only=layer == tf.num_layers - 1)
+        pairs += [("keys", layer, cache.k[layer, :, :n], ref.keys[layer][:, :n]),
+                  ("values", layer, cache.v[layer, :, :n], ref.values[layer][:, :n])]
+        if layer < tf.num_layers - 1:
+            pairs.append(("hidden state", layer, h[0], ref.hidden[layer + 1][:n]))
+    pairs.append(("logits", None, tf.logits(h[:, -1])[0], ref.logits[n - 1]))
+    return _verdict("forward", pairs, tol, f"embedding, {tf.num_layers} layers' hidden states and K/V, logits")
+
+
+def _decode(engine, ids: list[int], n: int, ref: _Reference) -> CheckResult:
+    from kvfuse.fusion.types import FusionOptions
+
+    tol = TOLERANCE[engine.dtype]
+    fused = engine.fuse(None, [], ids[:n], FusionOptions(method="vanilla"), max_tokens=DECODE_STEPS)
+    pairs = [("prefill logits", None, fused.logits, ref.logits[n - 1])]
+    for step, token in enumerate(ids[n : n + DECODE_STEPS - 1]):
+        pairs.append((f"step {step + 1} logits", None, engine.decode_step(fused.cache, token), ref.logits[n + step]))
+    return _verdict("decode", pairs, tol, f"{DECODE_STEPS - 1} decode steps' logits")
+
+
+def _parts(n: int) -> list[tuple[int, int]]:
+    """[start, stop) of the prefix, three chunks and the question in a prompt of n tokens."""
+    prefix, question = max(2, n // 12), max(4, n // 8)
+    body = n - prefix - question
+    cuts = [prefix, prefix + body // 3, prefix + 2 * body // 3, n - question, n]
+    return [(0, prefix)] + [(cuts[i], cuts[i + 1]) for i in range(4)]
+
+
+def _recovery(engine, ids: list[int], parts, ref: _Reference) -> CheckResult:
+    """The last chunk cached after everything before it, its keys rotated to 0..n-1 and moved back by
+    position recovery (pie): the full prefill's cache, every layer, and its logits."""
+    from kvfuse.fusion.types import FusionOptions
+
+    tol = TOLERANCE[engine.dtype]
+    (_, c0), (q0, _) = parts[-2], parts[-1]
+    context, chunk, question = ids[:c0], ids[c0:q0], ids[q0:]
+    [before] = engine.precompute([context])
+    moved = engine.precompute_after(context, chunk)
+    fused = engine.fuse(before, [moved], question, FusionOptions(method="pie"))
+    n = len(ids)
+    pairs = []
+    for layer in range(engine.num_layers):
+        pairs += [("keys", layer, fused.cache.k[layer, :, :n], ref.keys[layer][:, :n]),
+                  ("values", layer, fused.cache.v[layer, :, :n], ref.values[layer][:, :n])]
+    pairs.append(("logits", None, fused.logits, ref.logits[n - 1]))
+    return _verdict("recovery", pairs, tol, f"a chunk moved by {c0} positions: every layer's K/V and the logits")
+
+
+def _fused(engine, ids: list[int], parts) -> list[CheckResult]:
+    from kvfuse.fusion.methods import available_methods, get_method
+    from kvfuse.fusion.types import FusionOptions
+
+    tol = TOLERANCE[engine.dtype]
+    kvs = engine.precompute([ids[a:b] for a, b in parts[:-1]])
+    question = ids[parts[-1][0] :]
+    vanilla = engine.fuse(kvs[0], kvs[1:], question, FusionOptions(method="vanilla"))
+    n = len(ids)
+    globals_ = [i for i, w in enumerate(engine.tf.windows) if w is None and i >= 1]
+    out = []
+    for name in [m for m in FUSED_METHODS if m in available_methods()]:
+        options = FusionOptions(method=name, recompute_ratio=1.0, edge_tokens=n, edge_tokens_end=n,
+                                check_layer=globals_[0] if globals_ and engine.num_layers > 1 else 1)
+        if options.check_layer >= engine.num_layers:
+            options.check_layer = 0
+        reason = get_method(name).refusal(engine, options)
+        if reason:
+            out.append(CheckResult(f"fused:{name}", "refused", reason))
+            continue
+        fused = engine.fuse(kvs[0], kvs[1:], question, options)
+        pairs = []
+        for layer in range(engine.num_layers):
+            pairs += [("keys", layer, fused.cache.k[layer, :, :n], vanilla.cache.k[layer, :, :n]),
+                      ("values", layer, fused.cache.v[layer, :, :n], vanilla.cache.v[layer, :, :n])]
+        pairs.append(("logits", None, fused.logits, vanilla.logits))
+        out.append(_verdict(f"fused:{name}", pairs, tol, "ratio 1.0 against the full prefill: K/V and logits"))
+    return out
