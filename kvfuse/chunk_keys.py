@@ -9,21 +9,22 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_NAME = "kvfuse-kv"
 KEY_VERSION = 1  # part of the content key; the KV a key names did not change with blob format version 2
 
-# float format name -> (torch dtype, safetensors dtype code)
-DTYPES: dict[str, tuple[torch.dtype, str]] = {
-    "float16": (torch.float16, "F16"),
-    "bfloat16": (torch.bfloat16, "BF16"),
-    "float32": (torch.float32, "F32"),
-}
+# float format name (also torch's dtype name) -> safetensors dtype code; torch-free, so the CLI's parser
+# and the health probes can name the formats without loading torch (kvfuse.kv_formats.DTYPES adds the dtypes)
+FLOAT_CODES: dict[str, str] = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 # quantized formats: codes plus scales (kvfuse/kv_formats.py says what each stores)
 QUANTIZED_FORMATS = ("fp8", "int8", "int4")
-FORMATS = (*DTYPES, *QUANTIZED_FORMATS)  # every KV format at rest (store.kv_dtype)
+FORMATS = (*FLOAT_CODES, *QUANTIZED_FORMATS)  # every KV format at rest (store.kv_dtype)
 
 
 def check_format(kv_dtype: str) -> str:
@@ -34,15 +35,16 @@ def check_format(kv_dtype: str) -> str:
 
 def torch_dtype(dtype: str) -> torch.dtype:
     """The torch dtype of a float format (a quantized one has several tensors: kvfuse.kv_formats)."""
-    try:
-        return DTYPES[dtype][0]
-    except KeyError:
-        raise ValueError(f"{dtype!r} is not a float KV format; expected one of {sorted(DTYPES)}") from None
+    if dtype not in FLOAT_CODES:
+        raise ValueError(f"{dtype!r} is not a float KV format; expected one of {sorted(FLOAT_CODES)}")
+    import torch
+
+    return getattr(torch, dtype)
 
 
 def token_hash(token_ids: Sequence[int]) -> str:
     """sha256 hex of the ids as int32 little-endian."""
-    return hashlib.sha256(torch.as_tensor(list(token_ids), dtype=torch.int32).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(np.asarray(list(token_ids), dtype="<i4").tobytes()).hexdigest()
 
 
 def chunk_key_from_hash(model_fingerprint: str, kv_dtype: str, token_hash_hex: str, context_hash: str = "") -> str:

@@ -30,11 +30,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from kvfuse.chunk_keys import DTYPES, QUANTIZED_FORMATS
+from kvfuse.chunk_keys import FLOAT_CODES, QUANTIZED_FORMATS, torch_dtype
 
 KEY_GROUP = 64  # int4 keys: tokens per channel scale (divides kvblob.BLOCK_TOKENS: a block is whole groups)
 VALUE_GROUP = 32  # int4 values: channels per token scale
 
+# float format name -> (torch dtype, safetensors dtype code)
+DTYPES: dict[str, tuple[torch.dtype, str]] = {name: (torch_dtype(name), code) for name, code in FLOAT_CODES.items()}
 _CODES: dict[str, torch.dtype] = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "U8": torch.uint8,
                                   "F16": torch.float16}
 _FP16_MAX = 65504.0

@@ -44,7 +44,6 @@ from kvfuse.blob_artifacts import (  # noqa: F401 - part of this module's interf
 )
 from kvfuse.blob_checksums import CorruptBlobError, block_checksum, bytes_view, check, checksum, copy_payload
 from kvfuse.chunk_keys import (  # noqa: F401 - the keys are part of this module's interface
-    DTYPES,
     FORMAT_NAME,
     FORMATS,
     KEY_VERSION,
@@ -55,7 +54,7 @@ from kvfuse.chunk_keys import (  # noqa: F401 - the keys are part of this module
     token_hash,
     torch_dtype,
 )
-from kvfuse.kv_formats import QTensor
+from kvfuse.kv_formats import DTYPES, QTensor  # noqa: F401 - DTYPES: part of the interface
 
 KV = Tensor | QTensor  # a chunk's k or v as decoded: a float tensor, or codes and scales
 

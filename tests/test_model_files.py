@@ -77,3 +77,16 @@ def test_the_cli_parser_loads_no_torch() -> None:
     code = "import sys, kvfuse.cli; kvfuse.cli.build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_health_probes_load_no_torch(tmp_path) -> None:
+    """`kvfuse worker --health` and `kvfuse serve --health` run inside the containers every 5 s with a 10 s
+    timeout: with model code imported they took seconds on a loaded host, and a ready worker turned
+    unhealthy. Each answers from its status file or its HTTP probe alone."""
+    code = ("import sys\nfrom kvfuse.cli import main\n"
+            "codes = [main(['worker', '--health']), main(['serve', '--health', '--port', '9'])]\n"
+            "print(codes, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "KVFUSE_DATA_DIR": str(tmp_path)})
+    assert out.stdout.strip().splitlines()[-1] == "[1, 1] False", out
+    assert "no kvfuse worker runs" in out.stderr and "not answering" in out.stderr

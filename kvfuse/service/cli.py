@@ -169,16 +169,18 @@ def _unreachable_is_one_line(name: str, command: Any) -> Any:
 
 def _worker(args: argparse.Namespace) -> int:
     from kvfuse.config import get_settings
-    from kvfuse.service.worker.fleet_worker import worker_command
-    from kvfuse.store.redis_access import redis_refusal
 
     s = get_settings()
-    if args.health:  # the worker's own status file (health.py): no Redis needed, so an outage is no failure
+    if args.health:  # the worker's own status file (health.py): no Redis needed, so an outage is no failure,
+        # and no model code imported, so a probe every few seconds stays light
         from kvfuse.service.health import WorkerStatus
 
         code, line = WorkerStatus.probe(s.data_dir)
         print(f"kvfuse worker --health: {line}", file=sys.stdout if code == 0 else sys.stderr)
         return code
+    from kvfuse.service.worker.fleet_worker import worker_command
+    from kvfuse.store.redis_access import redis_refusal
+
     if not s.redis_url:
         print("kvfuse worker: set redis_url (KVFUSE_REDIS_URL): workers join the fleet through Redis", file=sys.stderr)
         return 2
