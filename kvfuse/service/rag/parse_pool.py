@@ -6,7 +6,8 @@ preparation also uses, and nothing could stop a parse that ran on. So `ParsePool
 `server.upload_parse_workers` processes (parse_worker.py: capped address space, low CPU priority) and talks
 to each over its pipes with the event loop alone (no thread waits on a parse). A parse that passes
 `server.upload_parse_timeout_s` is answered 422 and its process killed; a process that dies or runs out
-of memory is replaced; a replacement starts in the background, so the next upload finds a warm one. What
+of memory is replaced (each is pinged before it is handed a file, so one that died while idle costs no
+upload a 422); a replacement starts in the background, so the next upload finds a warm one. What
 a parser may produce is bounded inside the process (file_limits.py); what comes back is JSON.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import struct
 import sys
@@ -64,6 +66,17 @@ class _Process:
         await self.proc.stdin.drain()
         return await self.receive(reply_limit)
 
+    async def answers(self) -> bool:
+        """Whether the process answers a ping (before it is handed a file): a process that died while idle
+        fails here, not on the file. A process that does not answer within a start's time is killed."""
+        if self.ended():
+            return False
+        try:
+            reply = await asyncio.wait_for(self.ask({"ping": True}, b"", 1024), _START_TIMEOUT_S)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError):
+            return False
+        return reply.get("pong") is True
+
     async def receive(self, limit: int) -> dict[str, Any]:
         """One JSON message; raises IncompleteReadError when the process has ended, ValueError for a
         message that is not what a parse process sends."""
@@ -76,10 +89,20 @@ class _Process:
             raise ValueError("a parse process answered something other than a JSON object")
         return message
 
+    def ended(self) -> bool:
+        """Whether the process has exited, even before asyncio has reaped it and set its return code (a
+        process killed while idle is a zombie until then, and its pipes are already closed)."""
+        if self.proc.returncode is not None or (self.proc.stdout is not None and self.proc.stdout.at_eof()):
+            return True
+        try:  # WNOWAIT: look without reaping, so asyncio's child watcher still collects its status
+            return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # already reaped
+            return True
+
     def exit_text(self) -> str:
         code = self.proc.returncode
         if code is None:
-            return "still running"
+            return "ended" if self.ended() else "still running"
         return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
     def signal_kill(self) -> None:
@@ -159,7 +182,7 @@ class ParsePool:
                 raise APIError(503, f"no file parser was free within {wait_s:g} s to read {filename!r}: try "
                                     "again later", code="parsers_busy",
                                headers={"Retry-After": str(self.retry_after_s)}) from None
-            if worker.proc.returncode is None:
+            if await worker.answers():
                 return worker
             log.warning("an idle parse process had ended (%s): replacing it", worker.exit_text())
             self._release(worker, keep=False)  # ended while idle (killed from outside): not this file's doing

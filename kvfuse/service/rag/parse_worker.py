@@ -99,6 +99,9 @@ def main(argv: list[str]) -> int:
     _send(out, {"ready": True})
     while (raw := _read_message(inp)) is not None:
         header = json.loads(raw)
+        if header.get("ping"):  # the pool asks before it hands over a file: still here?
+            _send(out, {"pong": True})
+            continue
         data = _read_exact(inp, header["size"]) if header["size"] else b""
         if data is None:
             return 0
