@@ -42,7 +42,10 @@ COPY pyproject.toml README.md config.yaml ./
 COPY kvfuse ./kvfuse
 # Prepared as root, read by the service user: every file world-readable, every folder searchable,
 # whatever umask the build runs with (kvfuse models prepare writes them so; chmod keeps it true).
-RUN pip install --no-deps . && kvfuse models prepare && chmod -R a+rX "$KVFUSE_MODEL_CACHE_DIR"
+# `models check` runs the load check on the default model here, once, and keeps its pass beside the
+# models: a container on this code and torch then starts without it (a CUDA worker checks on its GPU).
+RUN pip install --no-deps . && kvfuse models prepare && kvfuse models check default \
+    && chmod -R a+rX "$KVFUSE_MODEL_CACHE_DIR"
 
 # The service runs as an unprivileged user: it owns /data (LMDB, FAISS) and reads the prepared models.
 RUN useradd --system --uid 10001 --user-group --create-home --shell /usr/sbin/nologin kvfuse \

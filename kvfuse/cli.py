@@ -33,10 +33,12 @@ def _models_prepare(args: argparse.Namespace) -> int:
 
 def _models_check(args: argparse.Namespace) -> int:
     """Load PATH as the worker would and run the load check (kvfuse/fusion/model/check.py): a verdict per
-    check, exit 0 when every check passed, 2 otherwise (or when the model cannot load)."""
+    check, exit 0 when every check passed (the pass kept for workers: check_cache.py), 2 otherwise (or
+    when the model cannot load)."""
     from kvfuse.config import get_settings
     from kvfuse.fusion import FusionEngine, UnsupportedModelError
     from kvfuse.fusion.model.check import check_model
+    from kvfuse.fusion.model.check_cache import remember_pass
     from kvfuse.model_files import resolve_llm
 
     m = get_settings().model
@@ -48,6 +50,9 @@ def _models_check(args: argparse.Namespace) -> int:
         return 2
     report = check_model(engine)
     print(report.summary())
+    kept = remember_pass(engine, report, get_settings())
+    if kept is not None:
+        print(f"the pass is kept in {kept}: a worker loading this model on this code, device and torch skips the check")
     return 0 if report.ok else 2
 
 

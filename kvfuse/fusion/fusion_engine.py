@@ -85,7 +85,8 @@ class FusionEngine:
         """The engine that `settings` (kvfuse.config.Settings) describe: model, device, dtype, threads,
         context limit and the fusion section's engine knobs. With `model.check_on_load` the engine is
         checked against transformers' own forward before it is returned (kvfuse/fusion/model/check.py):
-        a model it would compute wrong raises ModelCheckError, naming the layer where the two part."""
+        a model it would compute wrong raises ModelCheckError, naming the layer where the two part. A pass
+        is remembered for this model, code and stack (check_cache.py), so a restart does not repeat it."""
         from kvfuse.model_files import resolve_llm
 
         m, f = settings.model, settings.fusion
@@ -95,9 +96,9 @@ class FusionEngine:
         engine = cls.load(resolve_llm(m.llm, settings.models_dir), **{**kwargs, **overrides})
         engine.load_artifacts(settings)
         if m.check_on_load:
-            from kvfuse.fusion.model.check import check_model
+            from kvfuse.fusion.model.check_cache import check_once
 
-            check_model(engine).raise_on_failure()
+            check_once(engine, settings)
         return engine
 
     def load_artifacts(self, settings) -> None:

@@ -68,3 +68,32 @@ def test_models_check_refuses_a_model_type_it_does_not_know(tmp_path, default_ll
     assert main(["models", "check", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "'gpt2' is not supported" in err and "gemma3_text" in err
+
+
+def test_a_pass_is_remembered_for_this_model_and_code_and_a_failure_never(saved, settings_factory, tmp_path,
+                                                                          monkeypatch, caplog) -> None:
+    from kvfuse.fusion.model import check_cache
+
+    caplog.set_level("INFO", logger="kvfuse.fusion")
+    models_dir = tmp_path / "models"
+    good = settings_factory(model_cache_dir=models_dir, model={"llm": str(saved["good"])})
+    FusionEngine.from_settings(good)
+    first = sorted((models_dir / "checks").glob("*.json"))
+    assert len(first) == 1 and "model check passed" in caplog.text
+    caplog.clear()
+    FusionEngine.from_settings(good)  # a restart: the same model on the same code
+    assert "model check skipped" in caplog.text and "model check passed" not in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(check_cache, "source_hash", lambda: "the engine's code changed")
+    FusionEngine.from_settings(good)
+    assert "model check passed" in caplog.text and len(list((models_dir / "checks").glob("*.json"))) == 2
+    bad = settings_factory(model_cache_dir=models_dir, model={"llm": str(saved["bidirectional"])})
+    for _ in range(2):  # refused at every start: nothing remembered
+        with pytest.raises(ModelCheckError):
+            FusionEngine.from_settings(bad)
+    assert len(list((models_dir / "checks").glob("*.json"))) == 2
+    # models in a folder the service cannot write (a read-only image): the verdict goes to the data dir
+    (tmp_path / "not-a-folder").write_text("")
+    ro = settings_factory(model_cache_dir=tmp_path / "not-a-folder" / "models", model={"llm": str(saved["good"])})
+    FusionEngine.from_settings(ro)
+    assert len(list((ro.data_dir / "model-checks").glob("*.json"))) == 1

@@ -95,7 +95,10 @@ def _refused() -> list[str]:
 def _check() -> list[str]:
     tol = ", ".join(f"{str(d).removeprefix('torch.')} {t:g}" for d, t in check.TOLERANCE.items())
     return [
-        f"`model.check_on_load` (on by default) runs it in the worker before `/ready`; `kvfuse models check PATH` "
+        f"`model.check_on_load` (on by default) runs it in the worker before `/ready`, and remembers a pass for "
+        f"that model on that code, device and torch (`<models_dir>/checks/`, else `<data_dir>/model-checks/`), so "
+        f"a restart skips it (kvfuse/fusion/model/check_cache.py); a failure is checked again at every start. "
+        f"`kvfuse models check PATH` "
         f"runs it from the command line, prints a verdict per check and exits 0 (passed) or 2. On a canned prompt "
         f"of {check.CHECK_TOKENS} tokens (longer than the smallest sliding window when that is up to "
         f"{check.WINDOW_CHECKED}):",
