@@ -95,11 +95,11 @@ class StoreSettings(Section):
     """The chunk KV store: LMDB (the source of truth), the RAM hot tier in front of it, the Redis index, and
     what each chunk's KV is computed after at ingestion."""
 
-    kv_dtype: Literal["float16", "bfloat16", "float32", "fp8", "int8", "int4"] = Field("float16", description=(
-        "format of chunk KV at rest: float16 | bfloat16 | float32 | fp8 (e4m3, a scale per token and head: "
-        "0.52x float16's bytes) | int8 (the same size) | int4 (KIVI: keys per channel, values per token: "
-        "0.30x); new chunks are stored in it, chunks stored in another format are still read "
-        "(`kvfuse store convert` rewrites them; docs/DESIGN.md, \"Storage\")"))
+    kv_dtype: Literal["float16", "bfloat16", "float32", "fp8", "int8", "int4"] = Field("int8", description=(
+        "format of chunk KV at rest: int8 (a scale per token and head: 0.52x float16's bytes, answers as "
+        "float16 storage does) | int4 (KIVI: keys per channel, values per token: 0.30x) | fp8 (e4m3, 0.52x) | "
+        "float16 | bfloat16 | float32; new chunks are stored in it, chunks stored in another format are still "
+        "read (`kvfuse store convert` rewrites them; docs/results/kv-formats/README.md)"))
     lmdb_map_size_mb: int = Field(1024, ge=1, description=(
         "initial LMDB map size; it grows instead of failing"))
     lmdb_max_readers: int = Field(256, ge=1, description="concurrent LMDB read transactions")
