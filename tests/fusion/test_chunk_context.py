@@ -142,7 +142,8 @@ def test_the_speed_bench_cold_store_keeps_whether_a_chunk_was_cached_after_a_con
     from kvfuse.config import Settings
 
     after = engine.precompute_after(prompt.prefix.token_ids, prompt.chunks[0].token_ids)
-    backend = SimpleNamespace(settings=Settings(), engine=engine)  # what ColdStore reads of a bench backend
+    # what ColdStore reads of a bench backend; float16 at rest, so the keys come back exactly
+    backend = SimpleNamespace(settings=Settings(store={"kv_dtype": "float16"}), engine=engine)
     store = ColdStore(backend, [prompt.prefix, after, prompt.chunks[1]], tmp_path)
     try:
         loaded = store.load()

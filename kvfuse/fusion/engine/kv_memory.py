@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfuse.fusion.errors import FusionError
+from kvfuse.kv_formats import QTensor, dequantize
 
 
 class MemoryFull(FusionError):
@@ -264,8 +265,11 @@ class FusedCache:
         self.k[layer].index_copy_(1, positions, k[0].to(self.memory.k.dtype))
         self.v[layer].index_copy_(1, positions, v[0].to(self.memory.v.dtype))
 
-    def place(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copy (and cast) a [L, Hkv, n, D] slab into positions start..start+n-1 of every layer."""
+    def place(self, start: int, k: torch.Tensor | QTensor, v: torch.Tensor | QTensor) -> None:
+        """Copy (and cast) a [L, Hkv, n, D] slab into positions start..start+n-1 of every layer; a slab
+        read back in a quantized format (a stored prefix) is dequantized on the way."""
+        if isinstance(k, QTensor):
+            k, v = dequantize(k, self.memory.k.dtype), dequantize(v, self.memory.v.dtype)
         n = k.shape[2]
         self.k[:, :, start : start + n].copy_(k)
         self.v[:, :, start : start + n].copy_(v)
