@@ -7,81 +7,89 @@ import json
 import sys
 
 
-def _rebuild_index(args: argparse.Namespace) -> int:
+def _on_store(run, *, readonly: bool = False):
+    """`run(store)` on the configured store; None once the error is printed when the store cannot be used."""
     from kvfuse.config import get_settings
     from kvfuse.store import KVStore, StoreError
 
     try:
-        with KVStore.open(get_settings()) as store:
-            print(json.dumps(store.rebuild_index()))
+        with KVStore.open(get_settings(), readonly=readonly) as store:
+            return run(store)
     except StoreError as err:
         print(f"error: {err}", file=sys.stderr)
+        return None
+
+
+def _print_report(rep, as_json: bool, as_text) -> None:
+    if as_json:
+        print(json.dumps(rep.to_dict(), indent=2))
+    else:
+        as_text(rep)
+
+
+def _rebuild_index(args: argparse.Namespace) -> int:
+    counts = _on_store(lambda store: store.rebuild_index())
+    if counts is None:
         return 1
+    print(json.dumps(counts))
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
-    from kvfuse.config import get_settings
-    from kvfuse.store import KVStore, StoreError
     from kvfuse.store.check import check_store
 
-    try:
-        with KVStore.open(get_settings(), readonly=not args.repair) as store:
-            rep = check_store(store, repair=args.repair)
-    except StoreError as err:
-        print(f"error: {err}", file=sys.stderr)
+    rep = _on_store(lambda store: check_store(store, repair=args.repair), readonly=not args.repair)
+    if rep is None:
         return 1
-    if args.json:
-        print(json.dumps(rep.to_dict(), indent=2))
-    else:
-        print(f"{rep.documents} documents, {rep.chunks} chunk blobs")
-        for title, items in (
-            ("orphan blobs", rep.orphans),
-            ("orphan blobs within the grace period (kept)", rep.young_orphans),
-            ("missing blobs (document, chunk)", rep.missing),
-            ("corrupt blobs", rep.corrupt),
-            ("blobs of another model (fingerprint)", rep.foreign),
-            ("index drift", rep.index_drift),
-            ("repaired", rep.repaired),
-        ):
-            if items:
-                print(f"{title}: {len(items)}")
-                for item in items[:20]:
-                    print(f"  {item}")
-        if rep.ref_drift:
-            print(f"chunk refs disagreeing with documents: {rep.ref_drift}")
-        if rep.kv_bytes_drift:
-            print(f"kv_bytes counter off by {rep.kv_bytes_drift}")
-        print("ok" if not rep.problems else ("repaired" if args.repair else "problems found (--repair fixes them)"))
+    _print_report(rep, args.json, lambda r: _print_check(r, args.repair))
     return 0 if (not rep.problems or args.repair) else 1
+
+
+def _print_check(rep, repaired: bool) -> None:
+    print(f"{rep.documents} documents, {rep.chunks} chunk blobs")
+    for title, items in (
+        ("orphan blobs", rep.orphans),
+        ("orphan blobs within the grace period (kept)", rep.young_orphans),
+        ("missing blobs (document, chunk)", rep.missing),
+        ("corrupt blobs", rep.corrupt),
+        ("blobs of another model (fingerprint)", rep.foreign),
+        ("index drift", rep.index_drift),
+        ("repaired", rep.repaired),
+    ):
+        if items:
+            print(f"{title}: {len(items)}")
+            for item in items[:20]:
+                print(f"  {item}")
+    if rep.ref_drift:
+        print(f"chunk refs disagreeing with documents: {rep.ref_drift}")
+    if rep.kv_bytes_drift:
+        print(f"kv_bytes counter off by {rep.kv_bytes_drift}")
+    print("ok" if not rep.problems else ("repaired" if repaired else "problems found (--repair fixes them)"))
 
 
 def _convert(args: argparse.Namespace) -> int:
     from kvfuse.config import get_settings
-    from kvfuse.store import KVStore, StoreError
     from kvfuse.store.convert import convert_store
 
-    settings = get_settings()
-    try:
-        with KVStore.open(settings) as store:
-            rep = convert_store(store, args.kv_dtype, batch=args.batch, limit=args.limit,
-                                progress=None if args.json else lambda d, n: print(f"{d}/{n}", file=sys.stderr))
-    except StoreError as err:
-        print(f"error: {err}", file=sys.stderr)
+    progress = None if args.json else (lambda done, total: print(f"{done}/{total}", file=sys.stderr))
+    rep = _on_store(lambda store: convert_store(store, args.kv_dtype, batch=args.batch, limit=args.limit,
+                                                progress=progress))
+    if rep is None:
         return 1
-    if args.json:
-        print(json.dumps(rep.to_dict(), indent=2))
-    else:
-        ratio = f" ({rep.bytes_after / rep.bytes_before:.3f}x the bytes)" if rep.bytes_before else ""
-        print(f"converted {rep.converted} chunk blobs to {rep.kv_dtype}{ratio} in {rep.seconds:.1f} s; "
-              f"{rep.remaining} left (run it again to go on)")
-        for key, why in rep.skipped[:20]:
-            print(f"  left alone {key[:16]}: {why}")
-        if settings.store.kv_dtype != args.kv_dtype:
-            print(f"note: store.kv_dtype is {settings.store.kv_dtype}: new chunks are still stored in it; set "
-                  f"KVFUSE_STORE__KV_DTYPE={args.kv_dtype} (or store.kv_dtype in config.yaml) to store them in "
-                  f"{args.kv_dtype} too. Chunks in either format are read.")
+    _print_report(rep, args.json, lambda r: _print_convert(r, get_settings().store.kv_dtype))
     return 0
+
+
+def _print_convert(rep, configured: str) -> None:
+    ratio = f" ({rep.bytes_after / rep.bytes_before:.3f}x the bytes)" if rep.bytes_before else ""
+    print(f"converted {rep.converted} chunk blobs to {rep.kv_dtype}{ratio} in {rep.seconds:.1f} s; "
+          f"{rep.remaining} left (run it again to go on)")
+    for key, why in rep.skipped[:20]:
+        print(f"  left alone {key[:16]}: {why}")
+    if configured != rep.kv_dtype:
+        print(f"note: store.kv_dtype is {configured}: new chunks are still stored in it; set "
+              f"KVFUSE_STORE__KV_DTYPE={rep.kv_dtype} (or store.kv_dtype in config.yaml) to store them in "
+              f"{rep.kv_dtype} too. Chunks in either format are read.")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
