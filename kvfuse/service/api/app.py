@@ -73,6 +73,12 @@ def create_app(settings: Settings) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    add_probes(app, settings, keys)
+    return app
+
+
+def add_probes(app: FastAPI, settings: Settings, keys: KeyRing) -> None:
+    """/health, /ready and /metrics: open to the orchestrator, with details only for a valid key."""
 
     def authorized(request: Request) -> bool:
         """Whether the open probes may show details (no keys set, or a valid key presented)."""
@@ -123,5 +129,3 @@ def create_app(settings: Settings) -> FastAPI:
                 state.metrics.kv_pool_bytes.labels(w["id"]).set(w.get("kv_pool_bytes") or 0)
                 state.metrics.kv_budget_bytes.labels(w["id"]).set(w["kv_budget_bytes"])
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
