@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 def server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("bench-http")
     srv = ServerProcess(root / "data", root / "server.log", KVFUSE_SERVER__API_KEYS=API_KEY,
-                        KVFUSE_MODEL__MAX_CONTEXT_TOKENS="1024").start()
+                        KVFUSE_MODEL__MAX_CONTEXT_TOKENS="1024",
+                        KVFUSE_STORE__PRECOMPUTE_CONTEXT="none").start()  # each chunk alone: the fastest ingestion
     try:
         yield srv
     finally:
