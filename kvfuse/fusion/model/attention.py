@@ -32,7 +32,6 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from kvfuse.fusion.model import attention_cpu, attention_flex, attention_math
 
@@ -45,6 +44,10 @@ def lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     r, t = q.shape[2], k.shape[2]
     if r == t:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    # imported here: torch.nn.attention.bias loads torch's compiler (a second at import), which a process
+    # that only lists the methods (the API's settings check) never needs
+    from torch.nn.attention.bias import causal_lower_right
+
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(r, t), scale=scale, enable_gqa=True)
 
 
