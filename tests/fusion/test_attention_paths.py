@@ -136,19 +136,25 @@ def test_buckets_are_few_and_pad_keys_by_under_a_quarter() -> None:
     assert len(shapes) <= attention_flex.MAX_COMPILES
 
 
+def assert_bf16_rows_on_cuda(attend, expect, totals: tuple[int, ...], gen: torch.Generator) -> None:
+    """Every row set of each total, in bf16 on CUDA: `attend(q, k, v, rows)` against `expect(q, k, v,
+    positions)` (float64 on the CPU), within bf16's tolerance."""
+    for total in totals:
+        for kind, positions in row_sets(total, gen).items():
+            q, k, v = tensors(positions.numel(), total, gen, "cuda", torch.bfloat16)
+            rows = rows_at(positions.cuda(), torch.bfloat16)
+            out = attend(q, k[:, :, : rows.stop], v[:, :, : rows.stop], rows)
+            want = expect(q.cpu(), k.cpu(), v.cpu(), positions)
+            torch.testing.assert_close(out.double().cpu(), want, atol=2e-2, rtol=2e-2, msg=f"{kind} at {total}")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="no CUDA device")
 @pytest.mark.parametrize("sparse", [True, False])
 def test_cuda_paths_in_bf16_match_attention_by_hand(sparse: bool) -> None:
-    gen = torch.Generator().manual_seed(1)
     att = Attention(SCALE, torch.device("cuda"), sparse=sparse)
-    for total in (300, 2100):
-        for kind, positions in row_sets(total, gen).items():
-            q, k, v = tensors(positions.numel(), total, gen, "cuda", torch.bfloat16)
-            rows = rows_at(positions.cuda(), torch.bfloat16)
-            out = att(q, k[:, :, : rows.stop], v[:, :, : rows.stop], rows)
-            want, _ = reference(q, k, v, positions)
-            torch.testing.assert_close(out.double().cpu(), want, atol=2e-2, rtol=2e-2, msg=f"{kind} at {total}")
+    assert_bf16_rows_on_cuda(att, lambda q, k, v, positions: reference(q, k, v, positions)[0], (300, 2100),
+                             torch.Generator().manual_seed(1))
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention_paths import HKV, SCALE, H, row_sets, rows_at, tensors
+from test_attention_paths import HKV, SCALE, H, assert_bf16_rows_on_cuda, row_sets, rows_at, tensors
 
 from kvfuse.fusion.methods import scoring
 from kvfuse.fusion.model import attention, attention_flex, attention_math
@@ -130,12 +130,7 @@ def test_decode_step_attention_caps_logits() -> None:
 def test_cuda_paths_with_windows_and_caps_in_bf16(window: int | None, softcap: float | None) -> None:
     """On CUDA: compiled FlexAttention with the windowed block mask and the soft-capping score_mod, and
     the written-out path, in bf16."""
-    gen = torch.Generator().manual_seed(3)
     att = Attention(SCALE, torch.device("cuda"), softcap=softcap)
-    for total in (300, 1500):
-        for kind, positions in row_sets(total, gen).items():
-            q, k, v = tensors(positions.numel(), total, gen, "cuda", torch.bfloat16)
-            rows = rows_at(positions.cuda(), torch.bfloat16)
-            out = att(q, k[:, :, : rows.stop], v[:, :, : rows.stop], rows, window)
-            want, _ = reference(q.cpu(), k.cpu(), v.cpu(), positions, window, softcap)
-            torch.testing.assert_close(out.double().cpu(), want, atol=2e-2, rtol=2e-2, msg=f"{kind} at {total}")
+    assert_bf16_rows_on_cuda(lambda q, k, v, rows: att(q, k, v, rows, window),
+                             lambda q, k, v, positions: reference(q, k, v, positions, window, softcap)[0],
+                             (300, 1500), torch.Generator().manual_seed(3))
