@@ -36,7 +36,8 @@ SERVER_ENV = {
     "KVFUSE_SERVER__INGEST_WAIT_TIMEOUT_S": "3",
     "KVFUSE_SERVER__PRECOMPUTE_BATCH_CHUNKS": "2",
     # Each chunk alone: what is durable does not depend on what a chunk is computed after, and the
-    # default (its document before it) costs some twenty times the compute (test_precompute_context_http.py).
+    # default (its document before it) made ingesting `big` about nine times slower here
+    # (what it computes is tested in test_precompute_context_http.py).
     "KVFUSE_STORE__PRECOMPUTE_CONTEXT": "none",
     # One try: a worker crash fails the ingestion at once (its retries: test_ingest_retry.py).
     "KVFUSE_SERVER__INGEST_RETRY_ATTEMPTS": "1",
