@@ -232,7 +232,8 @@ class WorkerSupervisor(JobBook):
         if not self.ready:
             return []
         return [{"id": self.info.get("name"), "pid": self.pid, "device": self.settings.model.device,
-                 "fingerprint": self.info.get("fingerprint"), "running": self.running, "waiting": self.waiting}]
+                 "fingerprint": self.info.get("fingerprint"), "prompt": self.info.get("prompt"),
+                 "running": self.running, "waiting": self.waiting}]
 
     def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
         """Hand a job to the worker; raises QueueFull when `server.queue_size` queries already wait."""
