@@ -135,18 +135,71 @@ class Rope:
         else:  # rotate in fp32, round once
             rot.copy_(apply_rope(rot.float(), cos, sin))
 
+    def frequencies(self) -> torch.Tensor:
+        """fp32 [dim]: each rotary dimension's angle per position, read from the module's own rotation by
+        one position (so a scaled rope's scaling is in it: linear, llama3, yarn, LongRoPE's factors)."""
+        cos, sin = self.shift_cos_sin(1)
+        return torch.atan2(sin, cos).abs()
+
     def _check_composes(self) -> None:
-        # Guard against rotary modules that are not a fixed rotation per position (e.g. a custom dynamic
-        # variant behind an allowed name): rotating by p then by d must equal rotating by p + d, at
-        # positions where the rope is valid.
+        # Guard against rotary modules that are not a fixed rotation per position (e.g. a dynamic variant
+        # behind an allowed name): rotating by p then by d must equal rotating by p + d, up to the float
+        # rounding a true rotation has there (`composition_tolerance`), at positions where the rope is
+        # valid, up to the last one. It judges the module over every position the model has, not the
+        # deployment's `model.max_context_tokens`: stored chunk caches are keyed by the model, not by that
+        # setting, so a later deployment with a longer context reuses them and shifts them further.
         x = torch.randn(4, self.dim, generator=torch.Generator().manual_seed(0)).to(self.device)
+        freq = self.frequencies()
         top = self.max_positions - 1
-        pairs = [(p, d) for p, d in ((3, 5), (100, 2000), (1000, 3000)) if p + d <= top] + [(top // 4, top // 2)]
+        pairs = [(p, d) for p, d in ((3, 5), (100, 2000), (1000, 3000)) if p + d <= top]
+        pairs += [(top // 4, top // 2), (top // 4, top - top // 4)]
         for p, d in pairs:
             cp, sp = self.shift_cos_sin(p)
             cd, sd = self.shift_cos_sin(d)
             cpd, spd = self.shift_cos_sin(p + d)
             twice = apply_rope(apply_rope(x, cp, sp), cd, sd)
             once = apply_rope(x, cpd, spd)
-            if not torch.allclose(twice, once, atol=1e-3, rtol=1e-3):
-                raise UnsupportedModelError("the model's rotary embedding does not compose across positions")
+            err = (twice - once).abs()
+            tol = composition_tolerance(x, freq, p, d, cpd.dtype)
+            if not bool((err <= tol).all()):  # NaN fails too
+                worst = int(torch.argmax(torch.nan_to_num(err / tol, nan=float("inf"))))
+                raise UnsupportedModelError(
+                    f"the model's rotary embedding does not compose across positions: rotating by {p} then by "
+                    f"{d} differs from rotating by {p + d} by {err.view(-1)[worst]:.2e}, over the "
+                    f"{tol.view(-1)[worst]:.2e} that float rounding of a true rotation allows there "
+                    f"(rotary dimension {worst % self.dim}{self._named()})")
+
+    def _named(self) -> str:
+        return f", {self.layer_type} layers" if self.layer_type is not None else ""
+
+
+# Rounding steps of one rotation besides its angle, in units of the dtype's unit roundoff u, per unit of a
+# rotary pair's norm: cos and sin each within 2 ulp (sleef, libm) of the rounded angle's, so the rotation
+# matrix is off by <= 2u per entry, <= 2*sqrt(2) u in norm; the division by the attention scaling, u per
+# entry; x*cos + rotate_half(x)*sin, two products and a sum, <= 2*sqrt(2) u. So ~7u per rotation, and the
+# check compares three (two, then one): ~21u, taken as 32 for headroom. (Rotations keep norms, so a
+# perturbation made before the second rotation carries through unchanged.)
+ROTATION_ROUNDING_ULPS = 32.0
+
+
+def composition_tolerance(x: torch.Tensor, freq: torch.Tensor, p: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """The largest |R(d) R(p) x - R(p + d) x| a true rotation rounded in `dtype` can give, per element of
+    x [..., dim] (rotary dimensions, rotate_half's pairing), with `freq` [dim] each dimension's angle per
+    position (`Rope.frequencies`).
+
+    Why it grows with the position: the module computes the angle as fl(q * f) for position q, rounded
+    to u = eps/2 relative, i.e. an absolute angle error up to u * q * f radians (f itself is rounded
+    once, but the same f serves all three rotations, so its error composes exactly). The three angles
+    (p, d, p + d) err by up to u * f * (p + d + (p + d)) together, and a pair of norm r turned by an angle
+    off by e moves by at most r * e. On top of that the rounding of each rotation
+    (`ROTATION_ROUNDING_ULPS`). So per element: r * u * (2 (p + d) f + ROTATION_ROUNDING_ULPS). The head
+    dim and base enter through f = base^(-2i/dim) (the fastest dimensions, f ~ 1, err the most: Gemma 3's
+    sliding layers, base 10k and 256-wide heads, have many of them). In float32 at p + d = 32k positions
+    that is ~4e-3 r on the fastest dimension: real error, which shifted chunk caches carry too
+    (tests/fusion/test_rope.py pins `shift_keys_` to the same bound). A rope whose angle is not linear in
+    the position misses it by orders of magnitude on some dimension."""
+    u = torch.finfo(dtype).eps / 2
+    half = x.shape[-1] // 2
+    pair = (x[..., :half].float().pow(2) + x[..., half:].float().pow(2)).sqrt()
+    r = torch.cat([pair, pair], dim=-1)
+    return r * u * (2.0 * (p + d) * freq.to(r.device).float() + ROTATION_ROUNDING_ULPS)
