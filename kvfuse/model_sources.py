@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 MARKER = "kvfuse-model.json"
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 # GGUF `general.architecture` -> the transformers model type it converts to (transformers' GGUF loader).
-_GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                        "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3",
                        "olmo2": "olmo2"}
 _MEMORY_SHARE = 0.5  # float32 is written when the model takes at most this share of the machine's memory
@@ -233,7 +233,7 @@ def _check_gguf_architecture(reader) -> None:
 
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
-    if _GGUF_ARCHITECTURES.get(arch) not in SUPPORTED_MODEL_TYPES:
+    if GGUF_ARCHITECTURES.get(arch) not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"the GGUF's architecture {arch!r} is not a supported family "
                                     f"(docs/models.md: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
 
