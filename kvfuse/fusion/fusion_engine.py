@@ -20,6 +20,7 @@ from kvfuse.fusion.methods.selection import SelectionContext
 from kvfuse.fusion.model import loading as model_loading
 from kvfuse.fusion.model.transformer import Rows, Transformer
 from kvfuse.fusion.prompt import prompt_texts, stop_token_ids, template_halves
+from kvfuse.fusion.prompt_style import style_of
 from kvfuse.fusion.types import (
     ChunkKV,
     FusedPrefill,
@@ -57,6 +58,8 @@ class FusionEngine:
         self.attention_block_rows = attention_block_rows
         self.fingerprint = model_loading.fingerprint(model, tokenizer, dtype)
         self.artifacts: dict[str, object] = {}  # trained per-model data of methods, by method (`load_artifacts`)
+        self.prompt_style = style_of(tokenizer)  # chat, system text in the user turn, or base (prompt_style.py)
+        self.stop_strings = self.prompt_style.stop_strings
         self.stop_token_ids = stop_token_ids(tokenizer, model.generation_config)
         # Phase timings (`FusedPrefill.timings`) after the device drained: on a GPU, work is launched
         # asynchronously and an unsynchronised clock measures the launches. Off by default (each sync
@@ -363,5 +366,6 @@ class FusionEngine:
         """The decode loop after a fused prefill (`generate` runs it; so does the fidelity benchmark, which
         keeps every step). `started`: when the prefill began (perf_counter), for TTFT; `on_step(logits,
         token)` sees each step's logits and the token chosen from them, the stop token included."""
-        return decode_loop(self.runner, Generation(self.tokenizer, self.stop_token_ids, gen, self.device), fused,
+        return decode_loop(self.runner, Generation(self.tokenizer, self.stop_token_ids, gen, self.device,
+                                                      self.stop_strings), fused,
                            cancel, started=started, on_step=on_step)

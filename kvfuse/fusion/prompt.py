@@ -1,4 +1,5 @@
-"""Where the documents and the question go in the model's chat template.
+"""Where the documents and the question go in the model's chat template (or the base-model prompt:
+prompt_style.py).
 
 The prompt is prefix + documents + question: the template rendered up to the user's content (with the
 system prompt), the chunks, then the question and the template from the end of the user turn through the
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfuse.fusion.errors import FusionError
+from kvfuse.fusion.prompt_style import BASE, base_halves, messages_for, render, style_of
 
 _SENTINEL = "\u2063KVFUSE-DOCUMENTS\u2063"  # placed in the user turn to find where documents go
 QUESTION_TEMPLATE = "\n\nQuestion: {question}"  # the question part, before the template's turn end
@@ -71,10 +73,13 @@ def document_names(names: list[str]) -> str:
 
 
 def template_halves(tokenizer: Any, system_prompt: str | None) -> tuple[str, str]:
-    """The chat template's text before and after the user's content."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": _SENTINEL})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    """The prompt's text before and after the user's content, in the tokenizer's prompt style
+    (prompt_style.py: the chat template, with the system text in the user turn where it must be, or the
+    base-model prompt)."""
+    style = style_of(tokenizer)
+    if style.name == BASE:
+        return base_halves(style, system_prompt)
+    text = render(tokenizer, messages_for(style, system_prompt, _SENTINEL))
     if text.count(_SENTINEL) != 1:
         raise FusionError("the chat template does not render the user message verbatim")
     before, after = text.split(_SENTINEL)
@@ -125,7 +130,7 @@ def stop_token_ids(tokenizer, generation_config) -> set[int]:
             ids.add(source)
         elif source:
             ids.update(int(i) for i in source)
-    if getattr(tokenizer, "chat_template", None):
+    if style_of(tokenizer).name != BASE:
         special = set(tokenizer.all_special_ids)
         tail = tokenizer(template_halves(tokenizer, None)[1], add_special_tokens=False)["input_ids"]
         tail = [i for i in tail if i in special]

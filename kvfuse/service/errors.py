@@ -47,6 +47,12 @@ def retry_after(settings: Any) -> dict[str, str]:
     return {"Retry-After": str(max(1, settings.server.retry_after_s))}
 
 
+def model_failed(reason: str) -> APIError:
+    """503 `model_failed`: the model can never serve (its worker failed to load it; /health says failed with
+    the same reason). No Retry-After: retrying cannot help until an operator fixes the model."""
+    return APIError(503, f"the model failed: {reason}", code="model_failed")
+
+
 class APIError(Exception):
     """An error answered to the client as-is."""
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvfuse.config import Settings
 from kvfuse.service.dispatch.base import make_dispatcher, open_api_store
-from kvfuse.service.errors import APIError, retry_after
+from kvfuse.service.errors import APIError, model_failed, retry_after
 from kvfuse.service.health import FAILED, OK, STARTING
 from kvfuse.service.metrics import Metrics
 from kvfuse.service.rag.corpus import Corpus
@@ -186,6 +186,12 @@ class ServiceState:
         if not self._components.is_set():
             raise APIError(503, "the service is starting", code="not_ready",
                            headers=retry_after(self.settings))
+
+    def require_model(self) -> None:
+        """Raise 503 `model_failed` once the model can never serve (the reason /health gives): what needs
+        the model (queries, chat completions, ingestion) says so before looking at the corpus."""
+        if self.dispatcher.failed:
+            raise model_failed(self.dispatcher.failed)
 
     def refresh_document_gauge(self) -> None:
         if self.corpus is not None:

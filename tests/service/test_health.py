@@ -1,6 +1,7 @@
 """What health means (kvfuse/service/health.py), with real processes: a server whose model can never load
-turns /health 503 `failed` with the reason (in its log, to a valid key, and from `kvfuse serve --health`)
-and stops trying after server.worker_start_attempts; one that is starting answers 503 `starting`; a fleet
+turns /health 503 `failed` with the reason (in its log, to a valid key, and from `kvfuse serve --health`),
+stops trying once the same load error repeats (or after server.worker_start_attempts), and answers 503
+`model_failed` with that reason on every route that needs the model while search keeps working; one that is starting answers 503 `starting`; a fleet
 API is starting until a worker joins and stays ok when its workers go; `kvfuse worker --health` says
 starting, ok (with Redis gone for a moment too) and failed, from the worker's own status file. A ready
 server with Redis stopped for a moment stays ok: test_redis_recovery.py."""
@@ -65,9 +66,19 @@ def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+def _model_failed(resp: httpx.Response, reason: str) -> None:
+    """A 503 `model_failed` that carries /health's reason and no Retry-After (retrying cannot help)."""
+    assert resp.status_code == 503, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "model_failed" and reason in error["message"], resp.text
+    assert "retry-after" not in resp.headers
+
+
 def test_a_worker_that_can_never_load_turns_health_failed_with_the_reason(tmp_path: Path) -> None:
+    """Five starts allowed; the second repeats the first's load error word for word, so there is no third."""
     model = _weights_cut(tmp_path / "model")
-    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", KVFUSE_MODEL__LLM=str(model), **FAST_GIVE_UP)
+    server = ServerProcess(tmp_path / "data", tmp_path / "server.log", KVFUSE_MODEL__LLM=str(model),
+                           KVFUSE_SERVER__API_KEYS=API_KEY)
     try:
         server.start(wait=False)
         until(lambda: _answers(server), 120, "the API never answered")
@@ -76,15 +87,20 @@ def test_a_worker_that_can_never_load_turns_health_failed_with_the_reason(tmp_pa
         failed = until(lambda: (r := _health(server)).json()["status"] == "failed" and r, 300, "never failed")
         assert failed.status_code == 503
         reason = failed.json()["reason"]
-        assert "failed 2 starts in a row" in reason and "SafetensorError" in reason, reason
+        assert "failed 2 starts in a row with the same load error" in reason and "SafetensorError" in reason, reason
         anon = _health(server, key=None).json()
         assert anon["status"] == "failed" and "reason" not in anon  # the reason names paths: a valid key's
         time.sleep(3)  # it gave up: no third start
         assert _health(server).json()["worker"]["restarts"] == 1
         assert "giving up on the model worker" in server.log_tail(400)
-        with make_client(server) as c:
-            resp = c.post("/v1/documents?wait=true", json={"id": "d", "text": "A short document."})
-            assert "the model worker cannot start" in resp.json()["error"]["message"], resp.text  # at once
+        with make_client(server) as c:  # each at once, before the (empty) corpus is looked at
+            _model_failed(c.post("/v1/documents?wait=true", json={"id": "d", "text": "A short document."}), reason)
+            _model_failed(c.post("/v1/query", json={"question": "What is it?"}), reason)
+            chat = {"model": "kvfuse", "messages": [{"role": "user", "content": "What is it?"}]}
+            _model_failed(c.post("/v1/chat/completions", json=chat), reason)
+            _model_failed(c.post("/v1/chat/completions", json={**chat, "stream": True}), reason)
+            search = c.post("/v1/search", json={"query": "What is it?"})
+            assert search.status_code == 200 and search.json()["results"] == [], search.text
         probe = _cli("serve", "--health", "--port", str(server.port), KVFUSE_API_KEY=API_KEY)
         assert probe.returncode == 1 and "failed: the model worker failed 2 starts" in probe.stderr, probe.stderr
     finally:

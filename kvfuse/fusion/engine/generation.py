@@ -31,14 +31,15 @@ class Generation:
     """
 
     def __init__(self, tokenizer, stop_token_ids: set[int], options: GenerationOptions,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", stop_strings: tuple[str, ...] = ()) -> None:
+        """`stop_strings`: the model's own, beside the request's (a base model's: prompt_style.BASE_STOPS)."""
         if options.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         self.options = options
         self.stop_token_ids = stop_token_ids
         self.sampling = RowSampling.create(options.temperature, options.top_p, options.seed, torch.device(device))
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.stops = StopMatcher(list(options.stop))
+        self.stops = StopMatcher(list(dict.fromkeys([*options.stop, *stop_strings])))
         self.token_ids: list[int] = []
         self.last_token: int | None = None
         self.finished: FinishReason | None = None

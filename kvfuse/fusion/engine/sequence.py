@@ -72,7 +72,8 @@ class Sequence:
             return spent, None
         self._steps = None
         self.cache, self.stats = fused.cache, fused.stats
-        self.gen = Generation(engine.tokenizer, engine.stop_token_ids, self.gen_options, engine.device)
+        self.gen = Generation(engine.tokenizer, engine.stop_token_ids, self.gen_options, engine.device,
+                              engine.stop_strings)
         text = self.accept(fused.logits)
         self._t_first = time.perf_counter()
         # ttft_s counts from the loaded KV to the first token, including steps spent on other sequences.

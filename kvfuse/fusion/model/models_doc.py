@@ -118,6 +118,31 @@ def _check() -> list[str]:
     ]
 
 
+def _preparing() -> list[str]:
+    from kvfuse import model_sources
+    from kvfuse.fusion import prompt_style
+
+    arches = ", ".join(f"`{a}` ({t})" for a, t in sorted(model_sources.GGUF_ARCHITECTURES.items()))
+    return [
+        "`kvfuse models prepare SOURCE` writes a checkpoint as a served model folder under the models dir, runs "
+        "the load check on it and prints the `model.llm` that serves it (kvfuse/model_sources.py). SOURCE is a "
+        "GGUF file (every quantized type dequantized; written in float32 when that takes at most half the "
+        "machine's memory, else bfloat16; `--write-dtype` chooses), a transformers folder (copied; a multimodal "
+        "Gemma 3, `gemma3`, has its language model extracted as `gemma3_text`), or an installed model package "
+        "by its distribution name (its GGUF, its folder, or the GGUF its `assemble()` writes). GGUF "
+        f"architectures converted: {arches}; any other is refused from the file's header. The folder is "
+        "named for the model (GGUF `general.name`, the config's hub id or the model card's title; `--name`), "
+        "the id `/v1/models` lists.",
+        "",
+        "How a model is prompted is chosen at load from its tokenizer (kvfuse/fusion/prompt_style.py) and named "
+        f"in `/ready`: `{prompt_style.CHAT}` (its chat template, with a system turn), `{prompt_style.SYSTEM_IN_USER}` "
+        "(a template that refuses or drops a system role, as Gemma 2's: the system text opens the user turn) "
+        f"or `{prompt_style.BASE}` (no chat template: the system text, the documents, "
+        f"\"Question: ...\", then \"{prompt_style.BASE_ANSWER.strip()}\" on a line of its own; an answer stops at "
+        f"{' or '.join(repr(s) for s in prompt_style.BASE_STOPS)}).",
+    ]
+
+
 def render() -> str:
     """The whole page, ending with one newline."""
     parts = ["# Supported models", "",
@@ -127,6 +152,7 @@ def render() -> str:
              "What else each family's modules carry (computed by the HF modules the engine calls): fused "
              "projections, biases, mixture-of-experts MLPs, scaled and tied embeddings need nothing of the "
              "engine.", "", *_features(), "",
+             "## Preparing a checkpoint", "", *_preparing(), "",
              "## Positions", "", *_positions(), "",
              "## Sliding windows", "", *_windows(), "",
              "## Refused", "", *_refused(), "",

@@ -27,13 +27,21 @@ def ready_state(state: Annotated[ServiceState, Depends(service_state)]) -> Servi
     return state
 
 
-def query_service(state: Annotated[ServiceState, Depends(ready_state)]) -> QueryService:
-    """The query pipeline, once the store, index and embedder are loaded (503 until then)."""
+def model_state(state: Annotated[ServiceState, Depends(ready_state)]) -> ServiceState:
+    """The state for a route that needs the model: 503 `model_failed` once it can never serve."""
+    state.require_model()
+    return state
+
+
+def query_service(state: Annotated[ServiceState, Depends(model_state)]) -> QueryService:
+    """The query pipeline, once the store, index and embedder are loaded (503 until then) and while the
+    model can serve (503 model_failed once it never will)."""
     return state.queries
 
 
 State = Annotated[ServiceState, Depends(service_state)]
 ReadyState = Annotated[ServiceState, Depends(ready_state)]
+ModelState = Annotated[ServiceState, Depends(model_state)]
 Queries = Annotated[QueryService, Depends(query_service)]
 # The caller's API key: what it may see and change (auth.py). A route takes `caller: Caller` and applies it
 # where it picks collections or documents: caller.check_document(id, rec.collection), caller.check_write(coll),

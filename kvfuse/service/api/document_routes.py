@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from kvfuse.config import DEFAULT_COLLECTION
 from kvfuse.service.api.auth import Principal
-from kvfuse.service.api.dependencies import Caller, ReadyState, State
+from kvfuse.service.api.dependencies import Caller, ModelState, ReadyState, State
 from kvfuse.service.api.errors import ERROR_RESPONSES
 from kvfuse.service.api.responses import (
     CollectionDeleted,
@@ -76,7 +76,7 @@ async def _parse_documents(request: Request, state: ServiceState, raw: bytes, do
 
 @router.post("/v1/documents", status_code=202, response_model=JobOut | Submitted | SubmittedBatch,
              openapi_extra=documented_body(DocumentIn, DocumentBatchIn, text=True, upload=True))
-async def create_documents(request: Request, response: Response, state: ReadyState, caller: Caller,
+async def create_documents(request: Request, response: Response, state: ModelState, caller: Caller,
                            wait: bool = False,
                            id: str | None = None, on_conflict: OnConflict | None = None,
                            collection: str | None = Query(None, pattern=COLLECTION_PATTERN)
@@ -128,6 +128,7 @@ async def create_documents(request: Request, response: Response, state: ReadySta
     if not batch:
         job = results[0][0]
         if job is not None and job.status == "failed":
+            state.require_model()  # the model failed while it waited: the same 503 as a new request gets
             raise APIError(503 if job.worker_crashed else 500,
                            f"ingestion of {job.document_id!r} failed: {job.error}", code="ingest_failed")
         response.status_code = 200 if job is None else 201 if job.done.is_set() else 202

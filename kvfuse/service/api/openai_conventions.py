@@ -8,10 +8,12 @@ endpoints keep 422 and their finer codes. See docs/usage.md, OpenAI-compatible e
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.model_files import DEFAULT, DEFAULT_LLM_NAME
+from kvfuse.model_sources import model_id
 from kvfuse.service.api.openai_responses import ChoiceLogprobs, TokenLogprob, TopLogprob
 from kvfuse.service.errors import APIError
 from kvfuse.service.rag.prompt_size import PROMPT_TOO_LONG
@@ -34,11 +36,20 @@ def model_name(llm: str) -> str:
     return DEFAULT_LLM_NAME if llm == DEFAULT else Path(llm).name or llm
 
 
+@functools.lru_cache(maxsize=8)
+def full_name(llm: str) -> str:
+    """The LLM's full id: the default's hub id, a local folder's own name (the one `kvfuse models prepare`
+    recorded, its config's hub id or its model card's: model_sources.model_id), else `llm` as given."""
+    if llm == DEFAULT:
+        return DEFAULT_LLM_ID
+    return model_id(llm) or llm
+
+
 def served_names(settings: Settings) -> list[str]:
     """Every name a client may send as `model`, the one answers carry first: `model.served_model_name`
-    (default: the LLM's full id), its short name, and "kvfuse"."""
+    (default: the LLM's full id, `full_name`), its short name, and "kvfuse"."""
     llm = settings.model.llm
-    full = settings.model.served_model_name or (DEFAULT_LLM_ID if llm == DEFAULT else llm)
+    full = settings.model.served_model_name or full_name(llm)
     return list(dict.fromkeys([full, model_name(llm), SERVICE_MODEL_ALIAS]))
 
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfuse.config import Settings
-from kvfuse.service.errors import APIError
+from kvfuse.service.errors import APIError, model_failed
 from kvfuse.service.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -85,6 +85,6 @@ async def require_worker(dispatcher: Dispatcher, timeout_s: float) -> None:
     """Wait up to `timeout_s` for the dispatcher's worker(s); 503 if none is ready by then."""
     if not await dispatcher.wait_ready(timeout_s):
         if dispatcher.failed:
-            raise APIError(503, f"the model worker cannot start: {dispatcher.failed}", code="worker_failed")
+            raise model_failed(dispatcher.failed)
         raise APIError(503, f"the model worker is not ready: {dispatcher.last_error or 'starting'}",
                        code="worker_unavailable")

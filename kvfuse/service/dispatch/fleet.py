@@ -131,7 +131,8 @@ class FleetDispatcher(JobBook):
     def live_workers(self) -> list[dict[str, Any]]:
         keep = ("host", "pid", "device", "fingerprint", "kv_budget_tokens", "kv_free_tokens", "running", "waiting",
                 "max_running_requests", "kv", "kv_pool_bytes", "kv_budget_bytes")
-        return [{"id": wid, **{k: b.get(k) for k in keep}} for wid, b in sorted(self.workers.items())]
+        return [{"id": wid, **{k: b.get(k) for k in keep}, "prompt": (b.get("info") or {}).get("prompt")}
+                for wid, b in sorted(self.workers.items())]
 
     def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
         if not self.workers:

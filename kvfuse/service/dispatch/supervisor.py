@@ -18,9 +18,12 @@ which starts at once (with a back-off only while starts keep failing). An ingest
 ended so is tried again by its job, within `server.ingest_retry_attempts` (ingest_retry.py).
 
 Starts that keep failing are bounded: after `server.worker_start_attempts` starts in a row that never
-loaded the model (a load error the worker reports as Fatal, or a death before Ready: a crash loop), the
-supervisor gives up (`JobBook.give_up`): it logs why, every job ends with `WorkerFailed`, and the service
-is failed (health.py), so a container that can never answer turns unhealthy instead of retrying forever.
+loaded the model (a load error the worker reports as Fatal, or a death before Ready: a crash loop), or
+after two starts in a row that report the same load error (a refused model or a missing file fails the
+same way every time: a third full load would only repeat it), the supervisor gives up
+(`JobBook.give_up`): it logs why, every job ends with `WorkerFailed`, and the service is failed
+(health.py), so a container that can never answer turns unhealthy instead of retrying forever. Every
+route that needs the model then answers 503 `model_failed` with that reason (ServiceState.require_model).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class WorkerSupervisor(JobBook):
         self._failures = 0  # consecutive starts that never reached "ready"
         self._loaded = False  # the current worker sent Ready
         self._fatal: str | None = None  # the current worker's Fatal message (its load error)
+        self._previous_fatal: str | None = None  # the load error of the start before, while starts fail
         self._loop: asyncio.AbstractEventLoop | None = None
         self._restart_task: asyncio.Task | None = None
 
@@ -152,7 +156,7 @@ class WorkerSupervisor(JobBook):
             name = str(msg.info.get("name", ""))
             self.metrics.kv_budget_bytes.labels(name).set(msg.info.get("kv_budget_bytes", 0))
             self.metrics.engine_warmup.labels(name).set(msg.info.get("warmup_s", 0.0))
-            self._failures = 0
+            self._failures, self._previous_fatal = 0, None
             self._loaded = True
             self.last_error = None
             self._ready.set()
@@ -198,11 +202,15 @@ class WorkerSupervisor(JobBook):
             # decides whether to try again (a bounded number of times, ingest_retry.py).
             if job.status is not P.JobStatus.WAITING or (job.kind == "precompute" and job.id in self._sent):
                 self._finish(job, Crashed(f"the worker process died (exit code {exitcode})"))
+        repeated = False
         if not self._loaded:
             self._failures += 1
             self.last_error = self._fatal or f"the worker exited with code {exitcode} before its model loaded"
-        if self._failures >= self.settings.server.worker_start_attempts:
-            reason = f"the model worker failed {self._failures} starts in a row; the last: {self.last_error}"
+            repeated = self._fatal is not None and self._fatal == self._previous_fatal
+            self._previous_fatal = self._fatal
+        if repeated or self._failures >= self.settings.server.worker_start_attempts:
+            again = " with the same load error" if repeated else ""
+            reason = f"the model worker failed {self._failures} starts in a row{again}; the last: {self.last_error}"
             log.error("giving up on the model worker: %s", reason)
             self.give_up(reason)
             return
@@ -232,7 +240,8 @@ class WorkerSupervisor(JobBook):
         if not self.ready:
             return []
         return [{"id": self.info.get("name"), "pid": self.pid, "device": self.settings.model.device,
-                 "fingerprint": self.info.get("fingerprint"), "running": self.running, "waiting": self.waiting}]
+                 "fingerprint": self.info.get("fingerprint"), "prompt": self.info.get("prompt"),
+                 "running": self.running, "waiting": self.waiting}]
 
     def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
         """Hand a job to the worker; raises QueueFull when `server.queue_size` queries already wait."""

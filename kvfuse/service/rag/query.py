@@ -26,7 +26,7 @@ from kvfuse.service.dispatch.job_book import (
     WorkerJobError,
     WorkerUnavailable,
 )
-from kvfuse.service.errors import APIError, retry_after
+from kvfuse.service.errors import APIError, model_failed, retry_after
 from kvfuse.service.rag.conversation import Conversation, fit_history
 from kvfuse.service.rag.prompt_size import check_prompt_fits, context_limit
 from kvfuse.service.rag.retrieval import RetrievalOptions, check_question, retrieval_options
@@ -292,7 +292,7 @@ class QueryService:
                             code="no_live_worker", headers=retry_after(self.settings))
         if isinstance(err, WorkerFailed):
             self.metrics.requests.labels("worker_crashed").inc()
-            return APIError(503, f"the model worker cannot start: {err}", code="worker_failed")
+            return model_failed(str(err))
         if isinstance(err, WorkerCrashed):
             self.metrics.requests.labels("worker_crashed").inc()
             return APIError(503, f"{err}; {self.dispatcher.crash_advice}", code="worker_crashed", headers=retry_after(self.settings))

@@ -95,7 +95,8 @@ class WorkerCore:
                 "methods": list(available_methods()), "kv_dtype": self.kv.kv_dtype,
                 "kv_budget_tokens": self.scheduler.capacity, "kv_budget_bytes": memory.nbytes,
                 "max_running_requests": self.scheduler.limits.max_running, "warmup_s": self.warmup_s,
-                "decode_path": "static" if self.core.runner.static else "eager"}
+                "decode_path": "static" if self.core.runner.static else "eager",
+                "prompt": {"style": e.prompt_style.name, "why": e.prompt_style.why}}
 
     def error(self, job_id: int, err: BaseException) -> P.Error:
         from kvfuse.fusion.engine.core import Cancelled
@@ -209,7 +210,8 @@ def worker_main(settings: Settings, conn: Connection) -> None:
         with contextlib.suppress(OSError):
             conn.send(P.Fatal(f"{type(err).__name__}: {err}"))
         return
-    log.info("worker ready in %.1f s (decode warm-up %.1f s)", time.perf_counter() - t, worker.warmup_s)
+    log.info("worker ready in %.1f s (decode warm-up %.1f s); prompt style %s: %s", time.perf_counter() - t,
+             worker.warmup_s, worker.engine.prompt_style.name, worker.engine.prompt_style.why)
     try:
         serve_pipe(worker, conn)
     finally:

@@ -183,7 +183,7 @@ class ShadowChecks:
             else:
                 gen = Generation(engine.tokenizer, engine.stop_token_ids,
                                  GenerationOptions(max_tokens=check.max_tokens, temperature=0.0, stop=check.stop),
-                                 engine.device)
+                                 engine.device, engine.stop_strings)
                 for i in range(j + 1):
                     gen.accept(logits[i])
                 fused.cache.length = prompt_len + j  # the rows of the shared tokens, written by teacher forcing

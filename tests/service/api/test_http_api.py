@@ -82,6 +82,7 @@ def test_health_and_ready_are_open_without_a_key(holder: Holder) -> None:
         assert isinstance(health.json()["worker"]["pid"], int)
         workers = keyed.get("/ready").json()["workers"]
         assert [w["pid"] for w in workers] == [health.json()["worker"]["pid"]]
+        assert workers[0]["prompt"]["style"] == "chat"  # the default model has a chat template with a system turn
     with make_client(holder.server, key=None) as anon:
         health = anon.get("/health")
         assert health.status_code == 200 and health.json()["status"] == "ok"
