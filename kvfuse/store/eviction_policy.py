@@ -15,6 +15,8 @@ reads update it without any write to storage (docs/DESIGN.md, "Bounded tiers").
               A chunk at the small FIFO's tail that was read since it came in moves to the main FIFO
               (the threshold of libCacheSim's reference S3FIFOv0: read once more), else it goes and its
               key enters the ghost; a chunk inserted while its key is in the ghost enters the main FIFO.
+              The ghost keeps as many keys as the tier holds chunks (the paper: as many as the main
+              FIFO, which holds nine in ten of them), so the Redis tier's script can bound it alike.
 - `cost`:     GreedyDual-Size-Frequency (Cherkasova, 1998), the cost-aware policy: priority
               L + reads x cost / bytes, the lowest goes first, and L rises to each victim's priority
               (so chunks not read for a long time age out). `cost` is what a miss costs: the chunk's
@@ -250,14 +252,14 @@ class S3FIFO(EvictionPolicy):
         super().__init__(capacity_bytes)
         self.small: OrderedDict[str, None] = OrderedDict()  # head = last (newest), tail = first
         self.main: OrderedDict[str, None] = OrderedDict()
-        self.ghost: OrderedDict[str, int] = OrderedDict()  # key -> its size, keys only
+        self.ghost: OrderedDict[str, None] = OrderedDict()  # keys only
         self.freq: dict[str, int] = {}
-        self.small_bytes = self.main_bytes = self.ghost_bytes = 0
+        self.small_bytes = self.main_bytes = 0
 
     def _insert(self, key: str, nbytes: int, cost: float) -> None:
         self.freq[key] = 0
         if key in self.ghost:
-            self.ghost_bytes -= self.ghost.pop(key)
+            del self.ghost[key]
             self.main[key] = None
             self.main_bytes += nbytes
         else:
@@ -276,13 +278,10 @@ class S3FIFO(EvictionPolicy):
             del self.main[key]
             self.main_bytes -= nbytes
 
-    def _to_ghost(self, key: str, nbytes: int) -> None:
-        self.ghost[key] = nbytes
-        self.ghost_bytes += nbytes
-        limit = self.capacity_bytes - int(self.capacity_bytes * SMALL_SHARE)  # the main FIFO's share
-        while self.ghost_bytes > limit and self.ghost:
-            _, n = self.ghost.popitem(last=False)
-            self.ghost_bytes -= n
+    def _to_ghost(self, key: str) -> None:
+        self.ghost[key] = None
+        while len(self.ghost) > len(self.small) + len(self.main):
+            self.ghost.popitem(last=False)
 
     def _pick(self, pinned: Container[str]) -> str | None:
         # A pinned chunk goes back to its queue's head untouched; a queue whose every chunk was seen
@@ -316,7 +315,7 @@ class S3FIFO(EvictionPolicy):
             self.main_bytes += nbytes
             return None
         del self.freq[key]
-        self._to_ghost(key, nbytes)
+        self._to_ghost(key)
         return key
 
     def _main_tail(self, pinned: Container[str], pinned_seen: set[str]) -> str | None:

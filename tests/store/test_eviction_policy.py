@@ -115,11 +115,11 @@ def test_s3fifo_main_fifo_reinserts_with_a_two_bit_count() -> None:
     assert p.freq["b"] == 1 and list(p.main) == ["b"]
 
 
-def test_s3fifo_ghost_is_bounded_by_the_main_fifo_share() -> None:
+def test_s3fifo_ghost_holds_as_many_keys_as_the_tier_holds_chunks() -> None:
     p = S3FIFO(100)
     for i in range(40):
+        p.victims(p.bytes + 10 - 100)
         p.insert(f"k{i}", 10)
-        p.victims(p.bytes - 100)
-    assert p.ghost_bytes <= 90 and len(p.ghost) == 9
+    assert len(p.ghost) == 9 and list(p.ghost) == [f"k{i}" for i in range(21, 30)]  # the newest victims
     assert p.bytes == sum(p.sizes.values()) <= 100
     assert p.small_bytes + p.main_bytes == p.bytes
