@@ -211,6 +211,24 @@ class KVStore:
     def rebuild_index(self) -> dict:
         return self.catalog.rebuild_index()
 
+    def tier_levels(self) -> dict[str, int]:
+        """Per tier, the bytes it holds and its evictions so far (`bytes:<tier>`, `evictions:<tier>`; the
+        kvfuse_kv_tier_bytes / _evictions_total metrics). The shared tier's are the whole fleet's."""
+        out: dict[str, int] = {}
+        for cache in self.chunks.caches:
+            st = cache.stats()
+            out[f"bytes:{cache.name}"], out[f"evictions:{cache.name}"] = st[f"{cache.name}_bytes"], st[f"{cache.name}_evictions"]
+        with self.env.read() as txn:
+            out["bytes:lmdb"] = self.blobs.kv_bytes(txn)
+        out["evictions:lmdb"] = self.blobs.budget.evictions if self.blobs.budget is not None else 0
+        if self.shared is not None and hasattr(self.shared, "used_bytes"):
+            try:
+                out[f"bytes:{self.shared.name}"] = self.shared.used_bytes()
+                out[f"evictions:{self.shared.name}"] = self.shared.evictions()
+            except Exception:  # noqa: BLE001 - a probe: an unreachable shared tier reports nothing
+                pass
+        return out
+
     # --- housekeeping
     def stats(self) -> dict:
         with self.env.read() as txn:

@@ -134,6 +134,7 @@ class ChunkCache:
         self.last_reads |= {f"source:{k}": n for k, n in policy.counts(choices).items()}
         if self.store.device_tier is not None:
             self.last_reads["device_bytes"] = self.store.device_tier.stats()["device_bytes"]
+        self.last_reads |= self.store.tier_levels()
         out: list[Any] = [None] * len(chunks)
         for i, got in zip(read, reads, strict=True):
             out[i] = self.load_or_rebuild(*chunks[i], write_back=False, read=got)
