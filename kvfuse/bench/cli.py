@@ -1,4 +1,4 @@
-"""`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, gpu, decode and report.
+"""`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, tiers, gpu, decode and report.
 
 Nothing heavy is imported until a subcommand runs, so `kvfuse --help` stays instant."""
 
@@ -319,6 +319,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvfuse.bench import store
 
     store.register(bsub)  # `bench store`: KV blob write and read rates per dtype
+
+    from kvfuse.bench import tiers
+
+    tiers.register(bsub)  # `bench tiers`: eviction policies of a bounded KV tier on a Zipf trace
 
     from kvfuse.bench import decode
 

@@ -61,6 +61,13 @@ class Metrics:
                                         "recomputed from their tokens, by why (worker/reload_policy.py: "
                                         "read_faster, unmeasured, read_slower, miss, policy_off)",
                                         ["source", "reason"], registry=r)
+        self.kv_tier_bytes = Gauge("kvfuse_kv_tier_bytes", "Bytes of chunk KV each store tier holds, as the worker "
+                                   "last reported (device, hot, lmdb, shared; object: the object store)", ["tier"],
+                                   registry=r)
+        self.kv_tier_evictions = Counter("kvfuse_kv_tier_evictions", "Chunks each store tier evicted to stay within "
+                                         "its bound (device, hot, lmdb: store.lmdb_budget_mb, shared; object)",
+                                         ["tier"], registry=r)
+        self._evictions_seen: dict[tuple[str, str], int] = {}
         self.kv_device_tier_bytes = Gauge("kvfuse_kv_device_tier_bytes", "Bytes of chunk KV held in the worker's "
                                           "device tier (store.device_tier_mb)", registry=r)
         self.worker_restarts = Counter("kvfuse_worker_restarts", "Times the worker process was restarted",
@@ -88,3 +95,12 @@ class Metrics:
                                      registry=r)
         self.fidelity_ratio = Gauge("kvfuse_fidelity_ratio", "Recompute ratio held for the target agreement",
                                     ["method", "bucket"], registry=r)
+
+    def tier_evictions(self, worker: str, tier: str, total: int) -> None:
+        """Count a tier's evictions from the running total a worker reports (a total below the last one:
+        the worker restarted, and counts from zero again)."""
+        last = self._evictions_seen.get((worker, tier), 0)
+        self._evictions_seen[(worker, tier)] = total
+        delta = total - last if total >= last else total
+        if delta:
+            self.kv_tier_evictions.labels(tier).inc(delta)

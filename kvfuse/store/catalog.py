@@ -197,7 +197,8 @@ class DocumentCatalog:
         if rec.chunk_tokens and len(rec.chunk_tokens) != len(rec.chunk_keys):
             raise ValueError(f"{len(rec.chunk_keys)} chunk keys but {len(rec.chunk_tokens)} chunk token counts")
         if rec.status == "ready":
-            missing = [k for k in rec.chunk_keys if not self.blobs.stored(txn, k)]
+            # a chunk the LMDB budget evicted is still the document's (rebuilt or read from a lower tier)
+            missing = [k for k in rec.chunk_keys if not self.blobs.stored(txn, k) and not self.blobs.evicted(txn, k)]
             if missing:
                 raise StoreError(f"document {rec.id!r} cannot be ready: {len(missing)} chunk blobs are missing")
         txn.put(doc_key, rec.to_json(), db=self._docs)
@@ -287,7 +288,8 @@ class DocumentCatalog:
         snap = IndexSnapshot()
         with self.env.read() as txn:
             snap.docs = {doc_id: (d.status, d.updated_at) for doc_id, d in self.documents(txn).items()}
-            snap.chunks = {key for key, _ in self.blobs.scan(txn)}
+            snap.chunks = {key for key, _ in self.blobs.scan(txn)} | {
+                i.key for i in self.blobs.infos(txn) if i.evicted_at}  # the index lists evicted chunks too
             owners: dict[str, set[str]] = {}
             for key, doc_id in self.refs(txn):
                 if not doc_id.startswith(STAGING_PREFIX):  # a job's staged refs are not mirrored (store/jobs.py)

@@ -1,7 +1,9 @@
 """`kvfuse store check [--repair]`: compare everything the store holds with what its documents need.
 
 Finds: orphan blobs (no document or unfinished ingestion job refers to them), missing blobs and corrupt
-blobs (checksum, or stored under a key that is not their own) of `ready` documents, blobs of another model
+blobs (checksum, or stored under a key that is not their own) of `ready` documents (a blob the LMDB budget
+evicted is not missing: its info says so, and a query rebuilds it from its token ids or reads it from a
+lower tier; `evicted` counts them), blobs of another model
 (their header's fingerprint is not the one the service last recorded in the store's meta), chunk refs that disagree with the documents,
 the kv_bytes counter, and index/LMDB drift.
 
@@ -38,6 +40,7 @@ class CheckReport:
     kv_bytes_drift: int = 0  # counter minus the real sum
     index_drift: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
+    evicted: int = 0  # chunks of documents the LMDB budget evicted (not a problem: not lost)
 
     @property
     def problems(self) -> int:
@@ -96,11 +99,14 @@ def check_store(store: KVStore, *, repair: bool = False, grace_s: float | None =
                 created = info.created_at if info is not None else 0.0
                 (rep.young_orphans if now - created < grace else rep.orphans).append(key)
         rep.kv_bytes_drift = blobs.kv_bytes(txn) - real_bytes
+        evicted = {k for k in referenced if k not in stored and blobs.evicted(txn, k)}
     rep.documents, rep.chunks = len(docs), len(stored)
     rep.ref_drift = len(wanted ^ refs)
     corrupt = {k for k, _ in rep.corrupt} | set(rep.foreign)  # a foreign blob is as useless as a corrupt one
+    rep.evicted = len(evicted)
     rep.missing = sorted(
-        (d.id, k) for d in docs.values() if d.status == "ready" for k in d.chunk_keys if k not in stored
+        (d.id, k) for d in docs.values() if d.status == "ready" for k in d.chunk_keys
+        if k not in stored and k not in evicted
     )
     rep.index_drift = _index_drift(store)
     if repair and rep.problems:

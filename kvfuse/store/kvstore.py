@@ -12,8 +12,9 @@ fusion engine copies them into its own cache anyway).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 
 from torch import Tensor
 
@@ -24,6 +25,7 @@ from kvfuse.store.chunk_store import ChunkStore, Entry, TieredStore
 from kvfuse.store.hot_tier import HotTier
 from kvfuse.store.index import DocumentIndex, EmbeddedIndex
 from kvfuse.store.jobs import JobStore
+from kvfuse.store.lmdb_budget import LmdbBudget
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.lmdb_tier import LmdbTier
 from kvfuse.store.records import DocumentRecord
@@ -41,7 +43,9 @@ class KVStore:
                             if s.device_tier_mb > 0 and keep_blobs else None)
         self._readers: ThreadPoolExecutor | None = None
         if keep_blobs:
-            self.blobs = LmdbTier(env, verify=s.verify_checksums, pin=settings.model.device.startswith("cuda"))
+            budget = LmdbBudget(s.lmdb_budget_mb << 20, s.eviction_policy) if s.lmdb_budget_mb > 0 else None
+            self.blobs = LmdbTier(env, verify=s.verify_checksums, pin=settings.model.device.startswith("cuda"),
+                                  budget=budget)
         else:  # a fleet's API: the blobs live on the workers (remote_blobs.py)
             from kvfuse.store.remote_blobs import RemoteBlobs
 
@@ -116,6 +120,15 @@ class KVStore:
         self.put_chunk(key, blob)
         return key, len(blob)
 
+    def readmit_kv(self, fingerprint: str, kv_dtype: str, token_ids: Sequence[int], k: Tensor, v: Tensor) -> bool:
+        """Store a chunk a query rebuilt if the LMDB budget had evicted it (lmdb_tier.LmdbTier.readmit);
+        True if stored."""
+        if self.blobs.budget is None:
+            return False
+        key = kvblob.chunk_key(fingerprint, kv_dtype, token_ids)
+        blob = kvblob.encode(k, v, model_fingerprint=fingerprint, token_ids=token_ids, dtype=kv_dtype)
+        return self.blobs.readmit(key, kvblob.decode(blob))
+
     def has_chunk(self, key: str) -> bool:
         """Whether LMDB holds the blob. Not the hot tier: another process may have deleted the blob while
         this one still holds it decoded (content-addressed, so still right to serve, but not stored)."""
@@ -142,6 +155,14 @@ class KVStore:
         if self._readers is None:
             self._readers = ThreadPoolExecutor(threads, thread_name_prefix="kvfuse-read")
         return list(self._readers.map(read, keys))
+
+    @contextmanager
+    def pinned(self, keys: Sequence[str]) -> Iterator[None]:
+        """Keep these chunks from being evicted by the LMDB budget while the block runs (a query reading
+        them; store/lmdb_budget.py)."""
+        budget = getattr(self.blobs, "budget", None)
+        with budget.pinned(keys) if budget is not None else nullcontext():
+            yield
 
     def blob_fingerprint(self, key: str) -> str | None:
         """The model fingerprint in a stored blob's header (None if the blob is not stored or unreadable)."""
@@ -190,6 +211,24 @@ class KVStore:
     def rebuild_index(self) -> dict:
         return self.catalog.rebuild_index()
 
+    def tier_levels(self) -> dict[str, int]:
+        """Per tier, the bytes it holds and its evictions so far (`bytes:<tier>`, `evictions:<tier>`; the
+        kvfuse_kv_tier_bytes / _evictions_total metrics). The shared tier's are the whole fleet's."""
+        out: dict[str, int] = {}
+        for cache in self.chunks.caches:
+            st = cache.stats()
+            out[f"bytes:{cache.name}"], out[f"evictions:{cache.name}"] = st[f"{cache.name}_bytes"], st[f"{cache.name}_evictions"]
+        with self.env.read() as txn:
+            out["bytes:lmdb"] = self.blobs.kv_bytes(txn)
+        out["evictions:lmdb"] = self.blobs.budget.evictions if self.blobs.budget is not None else 0
+        if self.shared is not None and hasattr(self.shared, "used_bytes"):
+            try:
+                out[f"bytes:{self.shared.name}"] = self.shared.used_bytes()
+                out[f"evictions:{self.shared.name}"] = self.shared.evictions()
+            except Exception:  # noqa: BLE001 - a probe: an unreachable shared tier reports nothing
+                pass
+        return out
+
     # --- housekeeping
     def stats(self) -> dict:
         with self.env.read() as txn:
@@ -198,6 +237,8 @@ class KVStore:
                 "chunks": self.blobs.count(txn),
                 "kv_bytes": self.blobs.kv_bytes(txn),
             }
+        if self.blobs.budget is not None:
+            out |= self.blobs.budget.stats()
         out |= {"index": self.catalog.index.kind} | self.env.sizes()
         for cache in self.chunks.caches:
             out |= cache.stats()

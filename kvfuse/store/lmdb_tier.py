@@ -11,6 +11,12 @@ reusing them.
 A blob goes when the last document using it goes, in the catalog's transaction: the methods that take
 a `txn` are those steps, for the catalog and for `kvfuse store check`. `remove` is the tier's own
 unconditional delete; the catalog never uses it, since a blob must not go while a document refers to it.
+
+With a budget (`store.lmdb_budget_mb`, lmdb_budget.py) a put past it evicts the policy's victims in its own
+transaction. An evicted chunk that a document (or a job's staged version) still refers to keeps its
+info, marked `evicted_at`: the store still knows it (a `ready` document may use it, `kvfuse store check`
+does not call it lost), and a query rebuilds it from its token ids or reads it from a lower tier. An
+unreferenced one (a fleet worker's cache) goes whole.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 
 import lmdb
 
@@ -32,6 +39,7 @@ from kvfuse.kvblob import (
     verify_blob,
 )
 from kvfuse.store.chunk_store import ChunkStore, Entry, slice_blocks
+from kvfuse.store.lmdb_budget import LmdbBudget
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.records import ChunkInfo
 
@@ -47,15 +55,21 @@ def check_key(key: str, header_key: str) -> None:
 class LmdbTier(ChunkStore):
     name = "lmdb"
 
-    def __init__(self, env: LmdbEnv, *, verify: bool = True, pin: bool = False) -> None:
+    def __init__(self, env: LmdbEnv, *, verify: bool = True, pin: bool = False,
+                 budget: LmdbBudget | None = None) -> None:
         """pin: decode into page-locked memory (a CUDA worker: its GPU then copies the KV without a
-        staging copy, and the RAM hot tier above keeps it so)."""
+        staging copy, and the RAM hot tier above keeps it so). budget: bound the blobs' bytes."""
         self.env = env
         self._verify = verify
         self._pin = pin
         self._blobs = env.db("chunks")
         self._infos = env.db("chunkinfo")
         self._meta = env.db("meta")
+        self._refs = env.db("refs")
+        self.budget = budget
+        if budget is not None:
+            with env.read() as txn:
+                budget.seed(i for i in self.infos(txn) if not i.evicted_at)
 
     # --- ChunkStore
     def contains(self, key: str) -> bool:
@@ -69,6 +83,8 @@ class LmdbTier(ChunkStore):
                 return None
             entry = decode(buf, verify=self._verify, copy=True, pin=self._pin)  # the one copy, before the txn ends
         check_key(key, entry[2].key)
+        if self.budget is not None:
+            self.budget.accessed(key)
         return entry
 
     def probe_read(self) -> tuple[int, float] | None:
@@ -110,6 +126,8 @@ class LmdbTier(ChunkStore):
                 full = decode(buf, verify=self._verify, copy=True)
                 entry, nbytes = slice_blocks(full, blocks), header.payload_bytes
         check_key(key, entry[2].key)
+        if self.budget is not None:
+            self.budget.accessed(key)
         return entry, nbytes
 
     def get_artifacts(self, key: str) -> KVHeader | None:
@@ -129,6 +147,17 @@ class LmdbTier(ChunkStore):
         blob = pack(k, v, header)
         return self.env.write(lambda txn: self.write(txn, key, blob, header.num_tokens))
 
+    def readmit(self, key: str, entry: Entry) -> bool:
+        """Store a chunk again that the budget evicted while its documents still use it (rebuilt by a
+        query); False when it is not such a chunk (never evicted, or its last document went meanwhile:
+        it must not come back as an orphan)."""
+        with self.env.read() as txn:
+            if not self.evicted(txn, key):
+                return False
+        k, v, header = entry
+        blob = pack(k, v, header)
+        return self.env.write(lambda txn: self.evicted(txn, key) and self.write(txn, key, blob, header.num_tokens))
+
     def remove(self, key: str) -> bool:
         if not self.contains(key):  # no write transaction (and its sync) for nothing
             return False
@@ -138,8 +167,14 @@ class LmdbTier(ChunkStore):
     def stored(self, txn: lmdb.Transaction, key: str) -> bool:
         return txn.get(key.encode(), db=self._blobs) is not None
 
+    def evicted(self, txn: lmdb.Transaction, key: str) -> bool:
+        """Whether the budget evicted the chunk while something still refers to it (its info says so)."""
+        info = self.info(txn, key)
+        return info is not None and bool(info.evicted_at) and not self.stored(txn, key)
+
     def write(self, txn: lmdb.Transaction, key: str, blob: bytes, tokens: int) -> bool:
-        """Store `blob` under `key`; False if a valid copy is already there (a corrupt one is replaced)."""
+        """Store `blob` under `key`; False if a valid copy is already there (a corrupt one is replaced),
+        or if the blob alone is larger than the budget (then its chunk counts as evicted)."""
         kb = key.encode()
         existing = txn.get(kb, db=self._blobs)
         if existing is not None:
@@ -149,20 +184,74 @@ class LmdbTier(ChunkStore):
             except CorruptBlobError as err:
                 log.warning("replacing corrupt blob %s: %s", key, err)
             self._add_kv_bytes(txn, -len(existing))
+            txn.delete(kb, db=self._blobs)
+        info = ChunkInfo(key=key, tokens=tokens, bytes=len(blob), created_at=time.time())
+        if self.budget is not None and not self._make_room(txn, key, len(blob)):
+            txn.put(kb, replace(info, evicted_at=info.created_at).to_json(), db=self._infos)
+            return False
         txn.put(kb, blob, db=self._blobs)
-        txn.put(kb, ChunkInfo(key=key, tokens=tokens, bytes=len(blob), created_at=time.time()).to_json(), db=self._infos)
+        txn.put(kb, info.to_json(), db=self._infos)
         self._add_kv_bytes(txn, len(blob))
+        if self.budget is not None:
+            self.budget.stored(key, len(blob), tokens)
         return True
 
-    def drop(self, txn: lmdb.Transaction, key: str) -> bool:
-        """Delete the blob and its info; False if it was not there."""
+    def _make_room(self, txn: lmdb.Transaction, key: str, nbytes: int) -> bool:
+        """Evict until `nbytes` more fit under the budget: the policy's victims, then (blobs this process
+        does not track) any unpinned blob in key order. False when they cannot fit."""
+        assert self.budget is not None
+        if nbytes > self.budget.budget_bytes:
+            return False
+        over = self.kv_bytes(txn) + nbytes - self.budget.budget_bytes
+        while over > 0:
+            victims = self.budget.victims(over)
+            if not victims:
+                victims = self._untracked_victim(txn, key)
+                if not victims:
+                    return False
+            for victim in victims:
+                if victim != key:
+                    over -= self.evict(txn, victim)
+        return True
+
+    def _untracked_victim(self, txn: lmdb.Transaction, key: str) -> list[str]:
+        assert self.budget is not None
+        for kb in txn.cursor(db=self._blobs).iternext(keys=True, values=False):
+            k = bytes(kb).decode()
+            if k != key and not self.budget.is_pinned(k):
+                return [k]
+        return []
+
+    def evict(self, txn: lmdb.Transaction, key: str) -> int:
+        """Drop the chunk's blob under the budget; its info stays, marked evicted, while anything refers
+        to it. Returns the bytes freed."""
         kb = key.encode()
         blob = txn.get(kb, db=self._blobs)
         if blob is None:
-            return False
+            return 0
+        nbytes = len(blob)
+        self._add_kv_bytes(txn, -nbytes)
+        txn.delete(kb, db=self._blobs)
+        info = self.info(txn, key)
+        if info is not None and txn.get(kb, db=self._refs) is not None:
+            txn.put(kb, replace(info, evicted_at=time.time()).to_json(), db=self._infos)
+        else:
+            txn.delete(kb, db=self._infos)
+        if self.budget is not None:
+            self.budget.counted(nbytes)
+        return nbytes
+
+    def drop(self, txn: lmdb.Transaction, key: str) -> bool:
+        """Delete the blob and its info (an evicted chunk's info too); False if neither was there."""
+        kb = key.encode()
+        blob = txn.get(kb, db=self._blobs)
+        had_info = txn.delete(kb, db=self._infos)
+        if self.budget is not None:
+            self.budget.removed(key)
+        if blob is None:
+            return had_info
         self._add_kv_bytes(txn, -len(blob))
         txn.delete(kb, db=self._blobs)
-        txn.delete(kb, db=self._infos)
         return True
 
     def info(self, txn: lmdb.Transaction, key: str) -> ChunkInfo | None:
@@ -170,12 +259,12 @@ class LmdbTier(ChunkStore):
         return None if raw is None else ChunkInfo.from_json(key, raw)
 
     def infos(self, txn: lmdb.Transaction, keys: Iterable[str] | None = None) -> list[ChunkInfo]:
-        """Infos of the stored chunks among `keys` (each once), or of every stored chunk. An info whose
-        blob is gone (damage behind the store's back) is not a stored chunk."""
+        """Infos of the known chunks among `keys` (each once), or of every known chunk: stored, or evicted
+        by the budget. An info whose blob is gone otherwise (damage behind the store's back) is not one."""
         if keys is None:
             keys = (bytes(k).decode() for k in txn.cursor(db=self._infos).iternext(keys=True, values=False))
-        found = [self.info(txn, k) for k in dict.fromkeys(keys) if self.stored(txn, k)]
-        return [i for i in found if i is not None]
+        found = [self.info(txn, k) for k in dict.fromkeys(keys)]
+        return [i for i in found if i is not None and (i.evicted_at or self.stored(txn, i.key))]
 
     def scan(self, txn: lmdb.Transaction) -> Iterator[tuple[str, memoryview]]:
         """(key, blob) of every stored chunk; the blobs are views valid inside the transaction only."""
@@ -191,9 +280,10 @@ class LmdbTier(ChunkStore):
         return int(bytes(raw)) if raw is not None else 0
 
     def recount(self, txn: lmdb.Transaction) -> int:
-        """Drop infos without a blob and set kv_bytes to the real sum; returns that sum."""
-        stale = [bytes(k) for k in txn.cursor(db=self._infos).iternext(keys=True, values=False)
-                 if txn.get(bytes(k), db=self._blobs) is None]
+        """Drop infos without a blob (but those the budget evicted) and set kv_bytes to the real sum;
+        returns that sum."""
+        stale = [bytes(k) for k, v in txn.cursor(db=self._infos)
+                 if txn.get(bytes(k), db=self._blobs) is None and not ChunkInfo.from_json("", v).evicted_at]
         for k in stale:
             txn.delete(k, db=self._infos)
         total = sum(len(blob) for _, blob in self.scan(txn))

@@ -55,11 +55,16 @@ class ChunkInfo:
     tokens: int
     bytes: int
     created_at: float
+    # when the LMDB budget evicted its blob (0: stored); its documents still use it, and it is rebuilt from
+    # its token ids or read from a lower tier (docs/DESIGN.md, "Bounded tiers")
+    evicted_at: float = 0.0
 
     def to_json(self) -> bytes:
-        return json.dumps({"tokens": self.tokens, "bytes": self.bytes, "created_at": self.created_at}).encode()
+        d = {"tokens": self.tokens, "bytes": self.bytes, "created_at": self.created_at}
+        return json.dumps(d | ({"evicted_at": self.evicted_at} if self.evicted_at else {})).encode()
 
     @classmethod
     def from_json(cls, key: str, raw: bytes | memoryview) -> ChunkInfo:
         d = json.loads(bytes(raw))
-        return cls(key=key, tokens=d["tokens"], bytes=d["bytes"], created_at=d["created_at"])
+        return cls(key=key, tokens=d["tokens"], bytes=d["bytes"], created_at=d["created_at"],
+                   evicted_at=d.get("evicted_at", 0.0))

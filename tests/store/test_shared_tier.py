@@ -1,14 +1,18 @@
 """The shared chunk KV tier in Redis (kvfuse.store.shared_tier): content-addressed entries any host can
-read, metadata written last, a byte cap with a stated policy, and its place under a fleet worker's LMDB."""
+read, metadata written last, a byte cap kept by S3-FIFO in a server-side script, and its place under a fleet worker's LMDB."""
 
 from __future__ import annotations
 
+import random
+
 import redis
 import torch
+from redis_server import free_port, start_redis
 from store_kvdata import make_blob
 
 from kvfuse import kvblob
 from kvfuse.store import KVStore
+from kvfuse.store.eviction_policy import S3FIFO
 from kvfuse.store.shared_tier import RedisTier
 
 
@@ -38,12 +42,45 @@ def test_a_blob_without_its_metadata_is_never_read(redis_url, redis_namespace) -
     assert tier.put(key, kvblob.decode(blob)) and tier.get(key)[2].key == key
 
 
-def test_when_full_new_chunks_are_refused_not_evicted(redis_url, redis_namespace) -> None:
+def test_when_full_the_tier_evicts_by_s3fifo_as_the_policy_does(redis_url, redis_namespace) -> None:
+    """One sequence of puts and reads through the tier's script and through store/eviction_policy.S3FIFO
+    at the same cap: after every step both hold the same chunks (the script is the policy, atomic)."""
+    blobs = [make_blob(10 + i, tokens=4)[:2] for i in range(24)]
+    size = len(blobs[0][1])
+    assert all(len(b) == size for _, b in blobs)
+    cap = 8 * size
+    tier, ref = _tier(redis_url, redis_namespace, cap=cap), S3FIFO(cap)
+    rng = random.Random(0)
+    for step in range(160):
+        key, blob = blobs[min(int(rng.paretovariate(1.0)) - 1, 23) if step % 3 else rng.randrange(24)]
+        if key in ref:
+            ref.access(key)
+            assert tier.get(key)[2].key == key
+        else:
+            ref.victims(ref.bytes + size - cap)
+            ref.insert(key, size)
+            assert tier.put(key, kvblob.decode(blob))
+        held = {k for k, _ in blobs if tier.contains(k)}
+        assert held == set(ref.sizes), step
+        assert tier.used_bytes() == ref.bytes <= cap
+    assert tier.evictions() == tier.counters["evictions"] > 0 and tier.counters["full"] == 0
+    # a removed chunk leaves its queue too: the next evictions still match
+    gone = next(iter(ref.sizes))
+    assert tier.remove(gone) and ref.remove(gone)
+    for key, blob in blobs[:6]:
+        if key not in ref:
+            ref.victims(ref.bytes + size - cap)
+            ref.insert(key, size)
+            tier.put(key, kvblob.decode(blob))
+    assert {k for k, _ in blobs if tier.contains(k)} == set(ref.sizes)
+
+
+def test_a_chunk_larger_than_the_cap_is_refused(redis_url, redis_namespace) -> None:
     key1, blob1, *_ = make_blob(3)
-    key2, blob2, *_ = make_blob(4)
-    tier = _tier(redis_url, redis_namespace, cap=len(blob1) + len(blob2) // 2)
+    key2, blob2, *_ = make_blob(4, tokens=64)
+    tier = _tier(redis_url, redis_namespace, cap=len(blob1) * 2)
     assert tier.put(key1, kvblob.decode(blob1))
-    assert not tier.put(key2, kvblob.decode(blob2))  # over the cap: refused
+    assert not tier.put(key2, kvblob.decode(blob2))  # alone over the cap: refused, nothing evicted
     assert tier.contains(key1) and not tier.contains(key2) and tier.counters["full"] == 1
 
 
@@ -61,3 +98,25 @@ def test_a_worker_store_reads_the_shared_tier_and_writes_the_hit_back(settings_f
         assert b.chunks.hits["shared"] == 1 and b.has_chunk(key)  # written back into B's LMDB
         b.hot.clear()
         assert b.load_chunk(key) is not None and b.chunks.hits["lmdb"] == 1
+
+
+def test_redis_at_maxmemory_refuses_and_nothing_else_is_evicted(tmp_path) -> None:
+    """Redis stays noeviction (it holds the index and the job streams too): a put it refuses is counted
+    full, and what the tier held stays readable."""
+    port = free_port()
+    proc = start_redis(port, tmp_path, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        tier = RedisTier(url, "t:kv", 1 << 30)  # its own cap far above Redis's
+        stored, refused = [], 0
+        for seed in range(12):
+            key, blob, *_ = make_blob(seed, tokens=8)  # 180 kB each
+            if tier.put(key, kvblob.decode(blob)):
+                stored.append(key)
+            else:
+                refused += 1
+        assert stored and refused and tier.counters["full"] == refused and tier.counters["evictions"] == 0
+        assert all(tier.get(k)[2].key == k for k in stored)
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -338,6 +338,10 @@ class QueryService:
                             m.kv_device_tier_bytes.set(n)
                         elif tier.startswith("source:"):  # source:<read|recompute>:<reason>
                             m.kv_chunk_sources.labels(*tier.split(":")[1:3]).inc(n)
+                        elif tier.startswith("bytes:"):  # bytes:<tier>, what it holds now
+                            m.kv_tier_bytes.labels(tier[6:]).set(n)
+                        elif tier.startswith("evictions:"):  # evictions:<tier>, a running total
+                            m.tier_evictions(p.get("worker", ""), tier[10:], n)
                         elif n:
                             m.kv_tier_reads.labels(tier).inc(n)
                     m.requests.labels(p["finish_reason"] if p["finish_reason"] == "cancelled" else "ok").inc()

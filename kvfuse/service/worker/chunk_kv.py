@@ -125,14 +125,16 @@ class ChunkCache:
         rebuilt). `last_reads` says which tier served them and how the plan chose (the worker loads one
         query at a time, so the counters' difference is this query's)."""
         before = dict(self.store.chunks.hits)
-        choices = self.plan(chunks)
-        slow = [i for i, c in enumerate(choices) if c.reason == policy.SLOWER]
-        read = [i for i in range(len(chunks)) if i not in set(slow)]
-        reads = self.store.load_chunks([chunks[i][0] for i in read])
+        with self.store.pinned([key for key, _ in chunks]):  # planned reads are not evicted under the plan
+            choices = self.plan(chunks)
+            slow = [i for i, c in enumerate(choices) if c.reason == policy.SLOWER]
+            read = [i for i in range(len(chunks)) if i not in set(slow)]
+            reads = self.store.load_chunks([chunks[i][0] for i in read])
         self.last_reads = {tier: n - before.get(tier, 0) for tier, n in self.store.chunks.hits.items()}
         self.last_reads |= {f"source:{k}": n for k, n in policy.counts(choices).items()}
         if self.store.device_tier is not None:
             self.last_reads["device_bytes"] = self.store.device_tier.stats()["device_bytes"]
+        self.last_reads |= self.store.tier_levels()
         out: list[Any] = [None] * len(chunks)
         for i, got in zip(read, reads, strict=True):
             out[i] = self.load_or_rebuild(*chunks[i], write_back=False, read=got)
@@ -149,7 +151,8 @@ class ChunkCache:
         A miss is not written back by default: the owning document may have been deleted meanwhile, and
         an unreferenced blob would leak. A corrupt blob is replaced (its document still refers to it).
         A chunk keyed with a precompute context is rebuilt alone (the query does not carry the context)
-        and never written back: the alone cache is a fallback, not what its key names."""
+        and never written back: the alone cache is a fallback, not what its key names. A chunk the LMDB
+        budget evicted is stored again (KVStore.readmit_kv: only while a document still uses it)."""
         from kvfuse import kvblob
         from kvfuse.fusion import ChunkKV
 
@@ -173,8 +176,12 @@ class ChunkCache:
             corrupt = True
         ckv = self._precompute([token_ids])[0]
         self.rebuilt += 1
-        if (corrupt or write_back or self.share_rebuilt) and key == self.key_of(token_ids):
+        if key != self.key_of(token_ids):
+            return ckv, True
+        if corrupt or write_back or self.share_rebuilt:
             self.store.put_kv(self.engine.fingerprint, self.kv_dtype, token_ids, ckv.k, ckv.v)
+        else:  # one the LMDB budget evicted comes back in (the policy's second chance)
+            self.store.readmit_kv(self.engine.fingerprint, self.kv_dtype, token_ids, ckv.k, ckv.v)
         return ckv, True
 
     def prefix_kv(self, prefix_ids: list[int]) -> Any:

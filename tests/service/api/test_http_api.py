@@ -556,6 +556,7 @@ def test_corrupt_blob_is_rebuilt_from_the_tokens_at_query_time(holder: Holder, c
     assert metric(client, "kvfuse_rebuilt_chunks_total") == rebuilt + 1  # rebuilt once, then stored again
     # the second query read the stored copy again: counted under the tier that served it
     assert metric(client, 'kvfuse_kv_tier_reads_total{tier="lmdb"}') >= 1
+    assert metric(client, 'kvfuse_kv_tier_bytes{tier="lmdb"}') > 0  # what the tier holds, as last reported
     assert client.delete("/v1/documents/sun").status_code == 200
 
 
