@@ -320,6 +320,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     store.register(bsub)  # `bench store`: KV blob write and read rates per dtype
 
+    from kvfuse.bench import object_store
+
+    object_store.register(bsub)  # `bench object-store`: S3 clients on chunk-sized objects
+
     from kvfuse.bench import decode
 
     decode.register(bsub)  # `bench decode`: the decode step vs the weight-read bound
