@@ -91,8 +91,8 @@ class SeaweedFS:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         p = self.ports
         args = [binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                f"-master.port={p['master']}", f"-volume.port={p['volume']}", "-volume.max=4",
-                "-master.volumeSizeLimitMB=64", "-filer", f"-filer.port={p['filer']}",
+                f"-master.port={p['master']}", f"-volume.port={p['volume']}", "-volume.max=64",
+                "-master.volumeSizeLimitMB=128", "-filer", f"-filer.port={p['filer']}",
                 f"-filer.localSocket={self.workdir}/filer.sock", "-s3", f"-s3.port={p['s3']}",
                 f"-s3.localSocket={self.workdir}/s3.sock", f"-s3.config={identities}",
                 "-s3.port.iceberg=0", "-s3.port.lance=0"]

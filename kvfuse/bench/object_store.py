@@ -8,6 +8,10 @@ object alone (the per-request cost the reload policy sees besides bandwidth), me
 `--latency-gets`. Every client reads the same objects under one prefix in the same run, in turn, and
 each GET's bytes are checked against what was written. The objects are deleted at the end.
 
+`--redis URL` adds Redis (the fleet's shared KV tier, shared_tier.py) as a third "client": the same
+objects as plain GET/SET values under a key prefix of this run's own, so whether the Redis tier still
+pays beneath or beside an object store is measured in the same run.
+
 Run against any S3 API through the `object_store` settings (url, endpoint, credentials), e.g. a local
 SeaweedFS: docs/results/object-store/README.md has the command.
 """
@@ -57,13 +61,32 @@ def _latency(client: Any, key: str, n: int) -> dict:
     return {"p50_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))]}
 
 
+class RedisValues:
+    """Redis as the bench's third client: values under `prefix:` (a pool as large as the most threads)."""
+
+    def __init__(self, url: str, prefix: str, pool: int = 64) -> None:
+        import redis
+
+        self._r = redis.Redis.from_url(url, max_connections=pool)
+        self._prefix = prefix
+
+    def get(self, key: str) -> bytes | None:
+        return self._r.get(f"{self._prefix}:{key}")
+
+    def put(self, key: str, data: bytes) -> None:
+        self._r.set(f"{self._prefix}:{key}", data)
+
+    def delete(self, key: str) -> None:
+        self._r.delete(f"{self._prefix}:{key}")
+
+
 def run(cfg: Any, clients: list[str], sizes: list[int], objects: int, threads: list[int], latency_gets: int,
-        repeats: int) -> dict:
+        repeats: int, redis_url: str = "") -> dict:
     from kvfuse.store.s3_client import open_client
 
     run_prefix = f"bench-{uuid.uuid4().hex[:8]}"
     cfg = cfg.model_copy(update={"url": cfg.url.rstrip("/") + "/" + run_prefix})
-    opened = {name: open_client(cfg, name) for name in clients}
+    opened: dict[str, Any] = {name: open_client(cfg, name) for name in clients}
     writer = opened[clients[0]]
     out: dict = {"url": cfg.url, "endpoint": cfg.endpoint, "objects": objects, "cpus": os.cpu_count(),
                  "clients": {}}
@@ -80,12 +103,22 @@ def run(cfg: Any, clients: list[str], sizes: list[int], objects: int, threads: l
             small = f"s{size}/latency"
             writer.put(small, b"x" * 4096)
             written.append(small)
-            for name, client in opened.items():
-                runs = {t: [_gets(client, keys, t, size) for _ in range(repeats)] for t in threads}
-                row = {t: min(r, key=lambda x: x["seconds"]) | {"mb_per_s_all": [x["mb_per_s"] for x in r]}
-                       for t, r in runs.items()}
-                out["clients"].setdefault(name, {})[str(size)] = {
-                    "gets": row, "latency_4k": _latency(client, small, latency_gets)}
+            readers = dict(opened)
+            if redis_url:
+                readers["redis"] = RedisValues(redis_url, f"kvfuse-bench:{run_prefix}")
+                for k in [*keys, small]:
+                    readers["redis"].put(k, payload if k != small else b"x" * 4096)
+            try:
+                for name, client in readers.items():
+                    runs = {t: [_gets(client, keys, t, size) for _ in range(repeats)] for t in threads}
+                    row = {t: min(r, key=lambda x: x["seconds"]) | {"mb_per_s_all": [x["mb_per_s"] for x in r]}
+                           for t, r in runs.items()}
+                    out["clients"].setdefault(name, {})[str(size)] = {
+                        "gets": row, "latency_4k": _latency(client, small, latency_gets)}
+            finally:
+                if "redis" in readers:
+                    for k in [*keys, small]:
+                        readers["redis"].delete(k)
             out.setdefault("puts", {})[str(size)] = {"client": clients[0], "mb_per_s": size * objects / put_s / 1e6}
     finally:
         for k in written:
@@ -114,7 +147,7 @@ def _cli(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     result = run(cfg, args.clients.split(","), [int(s) for s in args.sizes.split(",")], args.objects,
-                 [int(t) for t in args.threads.split(",")], args.latency_gets, args.repeats)
+                 [int(t) for t in args.threads.split(",")], args.latency_gets, args.repeats, args.redis)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
@@ -132,6 +165,8 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", default="1,4,16", help="parallel GETs")
     p.add_argument("--latency-gets", type=int, default=50, help="single GETs of a 4 KiB object timed")
     p.add_argument("--repeats", type=int, default=3, help="passes per thread count (the fastest is kept)")
+    p.add_argument("--redis", default="", help="also read the same objects from this Redis URL (the fleet's "
+                   "shared KV tier), as a baseline in the same run")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.set_defaults(func=_cli, parser=p)

@@ -201,6 +201,9 @@ class FleetSettings(Section):
         "a job's reply stream outlives its reader by this much (then the job is dropped)"))
     shared_tier_mb: int = Field(1024, ge=0, description=(
         "cap of the shared chunk KV tier in Redis; when full new chunks stay host-local (0 = off)"))
+    redis_kv_with_object_store: bool = Field(False, description=(
+        "keep the Redis shared KV tier above the object store when object_store.url is set; off, the object "
+        "store is the fleet's shared KV tier (docs/results/object-store/README.md says what was measured)"))
     # Query routing (kvfuse/service/dispatch/routing.py): a worker's score is the share of the query's chunks
     # it holds minus this times its jobs over its running slots; 0 = locality alone.
     route_load_weight: float = Field(8.0, ge=0, description=(

@@ -184,6 +184,13 @@ class ObjectTier(ChunkStore):
 
         self.env.write(fn)
 
+    def needs_upload(self, txn: lmdb.Transaction, key: str) -> None:
+        """List `key` as pending in `txn` (a chunk stored in LMDB by a caller's transaction: `store
+        convert`, `store check --repair`); `retry_pending` uploads it."""
+        if self._pending is not None:
+            txn.put(key.encode(), str(time.time()).encode(), db=self._pending)
+            txn.delete(key.encode(), db=self._orphans)
+
     def orphaned(self, txn: lmdb.Transaction, key: str) -> None:
         """The last reference to `key` went in `txn` (the catalog's): its object is deleted after the grace."""
         if self._orphans is not None:
