@@ -142,6 +142,23 @@ class KVStore:
         this one still holds it decoded (content-addressed, so still right to serve, but not stored)."""
         return self.blobs.contains(key)
 
+    def has_or_fetch(self, key: str) -> bool:
+        """`has_chunk`, or else the chunk copied into LMDB from the object store when that holds it (a
+        valid copy: its checksums verified): ingestion then stores it without computing it again."""
+        if self.has_chunk(key):
+            return True
+        if self.objects is None:
+            return False
+        try:
+            entry = self.objects.get(key)
+        except kvblob.CorruptBlobError:
+            return False
+        if entry is None:
+            return False
+        self.blobs.put(key, entry)
+        self.catalog.chunk_stored(key)
+        return True
+
     def load_chunk(self, key: str) -> Entry | None:
         """(k, v, header) from the first tier that has it (kvfuse.store.chunk_store); None = miss. Raises
         CorruptBlobError (rebuild it from the chunk's token ids)."""

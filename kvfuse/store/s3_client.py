@@ -101,7 +101,8 @@ class ObstoreClient:
                               client_options=options, retry_config=retry)
 
     def _error(self, what: str, key: str, err: Exception) -> ObjectStoreError:
-        return ObjectStoreError(f"object store {what} {self.location.prefix}{key}: {err}")
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]  # obstore appends a debug dump
+        return ObjectStoreError(f"object store {what} {self.location.prefix}{key}: {first}")
 
     def get(self, key: str) -> memoryview | None:
         try:

