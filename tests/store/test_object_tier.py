@@ -193,6 +193,8 @@ def test_an_outage_fails_nothing_and_the_store_serves_again_when_back(seaweedfs,
         down, blob_down, *_ = make_blob(21)
         assert a.put_chunk(down, blob_down)  # stored on the host; the upload stays pending
         assert a.has_chunk(down) and set(a.objects.listed("pending")) == {down}
+        assert a.stats()["object_pending"] == 1 and a.stats()["object_errors"] >= 1
+        assert a.objects.probe_read() is None  # nothing to measure: the policy keeps its last rate
         assert b.load_chunk(up) is None and b.chunks.hits["miss"] == 1  # a miss: the caller recomputes
         assert a.load_chunk(down) is not None  # the host's own tiers still serve
         seaweedfs.start()
@@ -218,3 +220,10 @@ def test_ingestion_takes_a_chunk_the_object_store_holds_instead_of_computing_it(
     assert b.has_or_fetch(key) and b.has_chunk(key)  # copied into b's LMDB, checksums verified
     b.put_document(_doc("d", [key]), text="d")  # so a `ready` document may refer to it
     assert b.objects.counters["hits"] == 1
+
+
+def test_the_probe_read_measures_a_chunk_sized_get_and_leaves_nothing(open_store) -> None:
+    store = open_store()
+    nbytes, seconds = store.objects.probe_read()
+    assert nbytes == 1 << 20 and seconds > 0
+    assert list(store.objects.client.keys()) == []  # the probe object deleted
