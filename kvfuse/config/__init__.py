@@ -38,11 +38,17 @@ from kvfuse.config.sections import (  # the sections are part of this module's i
     StoreSettings,
     string_list,
 )
-from kvfuse.config.serving import FleetSettings, RedisSettings, ServerSettings  # part of the interface too
+from kvfuse.config.serving import (  # part of the interface too
+    FleetSettings,
+    ObjectStoreSettings,
+    RedisSettings,
+    ServerSettings,
+)
 
 __all__ = [
     "DEFAULT_COLLECTION", "REPO_CONFIG", "BenchSettings", "ConfigError", "FidelitySettings", "FleetSettings",
     "FusionMethodName", "FusionRequestSettings", "FusionSettings", "GenerationSettings", "ModelSettings",
+    "ObjectStoreSettings",
     "RedisSettings", "RetrievalRequestSettings", "RetrieverSettings", "ServerSettings", "Settings", "StoreSettings",
     "config_path", "get_settings", "load_settings", "setting_error", "string_list",
 ]
@@ -76,6 +82,7 @@ class Settings(BaseSettings):
     bench: BenchSettings = BenchSettings()
     fleet: FleetSettings = FleetSettings()
     redis: RedisSettings = RedisSettings()
+    object_store: ObjectStoreSettings = ObjectStoreSettings()
     fidelity: FidelitySettings = FidelitySettings()
 
     @field_validator("model_cache_dir", mode="before")

@@ -145,6 +145,48 @@ class RedisSettings(Section):
         "require the server certificate to name the URL's host"))
 
 
+class ObjectStoreSettings(Section):
+    """Chunk KV in an S3-compatible object store (AWS S3, MinIO, Ceph, R2, SeaweedFS) beneath every host's
+    tiers (kvfuse/store/object_tier.py; docs/DESIGN.md, "Storage"): every chunk stored is written through
+    to it, and a chunk no host tier holds is read from it before it is recomputed. Shaped like `redis`:
+    credentials from the standard AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY variables, else a
+    credentials file."""
+
+    url: str = Field("", description=(
+        "s3://bucket/prefix where chunk objects are kept (one object per chunk key); empty = no object store"))
+    endpoint: str = Field("", description=(
+        "the S3 API's URL, e.g. http://seaweedfs:8333 or https://minio.example:9000 (empty = AWS S3 of region)"))
+    region: str = Field("us-east-1", min_length=1, description="the bucket's region (signed into every request)")
+    path_style: bool = Field(True, description=(
+        "address the bucket in the path (endpoint/bucket/key), as MinIO, Ceph and SeaweedFS expect; off: "
+        "virtual-hosted (bucket.endpoint/key)"))
+    credentials_file: str = Field("", description=(
+        "an AWS shared credentials file (INI: aws_access_key_id, aws_secret_access_key) read when the "
+        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY variables are not set; a docker or Kubernetes secret"))
+    profile: str = Field("default", min_length=1, description="the section of credentials_file to use")
+    ca_file: str = Field("", description=(
+        "CA certificate(s) that sign the endpoint's certificate, for an https:// endpoint (empty = the system's)"))
+    timeout_s: float = Field(10.0, gt=0, description=(
+        "connect and request timeout; past it a read counts as a miss (the chunk is recomputed) and a write "
+        "is retried later"))
+    write_retry_s: float = Field(30.0, gt=0, description=(
+        "how often chunks whose upload failed (the object store down) are tried again"))
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v and (not v.startswith("s3://") or not v[5:].split("/", 1)[0]):
+            raise ValueError("must be s3://bucket[/prefix] (or empty for no object store)")
+        return v
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https:// (or be empty for AWS S3)")
+        return v.rstrip("/")
+
+
 class FleetSettings(Section):
     """Scale-out over Redis (docs/DESIGN.md, "Scale-out"): `kvfuse serve --workers 0` dispatches to
     `kvfuse worker` processes on any host; used only when `redis_url` is set."""
@@ -159,6 +201,9 @@ class FleetSettings(Section):
         "a job's reply stream outlives its reader by this much (then the job is dropped)"))
     shared_tier_mb: int = Field(1024, ge=0, description=(
         "cap of the shared chunk KV tier in Redis; when full new chunks stay host-local (0 = off)"))
+    redis_kv_with_object_store: bool = Field(False, description=(
+        "keep the Redis shared KV tier above the object store when object_store.url is set; off, the object "
+        "store is the fleet's shared KV tier (docs/results/object-store/README.md says what was measured)"))
     # Query routing (kvfuse/service/dispatch/routing.py): a worker's score is the share of the query's chunks
     # it holds minus this times its jobs over its running slots; 0 = locality alone.
     route_load_weight: float = Field(8.0, ge=0, description=(

@@ -63,12 +63,14 @@ class DocumentCatalog:
         forget: Callable[[Iterable[str]], None],
         rebuild_on_empty: bool = True,
         require_index: bool = True,
-    ) -> None:
+        unreferenced: Callable[[lmdb.Transaction, str], None] | None = None,
+    ) -> None:  # unreferenced(txn, key): a chunk's last ref went in txn (object_tier.py lists its object)
         self.env = env
         self.blobs = blobs
         self.index = index
         self.mirror = index if isinstance(index, IndexMirror) else None
         self._forget = forget
+        self._unreferenced = unreferenced
         self._rebuild_on_empty = rebuild_on_empty
         self._docs, self._doctime = env.db("docs"), env.db("doctime")
         self._texts, self._refs, self._meta = env.db("texts"), env.db("refs"), env.db("meta")
@@ -222,7 +224,11 @@ class DocumentCatalog:
         for k in keys:
             kb = k.encode()
             txn.delete(kb, doc_key, db=self._refs)
-            if txn.get(kb, db=self._refs) is None and self.blobs.drop(txn, k):
+            if txn.get(kb, db=self._refs) is not None:
+                continue
+            if self._unreferenced is not None:
+                self._unreferenced(txn, k)
+            if self.blobs.drop(txn, k):
                 removed.append(k)
         return removed
 

@@ -7,6 +7,11 @@ lower tier; `evicted` counts them), blobs of another model
 (their header's fingerprint is not the one the service last recorded in the store's meta), chunk refs that disagree with the documents,
 the kv_bytes counter, and index/LMDB drift.
 
+With an object store (object_tier.py): chunks documents use that are in no object (and not pending
+upload), and objects no document uses that are not listed for deletion. A `ready` document's chunk is
+missing only when neither LMDB nor the object store holds it. Objects are listed, not downloaded: their
+checksums are verified when they are read. An empty catalog (a fleet worker's data dir) judges no object.
+
 Repair: rewrites the refs from the documents, deletes orphans older than `store.orphan_grace_s` (a
 younger one may belong to an ingest that has not written its document yet) and corrupt blobs and those of another model, marks each
 `ready` document with a missing, corrupt or foreign blob `failed` with an error starting with `kv_lost`
@@ -39,6 +44,9 @@ class CheckReport:
     ref_drift: int = 0  # refs entries to add or remove
     kv_bytes_drift: int = 0  # counter minus the real sum
     index_drift: list[str] = field(default_factory=list)
+    objects: int = 0  # in the object store, when one is configured
+    object_missing: list[str] = field(default_factory=list)  # used, in no object, not pending upload
+    object_orphans: list[str] = field(default_factory=list)  # in the object store, unused, not listed
     repaired: list[str] = field(default_factory=list)
     evicted: int = 0  # chunks of documents the LMDB budget evicted (not a problem: not lost)
 
@@ -46,7 +54,7 @@ class CheckReport:
     def problems(self) -> int:
         return (
             len(self.orphans) + len(self.missing) + len(self.corrupt) + len(self.foreign) + self.ref_drift
-            + bool(self.kv_bytes_drift) + len(self.index_drift)
+            + bool(self.kv_bytes_drift) + len(self.index_drift) + len(self.object_missing) + len(self.object_orphans)
         )
 
     def to_dict(self) -> dict:
@@ -104,19 +112,54 @@ def check_store(store: KVStore, *, repair: bool = False, grace_s: float | None =
     rep.ref_drift = len(wanted ^ refs)
     corrupt = {k for k, _ in rep.corrupt} | set(rep.foreign)  # a foreign blob is as useless as a corrupt one
     rep.evicted = len(evicted)
+    held = stored | (_check_objects(store, rep, referenced) if store.objects is not None else set())
     rep.missing = sorted(
         (d.id, k) for d in docs.values() if d.status == "ready" for k in d.chunk_keys
-        if k not in stored and k not in evicted
+        if k not in held and k not in evicted
     )
     rep.index_drift = _index_drift(store)
     if repair and rep.problems:
-        _repair(store, rep, docs, wanted, corrupt)
+        _repair(store, rep, docs, wanted, corrupt, stored)
     return rep
 
 
-def _repair(
-    store: KVStore, rep: CheckReport, docs: dict[str, DocumentRecord], wanted: set[tuple[str, str]], corrupt: set[str]
-) -> None:
+def _check_objects(store: KVStore, rep: CheckReport, referenced: set[str]) -> set[str]:
+    """The object store's keys (probes left out); fills rep's object fields."""
+    objects = store.objects
+    assert objects is not None
+    keys = {k for k in objects.client.keys() if not k.startswith("probe-")}
+    rep.objects = len(keys)
+    pending, listed = objects.listed("pending"), objects.listed("orphans")
+    rep.object_missing = sorted(k for k in referenced if k not in keys and k not in pending)
+    if referenced:  # an empty catalog (a fleet worker's) says nothing about whose objects these are
+        rep.object_orphans = sorted(k for k in keys - referenced if k not in listed)
+    return keys
+
+
+def _repair_objects(store: KVStore, rep: CheckReport, stored: set[str]) -> None:
+    """List the used chunks in no object for upload (from this host's copy) and the unused objects for
+    deletion after the orphan grace; then upload what can be."""
+    objects = store.objects
+    assert objects is not None
+    up = [k for k in rep.object_missing if k in stored]
+
+    def fn(txn: lmdb.Transaction) -> None:
+        for key in up:
+            objects.needs_upload(txn, key)
+        for key in rep.object_orphans:
+            if not store.catalog.referenced(txn, key):
+                objects.orphaned(txn, key)
+
+    store.env.write(fn)
+    uploaded = objects.retry_pending()
+    if up:
+        rep.repaired.append(f"uploaded {uploaded} of {len(up)} chunks missing from the object store")
+    if rep.object_orphans:
+        rep.repaired.append(f"listed {len(rep.object_orphans)} unused objects for deletion after the grace")
+
+
+def _repair(store: KVStore, rep: CheckReport, docs: dict[str, DocumentRecord], wanted: set[tuple[str, str]],
+            corrupt: set[str], stored: set[str]) -> None:
     catalog, blobs = store.catalog, store.blobs
 
     def fix_lmdb(txn: lmdb.Transaction) -> int:
@@ -132,6 +175,8 @@ def _repair(
 
     dropped = store.env.write(fix_lmdb)
     store.chunks.evict([*rep.orphans, *corrupt])
+    if store.objects is not None and (rep.object_missing or rep.object_orphans):
+        _repair_objects(store, rep, stored)
     if rep.ref_drift:
         rep.repaired.append(f"rewrote {len(wanted)} chunk refs from the documents")
     if dropped:

@@ -4,10 +4,12 @@ Modelled on LMCache's storage backends: each tier answers `contains/get/put/remo
 (kvfuse.kvblob.chunk_key), and a `TieredStore` composes them fastest first:
 
     [device tier (hot_tier.HotTier on the GPU) ->]  RAM hot tier (hot_tier.HotTier)  ->
-    LMDB blob tier (lmdb_tier.LmdbTier)  [->  shared_tier.RedisTier]
+    LMDB blob tier (lmdb_tier.LmdbTier)  [->  shared_tier.RedisTier]  [->  object_tier.ObjectTier]
 
 A read goes down the tiers until one has the chunk and writes it back into every tier above, so the next
-read stops higher up (read-through, write-back on a lower-tier hit). A put goes to the storage tiers
+read stops higher up (read-through, write-back on a lower-tier hit). A hit in a tier marked
+`write_back_async` (the object store) is put into the caches at once but into the storage tiers above on
+a background thread, so the query does not wait for LMDB's synced write. A put goes to the storage tiers
 below the caches, and only clears the caches' copies: a freshly computed chunk is not necessarily about to
 be read, and the hot tier is kept for what queries read. A miss in every tier is the caller's to rebuild
 from the chunk's token ids.
@@ -19,14 +21,17 @@ good as any other; tiers that keep bytes verify what they read and raise Corrupt
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from kvfuse.kv_formats import cat_tokens, token_slice
 from kvfuse.kvblob import BLOCK_TOKENS, KV, KVHeader
 
+log = logging.getLogger(__name__)
 Entry = tuple[KV, KV, KVHeader]  # k and v: float tensors, or a quantized format's (kvfuse.kv_formats.QTensor)
 
 
@@ -44,6 +49,7 @@ class ChunkStore(ABC):
     """One place chunk KV can be kept. Entries handed out may be shared: callers never modify them."""
 
     name: str
+    write_back_async = False  # a hit here is written into the storage tiers above in the background
 
     @abstractmethod
     def contains(self, key: str) -> bool:
@@ -103,6 +109,8 @@ class TieredStore(ChunkStore):
         self._count = threading.Lock()
         # Told (tier name, bytes, seconds) of every read a tier served: the worker's measured bandwidths.
         self.observer: Callable[[str, int, float], None] | None = None
+        self._writer: ThreadPoolExecutor | None = None  # write-backs off the query's path (one thread: in order)
+        self._writer_lock = threading.Lock()
 
     def contains(self, key: str) -> bool:
         return any(t.contains(key) for t in self.tiers)
@@ -121,11 +129,40 @@ class TieredStore(ChunkStore):
                 with self._count:
                     self.hits[tier.name] += 1
                 for upper in reversed(self.tiers[:i]):  # the RAM tier first: the device tier copies from it
-                    upper.put(key, entry)
+                    if tier.write_back_async and upper in self.stores:
+                        self._write_back(upper, key, entry)
+                    else:
+                        upper.put(key, entry)
                 return entry
         with self._count:
             self.hits["miss"] += 1
         return None
+
+    def _write_back(self, tier: ChunkStore, key: str, entry: Entry) -> None:
+        def put() -> None:
+            try:
+                tier.put(key, entry)
+            except Exception:  # noqa: BLE001 - a copy that failed is only a later miss
+                log.exception("writing chunk %s back into the %s tier failed", key[:16], tier.name)
+
+        with self._writer_lock:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvfuse-write-back")
+            self._writer.submit(put)
+
+    def drain(self) -> None:
+        """Wait until every background write-back submitted so far is done."""
+        with self._writer_lock:
+            writer = self._writer
+        if writer is not None:
+            writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Finish the background write-backs."""
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)
 
     def get_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
         """Blocks from the first tier that has the chunk; a partial read is not written back up."""

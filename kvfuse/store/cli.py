@@ -46,7 +46,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _print_check(rep, repaired: bool) -> None:
-    print(f"{rep.documents} documents, {rep.chunks} chunk blobs")
+    objects = f", {rep.objects} objects in the object store" if rep.objects else ""
+    print(f"{rep.documents} documents, {rep.chunks} chunk blobs{objects}")
     for title, items in (
         ("orphan blobs", rep.orphans),
         ("orphan blobs within the grace period (kept)", rep.young_orphans),
@@ -54,6 +55,8 @@ def _print_check(rep, repaired: bool) -> None:
         ("corrupt blobs", rep.corrupt),
         ("blobs of another model (fingerprint)", rep.foreign),
         ("index drift", rep.index_drift),
+        ("chunks in use missing from the object store", rep.object_missing),
+        ("unused objects not listed for deletion", rep.object_orphans),
         ("repaired", rep.repaired),
     ):
         if items:

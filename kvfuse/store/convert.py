@@ -10,6 +10,9 @@ blobs. A batch is all done or not started, so an interrupted run (killed, or sto
 store that serves every document, some of its chunks in each format (a store may hold several: the
 service reads any of them, rag/sources.py); running it again goes on with what is left.
 
+With an object store (object_tier.py), each new blob is listed for upload in that same transaction and
+uploaded after it, and the old key's object is listed as an orphan (deleted after `store.orphan_grace_s`).
+
 Left alone: blobs an unfinished ingestion job has staged (it stores its chunks in the format configured
 when it runs again), orphans (`kvfuse store check` deals with them) and blobs whose header cannot be read
 (reported; `kvfuse store check --repair` deletes them). Converting out of a quantized format keeps its
@@ -88,6 +91,8 @@ def convert_store(store: KVStore, kv_dtype: str, *, batch: int = 16, limit: int 
         seen += take
         moved, skipped = store.env.write(lambda txn, c=converted: _swap(store, txn, c))
         store.chunks.evict([c.old for c in moved])
+        if store.objects is not None:
+            store.objects.retry_pending()  # what an outage leaves pending is retried in the background
         rep.skipped += skipped
         rep.converted += len(moved)
         rep.bytes_before += sum(c.old_bytes for c in moved)
@@ -148,5 +153,8 @@ def _swap(store: KVStore, txn: lmdb.Transaction, batch: list[_Converted]
                 rec.kv_bytes = max(0, rec.kv_bytes + rec.chunk_keys.count(c.new) * (len(c.blob) - c.old_bytes))
                 txn.put(owner, rec.to_json(), db=docs)
         blobs.drop(txn, c.old)
+        if store.objects is not None:  # the new blob goes up, the old object after the orphan grace
+            store.objects.needs_upload(txn, c.new)
+            store.objects.orphaned(txn, c.old)
         moved.append(c)
     return moved, skipped

@@ -1,8 +1,9 @@
 """KVStore: the one object the service opens; it wires the store's parts together and adds nothing.
 
   chunks   chunk_store.TieredStore: [the device tier over] the RAM hot tier over the LMDB blob tier (where
-           chunk KV is read from), over the shared Redis tier on a fleet worker (shared_tier.py); a
-           query's chunks are read on a thread pool (`load_chunks`)
+           chunk KV is read from), over the shared Redis tier on a fleet worker (shared_tier.py), over
+           the object store when `object_store.url` is set (object_tier.py); a query's chunks are read
+           on a thread pool (`load_chunks`)
   catalog  catalog.DocumentCatalog: document records, texts, chunk refs, the index (embedded or Redis)
   env      lmdb_env.LmdbEnv: the LMDB environment both keep their data in (the source of truth)
 
@@ -28,12 +29,14 @@ from kvfuse.store.jobs import JobStore
 from kvfuse.store.lmdb_budget import LmdbBudget
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.lmdb_tier import LmdbTier
+from kvfuse.store.object_tier import ObjectTier
 from kvfuse.store.records import DocumentRecord
 
 
 class KVStore:
     def __init__(self, settings: Settings, env: LmdbEnv, index: DocumentIndex, *, require_index: bool = True,
-                 shared: ChunkStore | None = None, keep_blobs: bool = True) -> None:
+                 shared: ChunkStore | None = None, keep_blobs: bool = True,
+                 objects: ObjectTier | None = None) -> None:
         s = settings.store
         self.settings = settings
         self.env = env
@@ -51,15 +54,23 @@ class KVStore:
 
             self.blobs = RemoteBlobs(env, verify=s.verify_checksums, shared=shared)
         self.shared = shared
-        # A fleet worker reads down to the shared tier (shared_tier.py) before rebuilding a chunk.
+        self.objects = objects
+        # A fleet worker reads down to the shared tier (shared_tier.py), and any host to the object store
+        # (object_tier.py), before rebuilding a chunk. A fleet's API reads no chunk: its object tier only
+        # deletes the objects no document uses.
         caches = (self.hot,) if self.device_tier is None else (self.device_tier, self.hot)
-        self.chunks = TieredStore(*caches, self.blobs, *([shared] if shared is not None and keep_blobs else []),
-                                  caches=len(caches))
+        lower = [t for t in (shared, objects) if t is not None] if keep_blobs else []
+        self.chunks = TieredStore(*caches, self.blobs, *lower, caches=len(caches))
         self.catalog = DocumentCatalog(
             env, self.blobs, index, forget=self.chunks.evict, rebuild_on_empty=s.rebuild_index_on_empty,
-            require_index=require_index,
+            require_index=require_index, unreferenced=None if objects is None else objects.orphaned,
         )
         self.jobs = JobStore(env, self.catalog)
+        if objects is not None:
+            objects.local_copy = lambda key: LmdbTier.get(self.blobs, key)
+            objects.in_use = lambda txn, key: (self.catalog.referenced(txn, key)
+                                               or LmdbTier.stored(self.blobs, txn, key))
+            objects.start()
 
     @classmethod
     def open(cls, settings: Settings, *, readonly: bool = False, require_index: bool = True,
@@ -79,7 +90,14 @@ class KVStore:
                 index: DocumentIndex = RedisIndex(RedisAccess.of(settings), s.redis_namespace)
             else:
                 index = EmbeddedIndex(env)
-            return cls(settings, env, index, require_index=require_index, shared=shared, keep_blobs=keep_blobs)
+            objects = None
+            if settings.object_store.url:
+                from kvfuse.store.s3_client import open_client
+
+                objects = ObjectTier(open_client(settings.object_store), env, verify=s.verify_checksums,
+                                     retry_s=settings.object_store.write_retry_s, grace_s=s.orphan_grace_s)
+            return cls(settings, env, index, require_index=require_index, shared=shared, keep_blobs=keep_blobs,
+                       objects=objects)
         except BaseException:
             env.close()
             raise
@@ -93,6 +111,9 @@ class KVStore:
     def close(self) -> None:
         if self._readers is not None:
             self._readers.shutdown(wait=True)
+        self.chunks.close()
+        if self.objects is not None:
+            self.objects.close()
         for cache in self.chunks.caches:
             cache.clear()
         self.catalog.close()
@@ -133,6 +154,23 @@ class KVStore:
         """Whether LMDB holds the blob. Not the hot tier: another process may have deleted the blob while
         this one still holds it decoded (content-addressed, so still right to serve, but not stored)."""
         return self.blobs.contains(key)
+
+    def has_or_fetch(self, key: str) -> bool:
+        """`has_chunk`, or else the chunk copied into LMDB from the object store when that holds it (a
+        valid copy: its checksums verified): ingestion then stores it without computing it again."""
+        if self.has_chunk(key):
+            return True
+        if self.objects is None:
+            return False
+        try:
+            entry = self.objects.get(key)
+        except kvblob.CorruptBlobError:
+            return False
+        if entry is None:
+            return False
+        self.blobs.put(key, entry)
+        self.catalog.chunk_stored(key)
+        return True
 
     def load_chunk(self, key: str) -> Entry | None:
         """(k, v, header) from the first tier that has it (kvfuse.store.chunk_store); None = miss. Raises
@@ -242,4 +280,6 @@ class KVStore:
         out |= {"index": self.catalog.index.kind} | self.env.sizes()
         for cache in self.chunks.caches:
             out |= cache.stats()
+        if self.objects is not None:
+            out |= self.objects.stats()
         return out | {f"tier_hits_{k}": v for k, v in self.chunks.hits.items()}

@@ -9,6 +9,8 @@ Named databases (the module that owns each):
   texts      doc id -> UTF-8 text (KV can always be rebuilt from it)                   catalog
   meta       kv_bytes (lmdb_tier), store_id (catalog), model_fingerprint (the worker's, for check)
   jobs       job id -> JSON JobRecord (durable ingestion jobs, with their text)           jobs
+  objpending chunk key -> time: not yet known to be in the object store                 object_tier
+  objorphans chunk key -> time: no document uses it; its object goes after the grace    object_tier
 
 Concurrency: LMDB allows many reader processes and one writer; every write is one transaction, so a
 document and the blobs it drops change together. Within a process, `set_mapsize` (growing the map)
@@ -32,8 +34,8 @@ from kvfuse.store.errors import StoreError, StoreReadOnlyError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DB_NAMES = ("chunks", "chunkinfo", "refs", "docs", "doctime", "texts", "meta", "jobs")
-_ADDED_LATER = ("jobs",)  # a store written before these existed still opens read-only (they read as empty)
+DB_NAMES = ("chunks", "chunkinfo", "refs", "docs", "doctime", "texts", "meta", "jobs", "objpending", "objorphans")
+_ADDED_LATER = ("jobs", "objpending", "objorphans")  # a store written before these existed still opens read-only (they read as empty)
 _READONLY_ERRNOS = (errno.EACCES, errno.EROFS, errno.EPERM)
 _MAX_WRITE_ATTEMPTS = 32  # map doublings before giving up (1 MB -> 4 PB)
 

@@ -68,12 +68,13 @@ class FleetKeys:
 
 def shared_tier(settings: Any) -> Any:
     """The fleet's shared chunk KV tier in Redis (kvfuse.store.shared_tier), as the API and every worker
-    open it; None when `fleet.shared_tier_mb` is 0."""
+    open it; None when `fleet.shared_tier_mb` is 0, or when an object store is configured (it is then the
+    shared tier: kvfuse.store.object_tier) unless `fleet.redis_kv_with_object_store` keeps Redis above it."""
     from kvfuse.store.redis_access import RedisAccess
     from kvfuse.store.shared_tier import RedisTier
 
     f = settings.fleet
-    if not f.shared_tier_mb:
+    if not f.shared_tier_mb or (settings.object_store.url and not f.redis_kv_with_object_store):
         return None
     return RedisTier(RedisAccess.of(settings), FleetKeys(f.namespace).shared_kv, f.shared_tier_mb << 20)
 

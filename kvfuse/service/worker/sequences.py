@@ -140,8 +140,9 @@ class IngestTask:
         if self.keys is None:
             self.keys = [kv.key_of(ids, self.job.context(i)) for i, ids in enumerate(chunks)]
             for i, (key, ids) in enumerate(zip(self.keys, chunks, strict=True)):
-                if kv.store.has_chunk(key):
-                    # Content-addressed: an identical chunk (same model, dtype, tokens, context) is stored once.
+                if kv.store.has_or_fetch(key):
+                    # Content-addressed: an identical chunk (same model, dtype, tokens, context) is stored once
+                    # (taken from the object store when only that holds it).
                     self.nbytes.append(kv.stored_nbytes(len(ids)))
                 else:
                     self.nbytes.append(-1)
