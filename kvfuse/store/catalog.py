@@ -196,7 +196,7 @@ class DocumentCatalog:
             raise ValueError(f"status must be one of {STATUSES}, got {rec.status!r}")
         if rec.chunk_tokens and len(rec.chunk_tokens) != len(rec.chunk_keys):
             raise ValueError(f"{len(rec.chunk_keys)} chunk keys but {len(rec.chunk_tokens)} chunk token counts")
-        if rec.status == "ready":
+        if rec.status == "ready" and rec.precompute_at != "first_use":  # first use: computed when queried
             missing = [k for k in rec.chunk_keys if not self.blobs.stored(txn, k)]
             if missing:
                 raise StoreError(f"document {rec.id!r} cannot be ready: {len(missing)} chunk blobs are missing")

@@ -100,8 +100,9 @@ def check_store(store: KVStore, *, repair: bool = False, grace_s: float | None =
     rep.ref_drift = len(wanted ^ refs)
     corrupt = {k for k, _ in rep.corrupt} | set(rep.foreign)  # a foreign blob is as useless as a corrupt one
     rep.missing = sorted(
-        (d.id, k) for d in docs.values() if d.status == "ready" for k in d.chunk_keys if k not in stored
-    )
+        (d.id, k) for d in docs.values() if d.status == "ready" and d.precompute_at != "first_use"
+        for k in d.chunk_keys if k not in stored
+    )  # a first-use document's chunks are computed when a query needs them: one not stored is not lost
     rep.index_drift = _index_drift(store)
     if repair and rep.problems:
         _repair(store, rep, docs, wanted, corrupt)

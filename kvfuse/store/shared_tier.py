@@ -92,6 +92,13 @@ class RedisTier(ChunkStore):
         except self._redis.RedisError:
             return False  # a probe: an unreachable shared tier holds nothing
 
+    def size(self, key: str) -> int | None:
+        try:
+            raw = self._r.get(self._keys(key)[1])
+        except self._redis.RedisError:
+            return None
+        return None if raw is None else json.loads(raw).get("bytes")
+
     def get(self, key: str) -> Entry | None:
         blob_key, meta_key, _ = self._keys(key)
         try:
