@@ -283,6 +283,8 @@ class IngestManager:
             self.metrics.precomputed_chunks.inc(done.computed)
             rec.chunks_done = min(len(ids), i + batch)
             self._check(job)
+        if at != "ingest":  # every step a first-use document takes is done; its KV is computed when queried
+            rec.chunks_done = len(ids)
         doc = DocumentRecord(id=doc_id, status="ready", metadata=rec.metadata, collection=rec.collection,
                              chunk_keys=keys,
                              chunk_tokens=[len(t) for t in raw], tokens=sum(len(t) for t in raw),
