@@ -331,3 +331,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvfuse.bench import decode
 
     decode.register(bsub)  # `bench decode`: the decode step vs the weight-read bound
+
+    from kvfuse.bench import first_use
+
+    first_use.register(bsub)  # `bench ingest`: precompute_at first_use against ingest

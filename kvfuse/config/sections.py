@@ -128,6 +128,9 @@ class StoreSettings(Section):
         "reading slower than the engine's measured precompute (docs/DESIGN.md, \"Reload or recompute\")"))
     reload_ewma_weight: float = Field(0.2, gt=0, le=1, description=(
         "weight of each new read or precompute in the measured rates' moving averages"))
+    reload_probe_every: int = Field(20, ge=0, description=(
+        "a tier the reload policy judged slower than recomputing is read anyway every this many queries "
+        "that judged it so, to measure it again (0 = never)"))
     verify_checksums: bool = Field(True, description=(
         "verify each blob's checksum when it is read from LMDB (hot-tier hits skip it)"))
     orphan_grace_s: float = Field(3600.0, ge=0, description=(
@@ -143,6 +146,11 @@ class StoreSettings(Section):
         "token budget of that context (document, neighbours)"))
     precompute_neighbours: int = Field(2, ge=1, description=(
         "neighbours modes: the chunk's n most similar chunks"))
+    precompute_at: Literal["ingest", "first_use"] = Field("ingest", description=(
+        "when a chunk's KV is computed: ingest (every chunk before its document is ready) | first_use (a "
+        "document is ready once its text, chunks, embeddings and keyword index are stored; each chunk's KV "
+        "is computed, after the context recorded for it, the first time a query needs it, and kept); a "
+        'request may set it for its documents (docs/DESIGN.md, "KV when it pays")'))
 
 
 class RetrievalRequestSettings(Section):

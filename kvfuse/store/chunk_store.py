@@ -81,6 +81,11 @@ class ChunkStore(ABC):
         entry = self.get(key)
         return None if entry is None else entry[2]
 
+    def size(self, key: str) -> int | None:
+        """The bytes this tier keeps for the chunk, in the format it was stored in (None: not here, or not
+        known without reading it). The reload policy's estimate of a read (reload_policy.py)."""
+        return None
+
     def probe_read(self) -> tuple[int, float] | None:
         """(bytes, seconds) of one read as this tier reads a chunk, to measure it before any query does
         (the worker's reload-or-recompute policy); None where there is nothing to read or it is memory."""
@@ -118,6 +123,13 @@ class TieredStore(ChunkStore):
     def where(self, key: str) -> str | None:
         """The name of the first tier that has the chunk (where `get` would read it), None for none."""
         return next((t.name for t in self.tiers if t.contains(key)), None)
+
+    def locate(self, key: str) -> tuple[str | None, int | None]:
+        """(the first tier that has the chunk, its bytes there as stored: `size`), (None, None) for none."""
+        for t in self.tiers:
+            if t.contains(key):
+                return t.name, t.size(key)
+        return None, None
 
     def get(self, key: str) -> Entry | None:
         for i, tier in enumerate(self.tiers):

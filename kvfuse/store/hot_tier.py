@@ -48,6 +48,11 @@ class HotTier(ChunkStore):
         with self._lock:
             return key in self._items
 
+    def size(self, key: str) -> int | None:
+        with self._lock:
+            item = self._items.get(key)
+            return None if item is None else item[1]
+
     def put(self, key: str, entry: Entry) -> bool:
         """Keep `entry`; False when it alone exceeds the budget (then it is not kept)."""
         size = entry[0].nbytes + entry[1].nbytes

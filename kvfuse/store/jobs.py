@@ -56,6 +56,7 @@ class JobRecord:
     # across restarts; and, while the job pauses before its next try, what it waits for.
     retries: dict[str, int] = field(default_factory=dict)
     waiting_for: str | None = None
+    precompute_at: str = ""  # the request's `precompute_at` ("" = store.precompute_at)
 
     @property
     def finished(self) -> bool:

@@ -150,6 +150,24 @@ class KVStore:
         blob = kvblob.encode(k, v, model_fingerprint=fingerprint, token_ids=token_ids, dtype=kv_dtype)
         return self.blobs.readmit(key, kvblob.decode(blob))
 
+    def put_kv_referenced(self, rows: Sequence[tuple[str, bytes]]) -> list[str]:
+        """Store blobs (key, blob) computed at a query or a warm-up, but only those a document or a running
+        ingestion still refers to, checked in the write's own transaction (a chunk of a document deleted
+        meanwhile is not written: it would be an orphan). Returns the keys written."""
+        for key, blob in rows:
+            if kvblob.read_header(blob).key != key:
+                raise ValueError(f"blob belongs under key {kvblob.read_header(blob).key}, not {key}")
+
+        def fn(txn: object) -> list[str]:
+            return [key for key, blob in rows if self.catalog.referenced(txn, key)
+                    and self.blobs.write(txn, key, blob, kvblob.read_header(blob).num_tokens)]
+
+        added = self.env.write(fn)
+        self.chunks.evict(added)  # no cache holds an older copy
+        for key in added:
+            self.catalog.chunk_stored(key)
+        return added
+
     def has_chunk(self, key: str) -> bool:
         """Whether LMDB holds the blob. Not the hot tier: another process may have deleted the blob while
         this one still holds it decoded (content-addressed, so still right to serve, but not stored)."""
@@ -201,6 +219,11 @@ class KVStore:
         budget = getattr(self.blobs, "budget", None)
         with budget.pinned(keys) if budget is not None else nullcontext():
             yield
+
+    def stored_chunks(self, keys: Sequence[str]) -> int:
+        """How many of `keys` the blob tier holds (a first-use document's chunks with KV so far)."""
+        with self.env.read() as txn:
+            return sum(self.blobs.stored(txn, k) for k in keys)
 
     def blob_fingerprint(self, key: str) -> str | None:
         """The model fingerprint in a stored blob's header (None if the blob is not stored or unreadable)."""

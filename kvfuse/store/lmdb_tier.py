@@ -87,6 +87,12 @@ class LmdbTier(ChunkStore):
             self.budget.accessed(key)
         return entry
 
+    def size(self, key: str) -> int | None:
+        """The stored blob's bytes (its chunkinfo: what a read copies, in its own KV format)."""
+        with self.env.read() as txn:
+            info = self.info(txn, key)
+        return None if info is None else info.bytes
+
     def probe_read(self) -> tuple[int, float] | None:
         """A read of the first stored blob, timed (None: the store holds none)."""
         with self.env.read() as txn:

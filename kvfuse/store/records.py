@@ -25,6 +25,14 @@ class DocumentRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     # per chunk, the hash of the context its KV was computed after (kvblob.context_hash); [] = all alone
     chunk_contexts: list[str] = field(default_factory=list)
+    # per chunk, where that context's tokens come from, so a chunk in no tier (never computed under
+    # `store.precompute_at: first_use`, or evicted) is computed after the same context as at ingestion:
+    # {"span": [a, b]} (tokens a..b of this document), {"ids": [...]} (the tokens themselves), {} (alone).
+    # [] = not recorded (a record from before it): kvfuse/service/rag/precompute_context.py, `recorded`
+    chunk_context_src: list[dict] = field(default_factory=list)
+    # when its chunks' KV is computed (`store.precompute_at`): "ingest" (all stored before `ready`) or
+    # "first_use" (each the first time a query needs it, or ahead through POST .../precompute)
+    precompute_at: str = "ingest"
     tokens: int = 0
     kv_bytes: int = 0
     created_at: float = 0.0  # 0 = set by the store on first write

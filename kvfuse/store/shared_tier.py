@@ -179,6 +179,13 @@ class RedisTier(ChunkStore):
         except self._redis.RedisError:
             return False  # a probe: an unreachable shared tier holds nothing
 
+    def size(self, key: str) -> int | None:
+        try:
+            raw = self._r.get(self._keys(key)[1])
+        except self._redis.RedisError:
+            return None
+        return None if raw is None else json.loads(raw).get("bytes")
+
     def get(self, key: str) -> Entry | None:
         keys = self._keys(key)
         try:

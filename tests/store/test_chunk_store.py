@@ -102,3 +102,21 @@ def test_put_kv_encodes_keys_and_stores_a_chunk(settings_factory) -> None:
         assert store.put_kv(FINGERPRINT, "bfloat16", ids, k, v) == (key, nbytes)  # stored once
         k2, v2, header = store.load_chunk(key)
         assert torch.equal(k2, k.to(torch.bfloat16)) and header.token_hash == kvblob.token_hash(ids)
+
+
+def test_a_chunk_is_located_with_its_bytes_in_the_format_it_was_stored_in(envs) -> None:
+    """The reload policy costs a read by the bytes the tier keeps for that chunk (ChunkStore.size): a store
+    holds several KV formats at once, so an int4 chunk is a third of a float16 one's bytes whatever
+    `store.kv_dtype` says now."""
+    hot, lmdb = HotTier(1 << 24), LmdbTier(envs("formats"))
+    tiers = TieredStore(hot, lmdb)
+    sizes = {}
+    for dtype in ("float16", "int4"):
+        key, blob, *_ = make_blob(7, tokens=64, dtype=dtype)
+        assert tiers.put(key, kvblob.decode(blob))
+        assert tiers.locate(key) == ("lmdb", len(blob))
+        sizes[dtype] = len(blob)
+        entry = tiers.get(key)  # now in the hot tier too: located there, with its decoded bytes
+        assert tiers.locate(key) == ("hot", entry[0].nbytes + entry[1].nbytes)
+    assert sizes["int4"] < 0.4 * sizes["float16"]
+    assert tiers.locate("0" * 64) == (None, None)

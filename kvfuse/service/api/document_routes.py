@@ -32,6 +32,7 @@ from kvfuse.service.api.schemas import (
     DocumentBatchIn,
     DocumentIn,
     OnConflict,
+    PrecomputeAt,
     decode_utf8,
     documented_body,
     parse_json,
@@ -69,6 +70,9 @@ async def _parse_documents(request: Request, state: ServiceState, raw: bytes, do
     payload = parse_json(raw)
     if isinstance(payload, dict) and "documents" in payload:
         batch = validate(DocumentBatchIn, payload)
+        if batch.precompute_at is not None:  # the batch's, for every document that names none
+            batch.documents = [d if d.precompute_at else d.model_copy(update={"precompute_at": batch.precompute_at})
+                               for d in batch.documents]
         return batch.documents, True, batch.on_conflict or on_conflict or "skip", batch.collection or default_collection
     doc = validate(DocumentIn, payload)
     return [doc], False, on_conflict or "skip", default_collection
@@ -79,14 +83,17 @@ async def _parse_documents(request: Request, state: ServiceState, raw: bytes, do
 async def create_documents(request: Request, response: Response, state: ModelState, caller: Caller,
                            wait: bool = False,
                            id: str | None = None, on_conflict: OnConflict | None = None,
-                           collection: str | None = Query(None, pattern=COLLECTION_PATTERN)
+                           collection: str | None = Query(None, pattern=COLLECTION_PATTERN),
+                           precompute_at: PrecomputeAt | None = None,
                            ) -> JobOut | Submitted | SubmittedBatch:
     """Ingest one document or a batch. 202 with a job per document; with ?wait=true, 201 once stored (200
     when every document was skipped, 202 if waiting timed out). The body is JSON, or the raw text as
     text/plain (id, on_conflict and collection then come from the query string). A document goes to its
     own `collection`, else the batch's, else ?collection=, else `default`. A file (PDF, DOCX, HTML, Markdown,
     text) comes as multipart/form-data: its `file` field, with `id`, `collection`, `on_conflict` and
-    `metadata` (a JSON object) as form fields (api/uploads.py)."""
+    `metadata` (a JSON object) as form fields (api/uploads.py). `precompute_at` (a document's, else the
+    batch's, else ?precompute_at=, else `store.precompute_at`): `first_use` makes a document ready without
+    its chunks' KV, computed when a query first needs it."""
     srv = state.settings.server
     docs, batch, default_conflict, default_collection = await _parse_documents(
         request, state, await request.body(), id, on_conflict, collection)
@@ -114,8 +121,9 @@ async def create_documents(request: Request, response: Response, state: ModelSta
         caller.check_write(coll)
         await _check_id_free(state, caller, doc_id)
         state.ingest.check_conflict(doc_id, policy)
+    when = {doc_id: d.precompute_at or precompute_at for doc_id, d, _, _ in items if d.precompute_at or precompute_at}
     results = state.ingest.submit_all([(doc_id, d.text, dict(d.metadata), policy, coll)
-                                       for doc_id, d, policy, coll in items])
+                                       for doc_id, d, policy, coll in items], precompute_at=when)
     jobs = [job for job, _ in results if job is not None]
     if not wait:
         response.status_code = 202 if jobs else 200
@@ -256,6 +264,8 @@ async def get_document(state: ReadyState, caller: Caller, doc_id: str, include_t
     if rec is None:  # queued, not written yet
         return DocumentOut.queued(job)
     out = DocumentOut.of(rec, job)
+    if rec.status == "ready":
+        out.kv_chunks = await asyncio.to_thread(state.corpus.store.stored_chunks, rec.chunk_keys)
     if include_text:
         out.text = await asyncio.to_thread(state.corpus.store.get_text, doc_id)
     return out
@@ -292,4 +302,9 @@ async def get_job(state: State, caller: Caller, job_id: str) -> JobOut:
     if job is None or not caller.sees(job.collection):
         raise APIError(404, f"job {job_id!r} not found (finished jobs are kept for server.job_history_s = "
                        f"{state.settings.server.job_history_s:g} s)", code="job_not_found")
-    return JobOut.of(job)
+    out = JobOut.of(job)
+    if out.status == "ready":
+        rec = await asyncio.to_thread(state.corpus.store.get_document, job.document_id)
+        if rec is not None and rec.status == "ready":
+            out.kv_chunks = await asyncio.to_thread(state.corpus.store.stored_chunks, rec.chunk_keys)
+    return out

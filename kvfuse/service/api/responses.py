@@ -53,6 +53,9 @@ class JobOut(BaseModel):
     retries: dict[str, int] | None = _optional("retries so far by cause (worker_crashed, index_unavailable), "
                                                "once the job was retried")
     waiting_for: str | None = _optional("while the job pauses before its next try: which, and after what")
+    kv_chunks: int | None = _optional("once its document is in: how many of its chunks hold KV (fewer than "
+                                      "chunks_total under precompute_at first_use until queries or "
+                                      "POST /v1/documents/{id}/precompute compute them)")
     status_url: str | None = _optional("where to follow the job: with ?wait=true answers that timed out")
     detail: str | None = _optional("what happened, when ?wait=true stopped waiting before the job ended")
 
@@ -96,6 +99,10 @@ class DocumentOut(BaseModel):
     updated_at: float = 0.0
     error: str | None = None
     content_hash: str = ""
+    precompute_at: str = Field("ingest", description=(
+        "ingest (every chunk's KV computed before ready) | first_use (each chunk's KV computed when a query "
+        "first needs it)"))
+    kv_chunks: int | None = _optional("how many of its chunks hold KV now (GET /v1/documents/{id})")
     job: JobOut | None = _optional("the ingestion job, while one runs")
     text: str | None = _optional("the document's text, with ?include_text=true")
 
@@ -105,7 +112,7 @@ class DocumentOut(BaseModel):
                    chunks=len(rec.chunk_keys),
                    tokens=rec.tokens, kv_bytes=rec.kv_bytes, created_at=rec.created_at,
                    updated_at=rec.updated_at, error=rec.error, content_hash=rec.content_hash,
-                   job=None if job is None else JobOut.of(job))
+                   precompute_at=rec.precompute_at, job=None if job is None else JobOut.of(job))
 
     @classmethod
     def queued(cls, job: IngestJob) -> DocumentOut:
@@ -135,6 +142,16 @@ class CollectionDeleted(BaseModel):
     collection: str
     deleted: int
     ids: list[str]
+
+
+class Precomputed(BaseModel):
+    """`POST /v1/documents/{id}/precompute` and `POST /v1/collections/{name}/precompute`: the chunk KV
+    computed ahead of queries (the documents ingested with precompute_at first_use)."""
+
+    documents: list[str] = Field(description="the ready documents it went over")
+    chunks: int = Field(description="their chunks")
+    computed: int = Field(description="chunks whose KV it computed (those no tier held)")
+    kv_chunks: int = Field(description="chunks holding KV after it")
 
 
 class FilterDeleted(BaseModel):
@@ -211,6 +228,10 @@ class Usage(BaseModel):
     context_tokens: int = Field(description="the retrieved chunks' tokens")
     cached_tokens: int = Field(description="prompt tokens whose stored KV was reused unchanged")
     recomputed_tokens: int = Field(description="context tokens recomputed by the fusion method")
+    chunks_read: int | None = _optional("chunks whose stored KV was read")
+    chunks_computed: int | None = _optional(
+        "chunks whose KV was computed for this query, after their recorded contexts: in no tier (first use, "
+        "or evicted: then kept for the next query) or behind a tier slower than computing them")
 
 
 class Timings(BaseModel):
@@ -222,6 +243,7 @@ class Timings(BaseModel):
     assemble_ms: float
     select_ms: float
     recompute_ms: float
+    kv_compute_ms: float = Field(0.0, description="of kv_load_ms: computing the chunks_computed")
     ttft_ms: float
     decode_ms: float
     total_ms: float

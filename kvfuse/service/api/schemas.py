@@ -48,6 +48,7 @@ MetaValue = Annotated[StrictStr | StrictInt | Annotated[float, StrictMode(), All
 COLLECTION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 CollectionName = Annotated[str, StringConstraints(pattern=COLLECTION_PATTERN)]
 OnConflict = Literal["skip", "overwrite", "fail"]
+PrecomputeAt = Literal["ingest", "first_use"]  # store.precompute_at, per request
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -62,12 +63,14 @@ class DocumentIn(Strict):
     metadata: dict[str, MetaValue] = {}
     collection: CollectionName | None = None
     on_conflict: OnConflict | None = None
+    precompute_at: PrecomputeAt | None = None  # None: the batch's, else ?precompute_at=, else store.precompute_at
 
 
 class DocumentBatchIn(Strict):
     documents: list[DocumentIn] = Field(min_length=1)
     collection: CollectionName | None = None  # of every document that names none
     on_conflict: OnConflict | None = None
+    precompute_at: PrecomputeAt | None = None  # of every document that names none
 
 
 def _all_optional(model: type[BaseModel]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from kvfuse.service.dispatch.job_book import WorkerCrashed, WorkerJobError, prec
 from kvfuse.service.errors import APIError
 from kvfuse.service.rag.ingest_job import IngestJob, Submission, content_hash
 from kvfuse.service.rag.ingest_retry import INDEX_UNAVAILABLE, WORKER_CRASHED, RetryPolicy, cause_of
-from kvfuse.service.rag.precompute_context import contexts_for
+from kvfuse.service.rag.precompute_context import context_sources, contexts_for
 from kvfuse.service.wire.protocol import PrecomputeJob
 from kvfuse.store.errors import IndexUnavailableError
 from kvfuse.store.jobs import JobRecord, public_status
@@ -116,10 +116,11 @@ class IngestManager:
                 raise APIError(409, f"document {doc_id!r} already exists (on_conflict=fail)",
                                code="document_exists", param="id")
 
-    def submit_all(self, items: list[tuple[str, str, dict, str, str]]) -> list[tuple[IngestJob | None, Submission]]:
+    def submit_all(self, items: list[tuple[str, str, dict, str, str]], *,
+                   precompute_at: dict[str, str] | None = None) -> list[tuple[IngestJob | None, Submission]]:
         """Queue a job per (doc id, text, metadata, on_conflict, collection) (after check_conflict, with no
         await in between); (None, item) when skipped (a document kept by `skip` stays in its collection). The jobs are stored in one transaction before this returns:
-        a 202 is a promise that survives a restart."""
+        a 202 is a promise that survives a restart. `precompute_at`: doc id -> the request's mode for it."""
         out: list[tuple[IngestJob | None, Submission]] = []
         new: list[IngestJob] = []
         for doc_id, text, metadata, on_conflict, collection in items:
@@ -132,7 +133,8 @@ class IngestManager:
                 out.append((None, Submission(document_id=doc_id, job_id=None, status=existing.status, skipped=True)))
                 continue
             job = IngestJob(JobRecord(id="job-" + uuid.uuid4().hex[:16], document_id=doc_id, text=text,
-                                      metadata=metadata, collection=collection, created_at=time.time()))
+                                      metadata=metadata, collection=collection, created_at=time.time(),
+                                      precompute_at=(precompute_at or {}).get(doc_id, "")))
             new.append(job)
             out.append((job, Submission(document_id=doc_id, job_id=job.id, status=job.status)))
         if new:
@@ -153,7 +155,8 @@ class IngestManager:
         if rec is None or not text:
             return None
         log.info("rebuilding %s from its stored text: %s", doc_id, reason)
-        job, _ = self.submit_all([(doc_id, text, dict(rec.metadata), "overwrite", rec.collection)])[0]
+        job, _ = self.submit_all([(doc_id, text, dict(rec.metadata), "overwrite", rec.collection)],
+                                 precompute_at={doc_id: rec.precompute_at})[0]
         return job
 
     def resubmit_soon(self, doc_id: str, reason: str) -> None:
@@ -270,7 +273,8 @@ class IngestManager:
         self._check(job)
         kv_bytes = 0
         batch = self.settings.server.precompute_batch_chunks
-        for i in range(0, len(ids), batch):
+        at = rec.precompute_at or self.settings.store.precompute_at
+        for i in range(0, len(ids) if at == "ingest" else 0, batch):  # first_use: computed when queried
             done = await precompute(self.dispatcher, PrecomputeJob(ids[i : i + batch],
                                                                  contexts=contexts[i : i + batch]))
             if done.keys != keys[i : i + batch]:
@@ -279,11 +283,14 @@ class IngestManager:
             self.metrics.precomputed_chunks.inc(done.computed)
             rec.chunks_done = min(len(ids), i + batch)
             self._check(job)
+        if at != "ingest":  # every step a first-use document takes is done; its KV is computed when queried
+            rec.chunks_done = len(ids)
         doc = DocumentRecord(id=doc_id, status="ready", metadata=rec.metadata, collection=rec.collection,
                              chunk_keys=keys,
                              chunk_tokens=[len(t) for t in raw], tokens=sum(len(t) for t in raw),
                              chunk_contexts=hashes if any(hashes) else [],
-                             kv_bytes=kv_bytes, content_hash=content_hash(rec.text))
+                             chunk_context_src=context_sources(raw, contexts) if any(hashes) else [],
+                             precompute_at=at, kv_bytes=kv_bytes, content_hash=content_hash(rec.text))
         self._check(job)
         # The swap: from here the new version answers (a DELETE now deletes it, after this job ends).
         await asyncio.to_thread(jobs.commit, rec, doc, rec.text)

@@ -96,3 +96,48 @@ def _chunk_tokens(corpus: Corpus, records: dict[str, Any], doc_id: str, index: i
         return corpus.chunk_token_ids(rec)[index]
     except Exception:  # noqa: BLE001 - a neighbour that cannot be read is skipped, never fails the ingestion
         return None
+
+
+# -- the context recorded with each chunk ------------------------------------------------------------------
+# A chunk missing from every tier (never computed under `store.precompute_at: first_use`, or evicted) is
+# computed after exactly the context eager ingestion used, so its KV is the same, bit for bit: the record
+# names where those tokens come from (DocumentRecord.chunk_context_src). A context that is the text before
+# the chunk in its own document is a span of the document's tokens (always rebuilt from its stored text);
+# any other (neighbours, which depend on the index at ingestion, a prefix, a sink) is kept as token ids.
+
+
+def context_sources(chunk_ids: list[list[int]], contexts: list[list[int]]) -> list[dict]:
+    """Per chunk, where its context's tokens come from: {"span": [a, b]} of the document's tokens,
+    {"ids": [...]}, or {} for none."""
+    doc = [t for ids in chunk_ids for t in ids]
+    out, pos = [], 0
+    for ids, ctx in zip(chunk_ids, contexts, strict=True):
+        n = len(ctx)
+        if not ctx:
+            out.append({})
+        elif n <= pos and doc[pos - n : pos] == list(ctx):
+            out.append({"span": [pos - n, pos]})
+        else:
+            out.append({"ids": [int(t) for t in ctx]})
+        pos += len(ids)
+    return out
+
+
+def recorded_contexts(corpus: Corpus, rec: Any) -> list[list[int] | None]:
+    """Per chunk of a ready document, the tokens its KV is computed after ([] = alone), checked against
+    the context hash its key holds; None where they cannot be known (a record from before contexts were
+    recorded whose context is not its document's text before it under today's budget). Reads the store
+    (the document's tokens, cached per version): call it in a thread."""
+    from kvfuse.chunk_keys import context_hash
+
+    if not rec.chunk_contexts:
+        return [[] for _ in rec.chunk_keys]
+    raw = corpus.chunk_token_ids(rec)
+    doc = [t for ids in raw for t in ids]
+    if rec.chunk_context_src:
+        found = [doc[s["span"][0] : s["span"][1]] if "span" in s else list(s.get("ids", ()))
+                 for s in rec.chunk_context_src]
+    else:  # not recorded: its own text before it, if that is what it was computed after
+        found = chunk_context.document_contexts(raw, corpus.settings.store.precompute_context_tokens)
+    return [ctx if context_hash(ctx) == want else None
+            for ctx, want in zip(found, rec.chunk_contexts, strict=True)]

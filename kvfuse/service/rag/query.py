@@ -135,10 +135,12 @@ class QueryOutcome:
 
 
 def cached_tokens(plan: QueryPlan, usage: dict) -> int:
-    """Reused = prompt tokens whose stored KV went into the answer unchanged (vanilla reuses nothing)."""
+    """Reused = prompt tokens whose stored KV went into the answer unchanged (vanilla reuses nothing): not
+    those the fusion recomputed, nor the chunks computed for this query (in no tier: first use)."""
     if plan.fusion["method"] == "vanilla":
         return 0
-    return max(0, usage.get("prefix_tokens", 0) + usage.get("context_tokens", 0) - usage.get("recomputed_tokens", 0))
+    return max(0, usage.get("prefix_tokens", 0) + usage.get("context_tokens", 0) - usage.get("recomputed_tokens", 0)
+               - usage.get("computed_chunk_tokens", 0))
 
 
 class QueryService:
@@ -248,7 +250,7 @@ class QueryService:
         """Queue the job and wait for the worker's plan (which chunks fit), watching `gone` meanwhile."""
         message = QueryJob(question=plan.question, system_prompt=plan.system_prompt, explicit=plan.explicit,
                            fusion=plan.fusion, generation=plan.generation,
-                           chunks=[ChunkRef(c.key, c.token_ids, c.score, c.name) for c in plan.chunks],
+                           chunks=[ChunkRef(c.key, c.token_ids, c.score, c.name, c.context) for c in plan.chunks],
                            history=[list(t) for t in plan.conversation.history] if plan.conversation else [])
         try:
             job = self.dispatcher.submit(message)

@@ -25,6 +25,7 @@ from kvfuse.chunk_keys import FORMATS, chunk_key_from_hash, token_hash
 from kvfuse.fusion.prompt import in_prompt_order
 from kvfuse.service.errors import APIError, document_not_found, retry_after
 from kvfuse.service.rag.chunks import document_chunks, found_chunks
+from kvfuse.service.rag.precompute_context import recorded_contexts
 from kvfuse.service.rag.retrieval import retrieve
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ class SourceChunk:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # its document's
     location: dict[str, Any] = dataclasses.field(default_factory=dict)  # its page or section, from a file
     name: str = ""  # its document's name in the labelled prompt ("" in the plain one)
+    # the tokens its KV is computed after ([] = alone), so the worker computes a chunk in no tier exactly as
+    # ingestion would have (precompute_context.recorded_contexts); None: not known (an old record)
+    context: list[int] | None = dataclasses.field(default_factory=list)
 
 
 KeyOf = Callable[[Any, int, list[int]], str]  # (document record, chunk index, token ids) -> store key
@@ -74,11 +78,12 @@ def document_source_chunks(corpus: Corpus, rec: Any, key: KeyOf) -> list[SourceC
     """Every chunk of a ready document, in order, as the prompt renders it. Reads the store: call it in a
     thread."""
     found, name = document_chunks(corpus, rec), corpus.prompt_name(rec)
+    contexts = recorded_contexts(corpus, rec)
     out = []
     for i, ids in enumerate(corpus.prompt_chunk_ids(rec)):
         c = found[i]
         out.append(SourceChunk(rec.id, i, 1.0, key(rec, i, ids), ids, text=c.text, metadata=c.metadata,
-                               location=c.location, name=name))
+                               location=c.location, name=name, context=contexts[i]))
     return out
 
 
@@ -87,16 +92,19 @@ def hit_source_chunks(corpus: Corpus, hits: list[Any], key: KeyOf) -> list[Sourc
     left out. Reads the store: call it in a thread."""
     chunks = []
     records: dict[str, Any] = {}
+    contexts: dict[str, list[list[int] | None]] = {}
     for c in found_chunks(corpus, hits):
         if c.document_id not in records:
             records[c.document_id] = corpus.store.get_document(c.document_id)
         rec = records[c.document_id]
         if rec is None or rec.status != "ready" or c.chunk_index >= len(rec.chunk_keys):
             continue
+        if c.document_id not in contexts:
+            contexts[c.document_id] = recorded_contexts(corpus, rec)
         ids = corpus.prompt_chunk_ids(rec)[c.chunk_index]
         chunks.append(SourceChunk(c.document_id, c.chunk_index, c.score, key(rec, c.chunk_index, ids), ids,
                                   c.dense_rank, c.keyword_rank, c.text, c.metadata, c.location,
-                                  corpus.prompt_name(rec)))
+                                  corpus.prompt_name(rec), contexts[c.document_id][c.chunk_index]))
     return chunks
 
 

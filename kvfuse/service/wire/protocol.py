@@ -58,6 +58,9 @@ class ChunkRef:
     score: float = 1.0
     # its document's name in the labelled prompt (kvfuse/fusion/prompt.py); "" for the plain prompt
     name: str = ""
+    # the tokens its KV is computed after ([] = alone; None = not known): a chunk in no tier is computed
+    # after them, as ingestion computes it (service/rag/precompute_context.py, `recorded_contexts`)
+    context: list[int] | None = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +81,8 @@ class PrecomputeJob:
     job_id: int = 0
     # per chunk, the tokens its KV is computed after ([] or none given: alone); see service/rag/precompute_context.py
     contexts: list[list[int]] = field(default_factory=list)
+    # a warm-up of stored documents (service/rag/warmup.py): write a chunk only while a document refers to it
+    referenced_only: bool = False
 
     def context(self, i: int) -> list[int]:
         return self.contexts[i] if self.contexts else []

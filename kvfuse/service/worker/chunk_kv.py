@@ -1,7 +1,14 @@
 """The worker's chunk KV, in the role of a block manager: content keys, precompute-and-store at ingestion,
-loads for a query (rebuilt from the tokens on a miss, a damaged blob or another model's KV, or where
-reading it would be slower than computing it: reload_policy.py), samkv's block-by-block sources, and the
-system prompt's KV kept decoded.
+loads for a query (computed on a miss, a damaged blob or another model's KV, or where reading it would be
+slower than computing it: reload_policy.py), samkv's block-by-block sources, and the system prompt's KV
+kept decoded.
+
+A chunk a query finds in no tier (never computed, under `store.precompute_at: first_use`, or evicted) is
+computed within the query's load, with the query's other such chunks, after the context its record names
+(the query carries it: ChunkRef.context), so it is the KV eager ingestion computes, bit for bit: the same
+function over the same tokens. It is then written back, so the next query reads it; in an embedded store
+only while a document still refers to it (checked in the write's own transaction: a chunk of a document
+deleted meanwhile would be an orphan). See docs/DESIGN.md, "KV when it pays".
 
 The engine loop (core.py) and the per-job state (sequences.py) both use it; it knows neither.
 """
@@ -20,7 +27,11 @@ log = logging.getLogger("kvfuse.worker")
 
 _PREFIX_CACHE_ENTRIES = 8  # distinct system prompts kept decoded in the worker
 _UNREAD = object()  # load_or_rebuild reads the chunk itself
+Wanted = tuple  # (key, token ids) or (key, token ids, context: list[int] | None) of a chunk a query loads
 _PROBE_TOKENS = 128  # the precompute timed at start (token ids 10..137: any ids the vocabulary has)
+# reload_policy counts: a chunk in no tier computed after its recorded context and kept; one whose
+# context is not known (a record from before contexts were recorded) computed alone and not kept
+FIRST_USE = "first_use"
 
 
 class ChunkCache:
@@ -37,8 +48,9 @@ class ChunkCache:
         # the last `load_all`: chunks served per tier (and device bytes), and "source:<decision>:<reason>"
         # counts of the reload-or-recompute plan
         self.last_reads: dict[str, int] = {}
+        self.last_computed: dict[str, float] = {}  # the last `load_all`: chunks computed and read, seconds
         self._prefixes: OrderedDict[str, Any] = OrderedDict()
-        self.rates = policy.Rates(settings.store.reload_ewma_weight)
+        self.rates = policy.Rates(settings.store.reload_ewma_weight, settings.store.reload_probe_every)
         self.reload_policy = settings.store.reload_policy
         if self.reload_policy:
             store.chunks.observer = self.rates.observe_read
@@ -76,11 +88,10 @@ class ChunkCache:
 
         return kvblob.chunk_key(self.engine.fingerprint, self.kv_dtype, token_ids, context or ())
 
-    def compute_and_store(self, chunks: list[list[int]], contexts: list[list[int]] | None = None
-                          ) -> list[tuple[str, int]]:
-        """Precompute, encode and store chunks, each after its context if given (chunks alone are
-        batched); returns (key, blob bytes) each."""
-        fp, contexts = self.engine.fingerprint, contexts or [[] for _ in chunks]
+    def compute(self, chunks: list[list[int]], contexts: list[list[int]]) -> list[Any]:
+        """Each chunk's ChunkKV after its context: chunks alone batched, each with a context one prefill of
+        context + chunk (`precompute_after`). Ingestion and a query's cold chunks both compute this way, so a
+        chunk computed at first use is the chunk ingestion would have stored."""
         alone = [i for i, c in enumerate(contexts) if not c]
         computed = dict(zip(alone, self._precompute([chunks[i] for i in alone]), strict=True))
         for i, context in enumerate(contexts):
@@ -88,6 +99,20 @@ class ChunkCache:
                 t0 = time.perf_counter()
                 computed[i] = self.engine.precompute_after(context, chunks[i])
                 self.rates.observe_precompute(len(context) + len(chunks[i]), time.perf_counter() - t0)
+        return [computed[i] for i in range(len(chunks))]
+
+    def compute_and_store(self, chunks: list[list[int]], contexts: list[list[int]] | None = None, *,
+                          referenced_only: bool = False) -> list[tuple[str, int]]:
+        """Precompute, encode and store chunks, each after its context if given (chunks alone are
+        batched); returns (key, blob bytes) each. `referenced_only`: only those a document refers to are
+        written (KVStore.put_kv_referenced; the others are left out of the answer)."""
+        fp, contexts = self.engine.fingerprint, contexts or [[] for _ in chunks]
+        computed = self.compute(chunks, contexts)
+        if referenced_only:
+            rows = [(self.key_of(chunks[i], contexts[i]), self._at_rest(chunks[i], contexts[i], computed[i])[0])
+                    for i in range(len(chunks))]
+            added = set(self.store.put_kv_referenced(rows))
+            return [(key, len(blob)) for key, blob in rows if key in added]
         return [self.store.put_kv(fp, self.kv_dtype, chunks[i], computed[i].k, computed[i].v,
                                   self.chunk_artifacts(chunks[i]), context_ids=contexts[i])
                 for i in range(len(chunks))]
@@ -101,87 +126,135 @@ class ChunkCache:
 
         return artifacts.build(self.engine.tf, token_ids).to_tensors()
 
-    def block_source(self, key: str, token_ids: list[int]) -> Any:
-        """A chunk read block by block from the store (samkv); the whole chunk, rebuilt if need be, on a
-        miss or a damaged blob."""
+    def block_source(self, key: str, token_ids: list[int], context: list[int] | None = None) -> Any:
+        """A chunk read block by block from the store (samkv); the whole chunk, computed after its context
+        if need be, on a miss or a damaged blob."""
         from kvfuse.fusion.methods.sparse.source import StoreSource
 
         return StoreSource(self.store, key, token_ids,
-                           fallback=lambda: self.load_or_rebuild(key, token_ids, write_back=False)[0])
+                           fallback=lambda: self.load_or_rebuild(key, token_ids, write_back=False, context=context)[0])
 
-    def plan(self, chunks: list[tuple[str, list[int]]]) -> list[policy.Choice]:
-        """Each chunk read or recomputed (reload_policy.plan over the tier it is in, its stored bytes and
-        its tokens); every chunk read when the policy is off."""
+    def plan(self, chunks: list[Wanted]) -> list[policy.Choice]:
+        """Each chunk read or recomputed (reload_policy.plan over the tier it is in, its bytes there in the
+        KV format it was stored in, and the tokens computing it takes: its own and its context's); every
+        chunk read when the policy is off."""
         if not self.reload_policy:
             return [policy.Choice(policy.READ, "policy_off") for _ in chunks]
-        where = self.store.chunks.where
-        return policy.plan([policy.Chunk(where(key), self.stored_nbytes(len(ids)), len(ids)) for key, ids in chunks],
-                           self.rates)
+        out = []
+        for key, ids, context in map(_wanted, chunks):
+            tier, nbytes = self.store.chunks.locate(key)
+            out.append(policy.Chunk(tier, self.stored_nbytes(len(ids)) if nbytes is None else nbytes,
+                                    len(ids) + len(context or ())))
+        return policy.plan(out, self.rates, parallel=self.settings.store.read_threads)
 
-    def load_all(self, chunks: list[tuple[str, list[int]]]) -> list[tuple[Any, bool]]:
-        """`load_or_rebuild` (no write-back of a miss) of every (key, token ids) the plan reads, the blobs
-        read on the store's thread pool first (KVStore.load_chunks); the chunks a slow tier would take
-        longer to read than to compute are computed from their tokens instead, alone, as a miss is (True:
-        rebuilt). `last_reads` says which tier served them and how the plan chose (the worker loads one
-        query at a time, so the counters' difference is this query's)."""
+    def load_all(self, chunks: list[Wanted]) -> list[tuple[Any, bool]]:
+        """The ChunkKV of every (key, token ids[, context]) and whether it was computed here. The plan's
+        reads go to the store's thread pool at once (KVStore.load_chunks); the chunks a slow tier would
+        take longer to read than to compute, and those found in no tier (or damaged, or another model's),
+        are computed together after their contexts (`compute`), and those found in no tier kept (`_keep`).
+        `last_reads` says which tier served them and how the plan chose, `last_computed` how many were
+        computed and in how long (the worker loads one query at a time, so the counters' difference is
+        this query's)."""
+        wanted = [_wanted(c) for c in chunks]
         before = dict(self.store.chunks.hits)
-        with self.store.pinned([key for key, _ in chunks]):  # planned reads are not evicted under the plan
-            choices = self.plan(chunks)
+        with self.store.pinned([w[0] for w in wanted]):  # planned reads are not evicted under the plan
+            choices = self.plan(wanted)
             slow = [i for i, c in enumerate(choices) if c.reason == policy.SLOWER]
-            read = [i for i in range(len(chunks)) if i not in set(slow)]
-            reads = self.store.load_chunks([chunks[i][0] for i in read])
+            read = [i for i in range(len(wanted)) if i not in set(slow)]
+            reads = self.store.load_chunks([wanted[i][0] for i in read])
         self.last_reads = {tier: n - before.get(tier, 0) for tier, n in self.store.chunks.hits.items()}
+        out: list[Any] = [None] * len(wanted)
+        cold = []
+        for i, got in zip(read, reads, strict=True):
+            ckv = self._decoded(*wanted[i][:2], got)
+            if ckv is None:
+                cold.append(i)
+                choices[i] = policy.Choice(policy.RECOMPUTE, policy.MISS if wanted[i][2] is None else FIRST_USE)
+            else:
+                out[i] = (ckv, False)
+        t0 = time.perf_counter()
+        todo = slow + cold
+        if todo:
+            computed = self.compute([wanted[i][1] for i in todo], [wanted[i][2] or [] for i in todo])
+            blobs = {}
+            for i, ckv in zip(todo, computed, strict=True):
+                blobs[i], stored = self._at_rest(wanted[i][1], wanted[i][2] or [], ckv)
+                out[i] = (stored, True)
+            self.rebuilt += len(todo)
+            self._keep([(wanted[i][0], wanted[i][1], wanted[i][2], blobs[i]) for i in cold])
+        self.last_computed = {"chunks_computed": len(todo), "chunks_read": len(wanted) - len(todo),
+                              "computed_tokens": sum(len(wanted[i][1]) for i in todo),
+                              "compute_s": time.perf_counter() - t0}
         self.last_reads |= {f"source:{k}": n for k, n in policy.counts(choices).items()}
         if self.store.device_tier is not None:
             self.last_reads["device_bytes"] = self.store.device_tier.stats()["device_bytes"]
         self.last_reads |= self.store.tier_levels()
-        out: list[Any] = [None] * len(chunks)
-        for i, got in zip(read, reads, strict=True):
-            out[i] = self.load_or_rebuild(*chunks[i], write_back=False, read=got)
-        if slow:
-            for i, ckv in zip(slow, self._precompute([chunks[i][1] for i in slow]), strict=True):
-                out[i] = (ckv, True)
-            self.rebuilt += len(slow)
         return out
 
-    def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool,
-                        read: Any = _UNREAD) -> tuple[Any, bool]:
-        """A chunk's ChunkKV from the store; recomputed from its token ids on a miss or a corrupt blob.
-
-        A miss is not written back by default: the owning document may have been deleted meanwhile, and
-        an unreferenced blob would leak. A corrupt blob is replaced (its document still refers to it).
-        A chunk keyed with a precompute context is rebuilt alone (the query does not carry the context)
-        and never written back: the alone cache is a fallback, not what its key names. A chunk the LMDB
-        budget evicted is stored again (KVStore.readmit_kv: only while a document still uses it)."""
+    def _decoded(self, key: str, token_ids: list[int], hit: Any) -> Any:
+        """A read's ChunkKV; None where it must be computed instead: a miss, a damaged blob, another model's
+        KV (a key from elsewhere: never fused) or a blob that does not match the chunk's tokens."""
         from kvfuse import kvblob
         from kvfuse.fusion import ChunkKV
 
-        corrupt = False
+        if isinstance(hit, kvblob.CorruptBlobError):
+            log.warning("chunk %s is corrupt (%s): computing it again", key[:16], hit)
+            return None
+        if hit is None:
+            return None
+        k, v, header = hit
+        if header.model_fingerprint != self.engine.fingerprint:
+            log.warning("chunk %s holds KV of another model: computing it again", key[:16])
+            return None
+        if header.num_tokens != len(token_ids) or header.token_hash != kvblob.token_hash(token_ids):
+            log.warning("chunk %s does not match its tokens: computing it again", key[:16])
+            return None
+        return ChunkKV(token_ids=token_ids, k=k, v=v, after_context=bool(header.context_hash))
+
+    def _at_rest(self, token_ids: list[int], context: list[int], ckv: Any) -> tuple[bytes, Any]:
+        """A computed chunk's blob in `store.kv_dtype`, and its ChunkKV as a read of that blob gives it (a
+        quantized format's codes and scales): what the query fuses is what the next query will read, so
+        an answer over a chunk computed at first use is the answer over it stored (eager ingestion's)."""
+        from kvfuse import kvblob
+
+        blob = kvblob.encode(ckv.k, ckv.v, model_fingerprint=self.engine.fingerprint, token_ids=token_ids,
+                             dtype=self.kv_dtype, artifacts=self.chunk_artifacts(token_ids), context_ids=context)
+        return blob, self._decoded("", token_ids, kvblob.decode(blob, verify=False, copy=True))
+
+    def _keep(self, computed: list[tuple[str, list[int], list[int] | None, bytes]]) -> None:
+        """Write chunks computed on a miss back under their keys: on a fleet worker (`share_rebuilt`) each
+        (a fleet's chunk is every host's); in an embedded store only those a document (or a running
+        ingestion) still refers to, checked in the write's transaction (KVStore.put_kv_referenced), so a
+        document deleted meanwhile leaves no orphan. Never one whose context is not known, nor one whose
+        key names another KV format: what was computed is not what that key names."""
+        rows = [(key, blob) for key, ids, ctx, blob in computed if ctx is not None and key == self.key_of(ids, ctx)]
+        if self.share_rebuilt:
+            for key, blob in rows:
+                self.store.put_chunk(key, blob)
+        elif rows:
+            self.store.put_kv_referenced(rows)
+
+    def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool,
+                        read: Any = _UNREAD, context: list[int] | None = None) -> tuple[Any, bool]:
+        """A chunk's ChunkKV from the store; computed after `context` on a miss or a damaged blob (True:
+        computed), and then kept as `load_all` keeps one (`write_back`: whatever the policy says). `context`
+        None: not known; the chunk is computed alone and kept only if its key is that of the chunk alone."""
+        from kvfuse import kvblob
+
         try:
             hit = self.store.load_chunk(key) if read is _UNREAD else read  # `read`: load_all's read of it
-            if isinstance(hit, kvblob.CorruptBlobError):
-                raise hit
         except kvblob.CorruptBlobError as err:
-            log.warning("chunk %s is corrupt (%s): rebuilding it from its tokens", key[:16], err)
-            hit, corrupt = None, True
-        if hit is not None and hit[2].model_fingerprint != self.engine.fingerprint:
-            # Another model's KV (a key from elsewhere): a miss, never fused; rebuilt from the tokens.
-            log.warning("chunk %s holds KV of another model: rebuilding it from its tokens", key[:16])
-            hit = None
-        if hit is not None:
-            k, v, header = hit
-            if header.num_tokens == len(token_ids) and header.token_hash == kvblob.token_hash(token_ids):
-                return ChunkKV(token_ids=token_ids, k=k, v=v, after_context=bool(header.context_hash)), False
-            log.warning("chunk %s does not match its tokens: rebuilding it", key[:16])
-            corrupt = True
-        ckv = self._precompute([token_ids])[0]
+            hit = err
+        ckv = self._decoded(key, token_ids, hit)
+        if ckv is not None:
+            return ckv, False
+        blob, ckv = self._at_rest(token_ids, context or [], self.compute([token_ids], [context or []])[0])
         self.rebuilt += 1
-        if key != self.key_of(token_ids):
-            return ckv, True
-        if corrupt or write_back or self.share_rebuilt:
-            self.store.put_kv(self.engine.fingerprint, self.kv_dtype, token_ids, ckv.k, ckv.v)
-        else:  # one the LMDB budget evicted comes back in (the policy's second chance)
-            self.store.readmit_kv(self.engine.fingerprint, self.kv_dtype, token_ids, ckv.k, ckv.v)
+        known = context if context is not None else ([] if key == self.key_of(token_ids) else None)
+        # a damaged copy is always replaced; one the LMDB budget evicted comes back in (put_kv_referenced
+        # stores it only while a document still uses it, within the budget)
+        if write_back or self.share_rebuilt or hit is not None or self.store.blobs.budget is not None:
+            self._keep([(key, token_ids, known, blob)])
         return ckv, True
 
     def prefix_kv(self, prefix_ids: list[int]) -> Any:
@@ -195,3 +268,8 @@ class ChunkCache:
         while len(self._prefixes) > _PREFIX_CACHE_ENTRIES:
             self._prefixes.popitem(last=False)
         return ckv
+
+
+def _wanted(chunk: Wanted) -> tuple[str, list[int], list[int] | None]:
+    """(key, token ids, context) of a chunk to load; a pair's context is [] (alone)."""
+    return (chunk[0], chunk[1], chunk[2]) if len(chunk) > 2 else (chunk[0], chunk[1], [])

@@ -92,6 +92,7 @@ class QuerySequence(Sequence):
         self.kv = kv
         self.rebuilt = 0
         self.kv_reads: dict[str, int] = {}  # chunks served per store tier (ChunkCache.last_reads)
+        self.computed: dict[str, float] = {}  # chunks computed here and read, seconds (ChunkCache.last_computed)
         self.shadow_steps: list[Any] | None = None  # the answer's logits, kept for a shadow check (shadow.py)
 
     def plan_message(self, step: int) -> P.Plan:
@@ -107,20 +108,27 @@ class QuerySequence(Sequence):
         if self.full_prefill:  # prefills from the tokens: no stored KV to read
             return ChunkKV(self.prefix_ids), [ChunkKV(c.token_ids) for c in chunks]
         if get_method(self.fusion.method).own_pipeline:  # samkv reads only the blocks it selects
-            loaded = [kv.block_source(c.key, c.token_ids) for c in chunks]
-        else:  # every chunk's blob read at once, on the store's read threads
-            got = kv.load_all([(c.key, c.token_ids) for c in chunks])
+            loaded = [kv.block_source(c.key, c.token_ids, c.context) for c in chunks]
+        else:  # every chunk's blob read at once, on the store's read threads; those in no tier computed
+            got = kv.load_all([(c.key, c.token_ids, c.context) for c in chunks])
             loaded = [ckv for ckv, _ in got]
             self.rebuilt += sum(was_rebuilt for _, was_rebuilt in got)
             self.kv_reads = dict(kv.last_reads)
+            self.computed = dict(kv.last_computed)
         return kv.prefix_kv(self.prefix_ids), loaded
 
     def result(self, step: int) -> P.Result:
         timings = {k: float(v) for k, v in self.timings.items()}
         timings["decode_s"] = self.decode_s
+        timings["kv_compute_s"] = float(self.computed.get("compute_s", 0.0))
         r = self.gen.result(self.stats, timings)
         logprobs = r.logprobs if self.gen_options.logprobs is not None else None
-        return P.Result(self.job.job_id, r.text, r.finish_reason, dict(r.usage), r.timings, self.rebuilt, step,
+        usage = dict(r.usage)
+        if self.computed:  # the chunks whose KV was computed for this query (in no tier, or a slow one) and read
+            usage["chunks_computed"] = int(self.computed["chunks_computed"])
+            usage["chunks_read"] = int(self.computed["chunks_read"])
+            usage["computed_chunk_tokens"] = int(self.computed["computed_tokens"])
+        return P.Result(self.job.job_id, r.text, r.finish_reason, usage, r.timings, self.rebuilt, step,
                         logprobs=logprobs, kv_reads=self.kv_reads)
 
 
@@ -154,9 +162,10 @@ class IngestTask:
             piece.append(i)
             tokens += cost(i)
         if piece:
-            stored = dict(kv.compute_and_store([chunks[i] for i in piece], [self.job.context(i) for i in piece]))
+            stored = dict(kv.compute_and_store([chunks[i] for i in piece], [self.job.context(i) for i in piece],
+                                               referenced_only=self.job.referenced_only))
             for i in piece:
-                self.nbytes[i] = stored[self.keys[i]]
+                self.nbytes[i] = stored.get(self.keys[i], 0)
             self.computed += len(piece)
         if self.todo:
             return None

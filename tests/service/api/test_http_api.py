@@ -528,8 +528,8 @@ def test_corrupt_blob_is_rebuilt_from_the_tokens_at_query_time(holder: Holder, c
 
     text = "The sun is a star. It is about 4.6 billion years old and will shine for billions more."
     # Alone in its collection, its one chunk has no neighbour to be cached after: a cache of the chunk
-    # alone, which a query can rebuild and store again (one computed after a context is rebuilt alone
-    # for the query and not stored under the context's key: docs/DESIGN.md).
+    # alone, which a query rebuilds and stores again (one computed after a context is rebuilt after the
+    # context its record names: tests/service/worker/test_first_use.py).
     ingest(client, [{"id": "sun", "text": text, "collection": "sun"}])
     rebuilt = metric(client, "kvfuse_rebuilt_chunks_total")
     rec = _record(holder, "sun")

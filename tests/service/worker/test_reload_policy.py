@@ -69,8 +69,62 @@ def test_rates_follow_observations_from_many_threads() -> None:
         t.start()
     for t in threads:
         t.join()
-    assert rates.read_bps["lmdb"].samples == 800 and rates.read_rate("lmdb") == pytest.approx(1e6)
+    assert rates.reads["lmdb"].samples == 800 and rates.read_rate("lmdb") == pytest.approx(1e6)
     rates.observe_read("lmdb", 0, 0.1)  # nothing read: not a sample
     rates.observe_precompute(100, 0.0)
-    assert rates.read_bps["lmdb"].samples == 800 and rates.precompute_tps.value is None
-    assert rates.snapshot() == {"read_bps_lmdb": pytest.approx(1e6), "precompute_tokens_per_s": None}
+    assert rates.reads["lmdb"].samples == 800 and rates.precompute_tps.value is None
+    assert rates.snapshot() == {"read_bps_lmdb": pytest.approx(1e6), "read_latency_s_lmdb": 0.0,
+                                "precompute_tokens_per_s": None}
+
+
+def test_latency_and_bandwidth_are_told_apart_by_reads_of_two_sizes() -> None:
+    """time = latency + bytes / bandwidth: an object store's 40 ms per GET at 100 MB/s. Reads of one size
+    give the rate of that size; reads of two sizes recover both, and a query of many small chunks pays
+    the latency per round of `parallel` requests, which makes recomputing them win where the bandwidth
+    alone says read."""
+    rates = P.Rates(0.1)
+    for _ in range(50):
+        for nbytes in (1 * MB, 8 * MB):
+            rates.observe_read("object", nbytes, 0.040 + nbytes / 100e6)
+    latency, bps = rates.reads["object"].line()
+    assert latency == pytest.approx(0.040, rel=1e-3) and bps == pytest.approx(100e6, rel=1e-3)
+    assert rates.read_seconds("object", 4 * MB, 2) == pytest.approx(0.080 + 4 * MB / 100e6, rel=1e-3)
+    rates.observe_precompute(4000, 1.0)  # 4000 tokens/s
+    small = [P.Chunk("object", 256 << 10, 64)] * 16  # 16 ms each: 4 MB in 42 ms, but 16 GETs
+    assert all(c.decision == P.RECOMPUTE for c in P.plan(small, rates, parallel=1))  # 0.68 s against 0.256 s
+    assert all(c.decision == P.READ for c in P.plan(small, rates, parallel=16))  # one round: 0.082 s
+    one_size = P.Rates(0.1)
+    one_size.observe_read("lmdb", 2 * MB, 0.002)
+    assert one_size.reads["lmdb"].line() == (0.0, pytest.approx(2 * MB / 0.002))
+
+
+def test_a_tier_judged_slower_is_read_again_now_and_then_and_its_rate_follows_it() -> None:
+    """Judged slower, a tier is not read, so nothing measures it: every `probe_every` plans that judge it
+    so, one reads it (reason `probe`); the reads it then serves move its rate, and once it recovered it
+    is read again."""
+    rates = P.Rates(1.0, probe_every=3)
+    rates.observe_precompute(1000, 1.0)
+    rates.observe_read("shared", 1 * MB, 1.0)  # 1 MB/s: congested
+    chunk = [P.Chunk("shared", 4 * MB, 512)]  # 4 s to read, 0.512 s to compute
+    reasons = [P.plan(chunk, rates)[0].reason for _ in range(6)]
+    assert reasons == [P.SLOWER, P.SLOWER, P.PROBE, P.SLOWER, P.SLOWER, P.PROBE]
+    assert P.plan(chunk, rates)[0].decision == P.RECOMPUTE
+    probe = next(c for c in iter(lambda: P.plan(chunk, rates)[0], None) if c.reason == P.PROBE)
+    assert probe.decision == P.READ
+    rates.observe_read("shared", 4 * MB, 0.004)  # what the probe's read saw: the link recovered
+    assert P.plan(chunk, rates)[0].reason == P.FASTER
+    never = P.Rates(1.0, probe_every=0)
+    never.observe_precompute(1000, 1.0)
+    never.observe_read("shared", 1 * MB, 1.0)
+    assert all(P.plan(chunk, never)[0].reason == P.SLOWER for _ in range(50))
+
+
+def test_the_bytes_a_chunk_reads_are_those_of_its_own_format() -> None:
+    """A store holds chunks of several KV formats: the plan costs each by the bytes its tier keeps for it
+    (ChunkStore.size, e.g. an int4 blob at 0.3x float16), not the configured format's."""
+    rates = P.Rates(1.0)
+    rates.observe_precompute(1000, 1.0)
+    rates.observe_read("lmdb", 10 * MB, 1.0)  # 10 MB/s
+    float16, int4 = P.Chunk("lmdb", 6 * MB, 512), P.Chunk("lmdb", int(0.3 * 6 * MB), 512)
+    assert P.plan([float16], rates)[0].decision == P.RECOMPUTE  # 0.6 s against 0.512 s
+    assert P.plan([int4], rates)[0].decision == P.READ  # 0.18 s

@@ -1,0 +1,97 @@
+"""A chunk in no tier, computed within a query after the context its record names (kvfuse/service/worker/
+chunk_kv.py), in the whole worker (WorkerCore) with the real default model and a real LMDB store:
+
+- chunks precomputed as eager ingestion does (each after its document's text before it), their blobs then
+  deleted from the store (what an eviction leaves), a query over them: each is computed after its
+  context, batched with the query's other cold chunks, written back, and the blob it writes is eager
+  ingestion's, byte for byte; the answer is eager's, token for token; the next query reads them.
+- a computed chunk no document refers to is not written (it would be an orphan); one whose context is not
+  known (an old record) is computed alone, counted as a miss, and not written under its context's key.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_scheduler_worker import MODEL_CACHE, essay_chunks, query
+
+from kvfuse.config import load_settings
+from kvfuse.fusion.chunk_context import document_contexts
+from kvfuse.service.wire import protocol as P
+from kvfuse.service.worker.core import WorkerCore
+from kvfuse.store.records import DocumentRecord
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("first-use")
+    settings = load_settings(data_dir=root / "data", model_cache_dir=MODEL_CACHE, log_level="warning",
+                             model={"max_context_tokens": 4096, "threads": 1},
+                             server={"max_running_requests": 2, "kv_budget_tokens": 3000})
+    sent: list = []
+    w = WorkerCore(settings, sent.append)
+    w.sent = sent
+    yield w
+    w.store.close()
+
+
+def drive(w: WorkerCore, msg) -> list:
+    w.sent.clear()
+    assert w.receive(msg)
+    while w.has_work:
+        w.step()
+    return list(w.sent)
+
+
+def blobs(w: WorkerCore, keys: list[str]) -> list[bytes | None]:
+    with w.store.env.read() as txn:
+        return [None if (b := txn.get(k.encode(), db=w.store.env.db("chunks"))) is None else bytes(b) for k in keys]
+
+
+def ask(w: WorkerCore, chunks, keys, contexts, job_id: int) -> P.Result:
+    job = query(chunks, list(range(len(chunks))), max_tokens=6)
+    job.chunks = [P.ChunkRef(k, ids, 1.0, context=ctx) for k, ids, ctx in zip(keys, chunks, contexts, strict=True)]
+    job.job_id = job_id
+    out = drive(w, job)
+    results = [m for m in out if isinstance(m, P.Result)]
+    assert len(results) == 1, out
+    return results[0]
+
+
+def test_an_evicted_chunk_is_computed_after_its_context_as_ingestion_did(worker, essays, default_llm_path) -> None:
+    w = worker
+    chunks = essay_chunks(essays, default_llm_path, 4)[1:]  # three chunks, each with text before it
+    doc = essay_chunks(essays, default_llm_path, 4)
+    contexts = document_contexts(doc, 96)[1:]
+    assert all(contexts)
+    done = next(m for m in drive(w, P.PrecomputeJob(chunks=chunks, contexts=contexts, job_id=1)) if isinstance(m, P.Done))
+    keys = done.keys
+    w.store.put_document(DocumentRecord(id="apple", status="ready", chunk_keys=keys,
+                                        chunk_tokens=[len(c) for c in chunks]), text="apple")
+    eager = blobs(w, keys)
+    assert all(eager)
+    warm = ask(w, chunks, keys, contexts, 10)
+    assert warm.usage["chunks_computed"] == 0 and warm.usage["chunks_read"] == 3
+
+    for key in keys:  # evicted: gone from every tier, still referenced by the document
+        assert w.store.blobs.remove(key)
+        w.store.chunks.evict([key])
+    assert blobs(w, keys) == [None] * 3
+    cold = ask(w, chunks, keys, contexts, 11)
+    assert cold.usage["chunks_computed"] == 3 and cold.usage["chunks_read"] == 0 and cold.rebuilt_chunks == 3
+    assert cold.kv_reads.get("source:recompute:first_use") == 3, cold.kv_reads
+    assert cold.timings["kv_compute_s"] > 0
+    assert blobs(w, keys) == eager  # written back, eager ingestion's blob byte for byte
+    assert cold.text == warm.text  # the answer over them is the answer over the stored chunks
+    again = ask(w, chunks, keys, contexts, 12)
+    assert again.usage["chunks_computed"] == 0 and again.text == warm.text
+
+    # A chunk no document refers to is computed for the query but not kept; one whose context is not
+    # known is computed alone (a miss) and not kept under its context's key.
+    other = [doc[0], chunks[0]]
+    okeys = [w.kv.key_of(doc[0], chunks[0][:8]), w.kv.key_of(chunks[0], doc[0][:5])]
+    res = ask(w, other, okeys, [chunks[0][:8], None], 13)
+    assert res.usage["chunks_computed"] == 2
+    assert res.kv_reads.get("source:recompute:first_use") == 1 and res.kv_reads.get("source:recompute:miss") == 1
+    assert blobs(w, okeys) == [None, None]
