@@ -182,7 +182,12 @@ class ParsePool:
                 raise APIError(503, f"no file parser was free within {wait_s:g} s to read {filename!r}: try "
                                     "again later", code="parsers_busy",
                                headers={"Retry-After": str(self.retry_after_s)}) from None
-            if await worker.answers():
+            try:
+                alive = await worker.answers()
+            except BaseException:  # cancelled mid-ping (the upload's client left): its pong may still be
+                self._release(worker, keep=False)  # on the way, so the process is not reused but replaced
+                raise
+            if alive:
                 return worker
             log.warning("an idle parse process had ended (%s): replacing it", worker.exit_text())
             self._release(worker, keep=False)  # ended while idle (killed from outside): not this file's doing

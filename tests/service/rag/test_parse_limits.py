@@ -187,3 +187,31 @@ def test_a_parse_process_killed_while_idle_is_replaced_and_no_file_blamed() -> N
             await pool.close()
 
     asyncio.run(run())
+
+
+def test_an_upload_cancelled_during_the_ping_gives_its_parse_process_back() -> None:
+    """The client leaves while its upload waits for the ping's answer: the process (stopped here with
+    SIGSTOP, so the ping is in flight when the cancellation comes) is killed and replaced, not leaked, and
+    the next upload parses."""
+    async def run() -> None:
+        pool = _pool(upload_parse_workers=1)
+        try:
+            pool.start()
+            (first,) = await _until(lambda: len(ps := _parse_processes()) == 1 and ps, "one parse process")
+            await _until(lambda: pool._idle.qsize() == 1, "the parse process idle")
+            first.suspend()
+            task = asyncio.create_task(pool.parse(b"# One\n\nfirst", "one.md", "markdown"))
+            await _until(lambda: pool._idle.qsize() == 0, "the upload took the process and pinged it", 5)
+            await asyncio.sleep(0.2)
+            assert not task.done()  # waiting for the pong of a stopped process
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await _until(lambda: _exited(first), "the process of the cancelled upload killed", 5)
+            assert (await asyncio.wait_for(pool.parse(b"# Two\n\nsecond", "two.md", "markdown"), 30)
+                    ).text.endswith("second")
+            assert pool._count == 1 and len(_parse_processes()) == 1
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
