@@ -215,3 +215,28 @@ def test_an_upload_cancelled_during_the_ping_gives_its_parse_process_back() -> N
             await pool.close()
 
     asyncio.run(run())
+
+
+def test_a_file_whose_text_passes_the_document_limit_is_refused_in_the_parse_process() -> None:
+    """server.max_document_chars holds in the parse process: a small DOCX that expands to more text, and
+    plain text past it, are refused there (413 naming the setting); text within it, not ASCII, crosses the
+    pipe as framed UTF-8 unchanged."""
+    async def run() -> None:
+        pool = _pool(upload_parse_workers=1, max_document_chars=1_000_000, upload_max_decompressed_mb=100)
+        try:
+            data = hf.amplifying_docx(3_000_000)
+            assert len(data) < 100_000
+            for name, body, kind in (("wide.docx", data, "docx"),
+                                     ("wide.txt", ("\u4e2d" * 1_000_001).encode(), "text")):
+                with pytest.raises(APIError) as caught:
+                    await pool.parse(body, name, kind)
+                err = caught.value
+                assert (err.status, err.code, err.param) == (413, "document_too_large", "file"), err.message
+                assert "server.max_document_chars" in err.message and name in err.message
+            text = "Caf\u00e9 \u4e2d\u6587 \U0001f600 " * 60_000  # 4-byte characters too, at the limit's edge
+            assert len(text) <= 1_000_000
+            assert (await pool.parse(text.encode(), "wide.md", "markdown")).text == text
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
