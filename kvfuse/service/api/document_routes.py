@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Query, Request, Response
 
 from kvfuse.config import DEFAULT_COLLECTION
-from kvfuse.service.api.auth import Principal
+from kvfuse.service.api.auth import Principal, client_key
 from kvfuse.service.api.dependencies import Caller, ReadyState, State
 from kvfuse.service.api.errors import ERROR_RESPONSES
 from kvfuse.service.api.responses import (
@@ -88,6 +88,8 @@ async def create_documents(request: Request, response: Response, state: ReadySta
     text) comes as multipart/form-data: its `file` field, with `id`, `collection`, `on_conflict` and
     `metadata` (a JSON object) as form fields (api/uploads.py)."""
     srv = state.settings.server
+    owner = client_key(request)
+    state.ingest.check_room(owner)  # a full queue answers 429 before the body is read or a file parsed
     docs, batch, default_conflict, default_collection = await _parse_documents(
         request, state, await request.body(), id, on_conflict, collection)
     if len(docs) > srv.max_batch_documents:
@@ -115,7 +117,7 @@ async def create_documents(request: Request, response: Response, state: ReadySta
         await _check_id_free(state, caller, doc_id)
         state.ingest.check_conflict(doc_id, policy)
     results = state.ingest.submit_all([(doc_id, d.text, dict(d.metadata), policy, coll)
-                                       for doc_id, d, policy, coll in items])
+                                       for doc_id, d, policy, coll in items], owner)
     jobs = [job for job, _ in results if job is not None]
     if not wait:
         response.status_code = 202 if jobs else 200

@@ -136,6 +136,8 @@ class ParsePool:
         self.timeout_s = server.upload_parse_timeout_s
         self.memory_mb = server.upload_parse_memory_mb
         self.retry_after_s = max(1, server.retry_after_s)
+        self.max_waiters = server.upload_parse_waiters
+        self._waiters = 0  # uploads waiting for an idle process, each holding its file
         self.text_limit = text_limit(self.limits)
         self._idle: asyncio.Queue[_Process] | None = None
         self._count = 0  # processes running or starting
@@ -178,21 +180,35 @@ class ParsePool:
             self._release(worker, keep=reply is not None and not reply.get("retire"))
         return self._parsed(reply)
 
-    async def _acquire(self, filename: str) -> _Process:
-        """An idle process, starting any missing; 503 when none frees up within the parse timeout, and at
-        least the time a process may take to start (every one is busy with files that take long, or none
-        can start)."""
+    def check_room(self) -> None:
+        """429 when no process is idle and `server.upload_parse_waiters` uploads already wait (asked also
+        before an upload's body is read, api/uploads.py)."""
         self.start()
+        assert self._idle is not None
+        if self._idle.empty() and self._waiters >= self.max_waiters:
+            raise APIError(429, f"every file parser is busy and {self._waiters} uploads wait for one "
+                                "(server.upload_parse_waiters); retry later", code="parsers_busy",
+                           param="file", headers={"Retry-After": str(self.retry_after_s)})
+
+    async def _acquire(self, filename: str) -> _Process:
+        """An idle process, starting any missing. With none idle, at most `server.upload_parse_waiters`
+        uploads wait (one more is 429 at once: each waiter holds its file); 503 when none frees up within
+        the parse timeout, and at least the time a process may take to start (every one is busy with
+        files that take long, or none can start)."""
+        self.check_room()
         assert self._idle is not None
         wait_s = max(self.timeout_s, _START_TIMEOUT_S)
         deadline = asyncio.get_running_loop().time() + wait_s
         while True:
+            self._waiters += 1
             try:
                 worker = await asyncio.wait_for(self._idle.get(), deadline - asyncio.get_running_loop().time())
             except TimeoutError:
                 raise APIError(503, f"no file parser was free within {wait_s:g} s to read {filename!r}: try "
                                     "again later", code="parsers_busy",
                                headers={"Retry-After": str(self.retry_after_s)}) from None
+            finally:
+                self._waiters -= 1
             try:
                 alive = await worker.answers()
             except BaseException:  # cancelled mid-ping (the upload's client left): its pong may still be

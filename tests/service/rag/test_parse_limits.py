@@ -240,3 +240,32 @@ def test_a_file_whose_text_passes_the_document_limit_is_refused_in_the_parse_pro
             await pool.close()
 
     asyncio.run(run())
+
+
+def test_uploads_past_the_waiters_bound_are_429_at_once() -> None:
+    """One parse process busy with a slow PDF, one upload waiting for it: the next is refused at once
+    (429 naming server.upload_parse_waiters, with Retry-After), and the waiting one parses once the slow
+    one is stopped at its deadline."""
+    async def run() -> None:
+        pool = _pool(upload_parse_workers=1, upload_parse_waiters=1, upload_parse_timeout_s=2)
+        try:
+            pool.start()
+            await _until(lambda: pool._idle.qsize() == 1, "the parse process idle")
+            slow = asyncio.create_task(pool.parse(hf.slow_pdf(), "slow.pdf", "pdf"))
+            await _until(lambda: pool._idle.qsize() == 0, "the slow PDF parsing", 5)
+            waiting = asyncio.create_task(pool.parse(b"# Two\n\nsecond", "two.md", "markdown"))
+            await _until(lambda: pool._waiters == 1, "one upload waiting", 5)
+            started = time.monotonic()
+            with pytest.raises(APIError) as caught:
+                await pool.parse(b"# Three\n\nthird", "three.md", "markdown")
+            assert time.monotonic() - started < 0.5
+            err = caught.value
+            assert (err.status, err.code, err.headers["Retry-After"]) == (429, "parsers_busy", "1")
+            assert "server.upload_parse_waiters" in err.message
+            with pytest.raises(APIError):
+                await slow
+            assert (await asyncio.wait_for(waiting, 60)).text.endswith("second")
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
