@@ -1,6 +1,6 @@
 """Hostile files, written by the tests (nothing binary in the repository), each small on the wire and
 costly to parse naively: a DOCX whose zip member inflates far past its size, one whose member lies about
-its size, one whose XML is small on disk but large in memory, a PDF whose shared page tree holds ten thousand pages in under 2 kB, a PDF whose pages share one
+its size, one whose text is ten times a document's limit, one whose XML is small on disk but large in memory, a PDF whose shared page tree holds ten thousand pages in under 2 kB, a PDF whose pages share one
 content stream of half a million text operators (seconds of pypdf per page), and HTML nested thousands of
 lists deep (html2text's work grows with the square of the depth)."""
 
@@ -57,6 +57,23 @@ def paragraphs_docx(mb: int = 40) -> bytes:
         for _ in range(mb * MB // len(paragraph)):
             member.write(paragraph)
         member.write(_BODY_TAIL)
+
+    return _docx_with_body(write)
+
+
+def amplifying_docx(chars: int = 21_000_000, char: str = "\u4e2d") -> bytes:
+    """A DOCX of one paragraph of `chars` copies of one CJK character: within the decompressed limit (3
+    bytes each inflated), about 77 kB on the wire for 21 M characters, and six bytes a character as
+    escaped JSON."""
+    piece = char.encode() * (MB // 3)
+
+    def write(member) -> None:
+        member.write(_BODY_HEAD + b"<w:p><w:r><w:t>")
+        left = chars
+        while left > 0:
+            member.write(piece[: 3 * min(left, MB // 3)])
+            left -= MB // 3
+        member.write(b"</w:t></w:r></w:p>" + _BODY_TAIL)
 
     return _docx_with_body(write)
 

@@ -51,6 +51,9 @@ class ServerSettings(Section):
     upload_parse_workers: int = Field(2, ge=1, description=(
         "processes that parse uploaded files (PDF, DOCX, HTML, ...), at low CPU priority; an upload that "
         "finds none free within upload_parse_timeout_s (and at least a minute) gets 503 parsers_busy"))
+    upload_parse_waiters: int = Field(2, ge=0, description=(
+        "uploads that may wait for a busy parse process, each holding its file; one more gets 429 "
+        "parsers_busy with Retry-After at once"))
     upload_parse_timeout_s: float = Field(60.0, gt=0, description=(
         "a file whose parsing takes longer gets 422 parse_timeout; its parse process is killed and replaced"))
     upload_parse_memory_mb: int = Field(1024, ge=0, description=(
@@ -63,6 +66,21 @@ class ServerSettings(Section):
     upload_max_nesting: int = Field(256, gt=0, description=(
         "an HTML file with elements nested deeper gets 422 too_deeply_nested"))
     max_batch_documents: int = Field(256, gt=0, description="documents per batch ingest request")
+    # Bounded under load (docs/DESIGN.md, "Bounded under load"): ingestion jobs wait in a bounded queue
+    # shared fairly between API keys (kvfuse/service/rag/ingest_queue.py), and the requests answered at
+    # once are bounded in front of every route (kvfuse/service/api/concurrency.py).
+    ingest_queue_size: int = Field(1024, ge=1, description=(
+        "ingestion jobs (one per document, each of a batch counted) that may wait to run; a request whose "
+        "documents do not fit gets 429 ingest_queue_full with Retry-After, and nothing is stored"))
+    ingest_queue_key_share: float = Field(0.5, gt=0.0, le=1.0, description=(
+        "the share of ingest_queue_size one API key's waiting jobs may take, so a key's flood leaves room "
+        "for the others; the keys' jobs run in turn"))
+    max_concurrent_requests: int = Field(256, ge=1, description=(
+        "requests answered at once (a stream counts until it ends; /health, /ready and /metrics do not "
+        "count); one more gets 429 server_busy with Retry-After"))
+    max_connections: int = Field(1024, ge=1, description=(
+        "open connections the server holds (uvicorn's limit_concurrency); past it uvicorn itself answers "
+        "a plain 503"))
     request_timeout_s: float = Field(300.0, gt=0, description=(
         "a query that runs longer ends with 504 / an SSE error event"))
     queue_size: int = Field(16, ge=1, description="queries waiting for admission beyond this get 429")

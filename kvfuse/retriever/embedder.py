@@ -48,8 +48,8 @@ class Embedder:
         self.batch_size = batch_size
         # The API embeds questions from a thread pool while ingestion embeds chunks. A fast tokenizer
         # called concurrently with padding/truncation settings fails ("Already borrowed"), and the CPU
-        # is saturated by one call anyway: calls take turns.
-        self._lock = threading.Lock()
+        # is saturated by one call anyway: calls take turns, a question's first (_Turns).
+        self._turns = _Turns()
         get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dim: int = int(get_dim())
         self.max_seq_length: int = int(self.model.max_seq_length)
@@ -60,11 +60,16 @@ class Embedder:
             log.warning("embedder tokenizer has no offsets: texts longer than %d tokens are truncated",
                         self.max_seq_length)
 
-    def embed(self, texts: list[str]) -> np.ndarray:
-        """float32 [len(texts), dim], each row L2-normalized."""
+    def embed(self, texts: list[str], *, background: bool = False) -> np.ndarray:
+        """float32 [len(texts), dim], each row L2-normalized. `background` (ingestion's chunks): embedded a
+        batch per turn, every question that waits meanwhile going first, so a flood of ingestion delays a
+        query's retrieval by one batch at most, not by every chunk queued before it."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        with self._lock:
+        if background and len(texts) > self.batch_size:
+            return np.concatenate([self.embed(texts[i : i + self.batch_size], background=True)
+                                   for i in range(0, len(texts), self.batch_size)])
+        with self._turns.turn(urgent=not background):
             pieces, owner, weight = self._windows(texts)
             with _torch_threads(1 if len(pieces) <= SINGLE_THREAD_MAX_WINDOWS else None):
                 vecs = self.model.encode(
@@ -105,6 +110,33 @@ class Embedder:
                 owner.append(i)
                 weight.append(float(b - a))
         return pieces, np.asarray(owner), np.asarray(weight, dtype=np.float32)
+
+
+class _Turns:
+    """A lock whose urgent takers (questions) go before the others (ingestion's batches): a waiting
+    background taker lets every urgent one that waits go first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held = False
+        self._urgent_waiting = 0
+
+    @contextlib.contextmanager
+    def turn(self, *, urgent: bool) -> Iterator[None]:
+        with self._cond:
+            self._urgent_waiting += urgent
+            try:
+                while self._held or (not urgent and self._urgent_waiting):
+                    self._cond.wait()
+            finally:
+                self._urgent_waiting -= urgent
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held = False
+                self._cond.notify_all()
 
 
 def _fingerprint(model: Any, dim: int) -> str:

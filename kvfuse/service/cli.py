@@ -126,7 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvfuse.service.api.app import create_app  # after the checks: it imports the index libraries
 
     uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=s.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, limit_concurrency=server.max_connections)
     return 0
 
 

@@ -13,6 +13,13 @@ service reads any of them, rag/sources.py); running it again goes on with what i
 With an object store (object_tier.py), each new blob is listed for upload in that same transaction and
 uploaded after it, and the old key's object is listed as an orphan (deleted after `store.orphan_grace_s`).
 
+A Redis index follows each batch: the batch's documents and chunks are written to it once its LMDB
+transaction is in, so a service reading meanwhile finds every chunk. A kill can still come between the
+two writes, and a catalog's stale flag lives only in its own process, so before the first batch the index
+loses its marker (as a rebuild cut short does: store/redis_index.py): until the run ends and rebuilds it,
+the next process to open the store, or a service's next miss, listing or readiness probe, rebuilds it
+from LMDB. A SIGKILL at any point thus leaves nothing stale for longer than that.
+
 Left alone: blobs an unfinished ingestion job has staged (it stores its chunks in the format configured
 when it runs again), orphans (`kvfuse store check` deals with them) and blobs whose header cannot be read
 (reported; `kvfuse store check --repair` deletes them). Converting out of a quantized format keeps its
@@ -55,6 +62,7 @@ class _Converted:
     blob: bytes
     tokens: int
     old_bytes: int
+    owners: list[bytes] = field(default_factory=list)  # the documents whose refs moved to `new`
 
 
 def pending(store: KVStore, kv_dtype: str) -> tuple[list[str], list[tuple[str, str]]]:
@@ -78,6 +86,9 @@ def convert_store(store: KVStore, kv_dtype: str, *, batch: int = 16, limit: int 
     t0 = time.perf_counter()
     rep = ConvertReport(kv_dtype)
     todo, rep.skipped = pending(store, kv_dtype)
+    mirror = store.catalog.mirror
+    if mirror is not None and todo:
+        mirror.invalidate()  # from here until the rebuild below, whoever opens the store rebuilds it
     seen = 0
     while seen < len(todo) and (limit is None or rep.converted < limit):
         take = batch if limit is None else min(batch, limit - rep.converted)
@@ -93,6 +104,7 @@ def convert_store(store: KVStore, kv_dtype: str, *, batch: int = 16, limit: int 
         store.chunks.evict([c.old for c in moved])
         if store.objects is not None:
             store.objects.retry_pending()  # what an outage leaves pending is retried in the background
+        _mirror_batch(store, moved)
         rep.skipped += skipped
         rep.converted += len(moved)
         rep.bytes_before += sum(c.old_bytes for c in moved)
@@ -100,8 +112,8 @@ def convert_store(store: KVStore, kv_dtype: str, *, batch: int = 16, limit: int 
         if progress is not None:
             progress(min(seen, len(todo)), len(todo))
     rep.remaining = max(0, len(todo) - seen)
-    if store.catalog.mirror is not None and rep.converted:
-        store.rebuild_index()  # the documents' chunk keys and the chunks changed together
+    if mirror is not None and todo:
+        store.rebuild_index()  # the marker back: the index is the LMDB records again
     rep.seconds = time.perf_counter() - t0
     return rep
 
@@ -156,5 +168,29 @@ def _swap(store: KVStore, txn: lmdb.Transaction, batch: list[_Converted]
         if store.objects is not None:  # the new blob goes up, the old object after the orphan grace
             store.objects.needs_upload(txn, c.new)
             store.objects.orphaned(txn, c.old)
+        c.owners = owners
         moved.append(c)
     return moved, skipped
+
+
+def _mirror_batch(store: KVStore, moved: list[_Converted]) -> None:
+    """A committed batch into the Redis index: each owner's record with its chunks' infos, the old keys
+    dropped and their chunks removed."""
+    mirror = store.catalog.mirror
+    if mirror is None or not moved:
+        return
+    old_of: dict[bytes, list[str]] = {}
+    for c in moved:
+        for owner in c.owners:
+            old_of.setdefault(owner, []).append(c.old)
+    docs = store.env.db("docs")
+    with store.env.read() as txn:
+        written = []
+        for owner, old in old_of.items():
+            raw = txn.get(owner, db=docs)
+            if raw is not None:
+                rec = DocumentRecord.from_json(raw)
+                written.append((rec, store.blobs.infos(txn, rec.chunk_keys), old))
+    for rec, infos, old in written:
+        mirror.put_document(rec, infos, old, old)
+    mirror.remove_chunks([c.old for c in moved])

@@ -58,6 +58,12 @@ class IndexMirror(DocumentIndex):
         """Replace the whole index with these records (docs carry their chunk refs)."""
 
     @abstractmethod
+    def invalidate(self) -> None:
+        """Drop the marker, so `needs_rebuild` is True for every store until the next `rebuild`: a
+        process about to change LMDB in ways it mirrors only afterwards (store/convert.py) leaves no
+        index that a kill between the two would keep stale."""
+
+    @abstractmethod
     def put_document(
         self, doc: DocumentRecord, chunks: list[ChunkInfo], dropped: list[str], removed: list[str]
     ) -> None:

@@ -118,6 +118,10 @@ class RedisIndex(IndexMirror):
         if batch:
             self._client.unlink(*batch)
 
+    def invalidate(self) -> None:
+        with self._guard("invalidate"):
+            self._client.delete(self._k("meta"))
+
     def rebuild(self, store_id: str, docs: Iterable[DocumentRecord], chunks: Iterable[ChunkInfo]) -> None:
         # The meta marker goes first and comes back last: a rebuild cut short leaves no marker, so the
         # next open rebuilds again.

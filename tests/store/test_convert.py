@@ -1,10 +1,16 @@
 """`kvfuse store convert --kv-dtype FORMAT`: every stored chunk rewritten in another KV format in place,
-without the model; stopped part way (--limit) the store stays whole and a second run goes on; damaged
-blobs, blobs an unfinished job staged and orphans are left alone and said so."""
+without the model; stopped part way (--limit, or SIGKILL) the store stays whole, a Redis index agrees
+with LMDB once the store is opened again, and a second run goes on; damaged blobs, blobs an unfinished
+job staged and orphans are left alone and said so."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,3 +112,53 @@ def test_a_damaged_blob_is_left_alone_and_named(cli_env, capsys) -> None:
     assert rep["converted"] == 0 and rep["skipped"][0][0] == key and "checksum" in rep["skipped"][0][1]
     with KVStore.open(get_settings()) as store:
         assert store.get_document("d").chunk_keys == [key]  # untouched: `store check --repair` deals with it
+
+
+def _agrees(store: KVStore) -> bool:
+    """Whether the Redis index holds what LMDB holds: the documents, their chunk keys, the chunks and
+    their owners."""
+    truth, mirror = store.catalog.snapshot(), store.catalog.mirror.snapshot()
+    same_docs = all(store.catalog.mirror.get_document(d).chunk_keys == store.catalog.stored_document(d).chunk_keys
+                    for d in truth.docs)
+    return (truth.docs.keys() == mirror.docs.keys() and truth.chunks == mirror.chunks
+            and truth.owners == mirror.owners and same_docs)
+
+
+@pytest.mark.parametrize("backend", ["redis"])
+def test_a_convert_killed_at_any_batch_leaves_redis_and_lmdb_agreeing(cli_env) -> None:
+    """SIGKILL after the 1st, then the 3rd batch of the runs that follow (wherever in the next batch the
+    signal lands: its re-encoding, its LMDB transaction or its Redis writes): a Redis index that does not
+    mirror LMDB is one marked for a rebuild, and opening the store rebuilds it."""
+    with KVStore.open(get_settings()) as store:
+        for i in range(24):
+            k, v, ids = make_kv(600 + i, tokens=120)
+            key, _ = store.put_kv(FINGERPRINT, "float16", ids, k, v)
+            store.put_document(DocumentRecord(id=f"d{i}", status="ready", chunk_keys=[key]), text=f"d{i}")
+    command = [sys.executable, "-m", "kvfuse.cli", "store", "convert", "--kv-dtype", "int8", "--batch", "1"]
+    for kill_after in (1, 3, None):
+        proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                env=os.environ)
+        lines = 0
+        while kill_after is not None and lines < kill_after:
+            line = proc.stderr.readline()
+            assert line, f"convert ended before batch {kill_after}"
+            lines += re.fullmatch(r"\d+/\d+", line.strip()) is not None
+        if kill_after is not None:
+            proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=120)
+        assert proc.returncode == (-signal.SIGKILL if kill_after else 0)
+        with KVStore.open(get_settings(), readonly=True) as store:  # read-only: looks, rebuilds nothing
+            marked = store.catalog.mirror.needs_rebuild(store.catalog.store_id)
+            assert marked or _agrees(store)
+            finished = {kvblob.read_header(b).dtype for _, b in _blobs(store)} == {"int8"}
+            assert marked != finished  # a run cut short leaves the index marked, whatever it holds
+        with KVStore.open(get_settings()) as store:  # a restart: the index is LMDB's again
+            assert _agrees(store) and not store.catalog.mirror.needs_rebuild(store.catalog.store_id)
+            assert _problems(store) == {}
+            formats = {kvblob.read_header(b).dtype for _, b in _blobs(store)}
+            assert formats == ({"int8"} if kill_after is None else {"int8", "float16"})
+
+
+def _blobs(store: KVStore) -> list:
+    with store.env.read() as txn:
+        return [(k, bytes(b)) for k, b in store.blobs.scan(txn)]

@@ -19,6 +19,7 @@ from kvfuse import __version__
 from kvfuse.config import ConfigError, Settings, setting_error
 from kvfuse.service.api import document_routes, openai_routes, query_routes, search_routes, warmup_routes
 from kvfuse.service.api.auth import KeyRing, presented_key, request_principal
+from kvfuse.service.api.concurrency import ConcurrencyMiddleware
 from kvfuse.service.api.dependencies import State
 from kvfuse.service.api.errors import install_error_handlers
 from kvfuse.service.api.middleware import GuardMiddleware
@@ -61,6 +62,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="kvfuse", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, server=settings.server, keys=keys)
+    app.add_middleware(ConcurrencyMiddleware, server=settings.server)  # outermost: counted before anything
     app.include_router(document_routes.router)
     app.include_router(warmup_routes.router)
     app.include_router(query_routes.router)

@@ -15,6 +15,7 @@ needs a key that sees every collection (403 otherwise). docs/deploy.md, "Exposin
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 # Liveness and readiness probes stay open: orchestrators call them without credentials.
 OPEN_PATHS = frozenset({"/health", "/ready"})
+OPEN_ACCESS_KEY = "open"  # the one caller when no API key is set
 METRICS_PATH = "/metrics"
 
 
@@ -176,6 +178,7 @@ def check_request(request: Request, keys: KeyRing, server: ServerSettings) -> No
     principal on the request (`request.state.principal`, read by the `Caller` dependency)."""
     if not keys.enabled:
         request.state.principal = FULL_ACCESS
+        request.state.client_key = OPEN_ACCESS_KEY
         return
     path = request.url.path
     if path in OPEN_PATHS or (server.metrics_public and path == METRICS_PATH):
@@ -188,6 +191,13 @@ def check_request(request: Request, keys: KeyRing, server: ServerSettings) -> No
     if principal is None:
         raise APIError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     request.state.principal = principal
+    request.state.client_key = hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def client_key(request: Request) -> str:
+    """Which API key sent the request, as a digest (not the key): what the ingestion queue shares
+    between (rag/ingest_queue.py). One name for every caller when auth is off."""
+    return getattr(request.state, "client_key", OPEN_ACCESS_KEY)
 
 
 def request_principal(request: Request) -> Principal:

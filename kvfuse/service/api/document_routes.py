@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Query, Request, Response
 
 from kvfuse.config import DEFAULT_COLLECTION
-from kvfuse.service.api.auth import Principal
+from kvfuse.service.api.auth import Principal, client_key
 from kvfuse.service.api.dependencies import Caller, ModelState, ReadyState, State
 from kvfuse.service.api.errors import ERROR_RESPONSES
 from kvfuse.service.api.responses import (
@@ -95,6 +95,8 @@ async def create_documents(request: Request, response: Response, state: ModelSta
     batch's, else ?precompute_at=, else `store.precompute_at`): `first_use` makes a document ready without
     its chunks' KV, computed when a query first needs it."""
     srv = state.settings.server
+    owner = client_key(request)
+    state.ingest.check_room(owner)  # a full queue answers 429 before the body is read or a file parsed
     docs, batch, default_conflict, default_collection = await _parse_documents(
         request, state, await request.body(), id, on_conflict, collection)
     if len(docs) > srv.max_batch_documents:
@@ -123,7 +125,7 @@ async def create_documents(request: Request, response: Response, state: ModelSta
         state.ingest.check_conflict(doc_id, policy)
     when = {doc_id: d.precompute_at or precompute_at for doc_id, d, _, _ in items if d.precompute_at or precompute_at}
     results = state.ingest.submit_all([(doc_id, d.text, dict(d.metadata), policy, coll)
-                                       for doc_id, d, policy, coll in items], precompute_at=when)
+                                       for doc_id, d, policy, coll in items], owner, precompute_at=when)
     jobs = [job for job, _ in results if job is not None]
     if not wait:
         response.status_code = 202 if jobs else 200

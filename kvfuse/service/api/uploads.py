@@ -26,6 +26,7 @@ _FIELDS = ("file", "id", "collection", "on_conflict", "metadata")
 
 async def read_upload(request: Request, doc_id: str | None, parsers: ParsePool) -> tuple[DocumentIn, str | None]:
     """The document a multipart upload carries, and the on_conflict its form names (None: not named)."""
+    parsers.check_room()  # every parser busy and the waiters' places taken: 429 before the body is read
     try:
         form = await request.form(max_files=1, max_fields=len(_FIELDS))
     except Exception as err:  # noqa: BLE001 - python-multipart's errors on a malformed body

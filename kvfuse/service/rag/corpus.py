@@ -145,7 +145,7 @@ class Corpus:
     def _embedded_documents(self) -> Iterator[tuple[str, np.ndarray, dict, str]]:
         """(id, chunk vectors, metadata, collection) of every ready document, re-embedded from its text."""
         for doc_id, texts, rec in self._chunked_documents():
-            yield doc_id, self.embedder.embed(texts), rec.metadata, rec.collection
+            yield doc_id, self.embedder.embed(texts, background=True), rec.metadata, rec.collection
 
     def prompt_name(self, rec: Any) -> str:
         """The document's name in the labelled prompt: its `title` metadata, else its id; "" when the

@@ -33,10 +33,12 @@ class ParseLimits:
     max_decompressed_bytes: int = 100 * MB
     max_pages: int = 2000
     max_nesting: int = 256
+    max_chars: int = 2_000_000  # a document's text, as the route bounds any document's (server.max_document_chars)
 
     @classmethod
     def of(cls, server: ServerSettings) -> ParseLimits:
-        return cls(server.upload_max_decompressed_mb * MB, server.upload_max_pages, server.upload_max_nesting)
+        return cls(server.upload_max_decompressed_mb * MB, server.upload_max_pages, server.upload_max_nesting,
+                   server.max_document_chars)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,10 +62,42 @@ def too_many_pages(filename: str, pages: int | None, limits: ParseLimits, declar
                          "server.upload_max_pages", code="too_many_pages", param="file")
 
 
+def too_many_chars(filename: str, chars: int, limits: ParseLimits, *, more: bool = False) -> APIError:
+    """413 for a file whose text passes the document limit (`more`: counting stopped once it did)."""
+    count = f"more than {limits.max_chars}" if more else str(chars)
+    return APIError(413, f"{filename!r} gives {count} characters of text, over the limit of {limits.max_chars} "
+                         "(server.max_document_chars)", code="document_too_large", param="file")
+
+
+def check_chars(filename: str, chars: int, limits: ParseLimits) -> None:
+    """Called as a parser's text grows, so that a file whose text passes the limit stops there."""
+    if chars > limits.max_chars:
+        raise too_many_chars(filename, chars, limits, more=True)
+
+
 def check_text(filename: str, text: str, limits: ParseLimits) -> None:
-    """The text a parser found is bounded too: it is what crosses back to the API process."""
-    if len(text) > limits.max_decompressed_bytes:
+    """The text a parser found is bounded too, in characters and as the UTF-8 that crosses back to the API
+    process (`encoded`)."""
+    if len(text) > limits.max_decompressed_bytes:  # before encoding it: at least this many bytes
         raise too_large(filename, f"gives {len(text) / MB:.1f} MB of text", limits)
+    if (n := len(encoded(text))) > limits.max_decompressed_bytes:
+        raise too_large(filename, f"gives {n / MB:.1f} MB of text", limits)
+    if len(text) > limits.max_chars:
+        raise too_many_chars(filename, len(text), limits)
+
+
+def encoded(text: str) -> bytes:
+    """A parsed text as it crosses the pipe: UTF-8, lone surrogates (a PDF's text may hold them) kept."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def decoded(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogatepass")
+
+
+def text_limit(limits: ParseLimits) -> int:
+    """The most bytes a parsed text that passed `check_text` takes on the pipe (4 a character at most)."""
+    return min(limits.max_decompressed_bytes, 4 * limits.max_chars)
 
 
 # -- DOCX ----------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from kvfuse.service.errors import APIError
 from kvfuse.service.rag.file_limits import (
     NestingGuard,
     ParseLimits,
+    check_chars,
     check_text,
     check_zip,
     pdf_configuration,
@@ -114,6 +115,7 @@ def _pdf(data: bytes, filename: str, limits: ParseLimits) -> ParsedFile:
             found += len(pages[-1])
             if found > limits.max_decompressed_bytes:
                 raise too_large(filename, f"gives more than {limits.decompressed_mb:g} MB of text", limits)
+            check_chars(filename, found, limits)
     return _joined(pages, "application/pdf", "page_starts")
 
 
@@ -145,11 +147,16 @@ def _docx(data: bytes, filename: str, limits: ParseLimits) -> ParsedFile:
     check_zip(data, filename, limits)  # python-docx reads every member whole
     document = docx.Document(io.BytesIO(data))
     sections: list[tuple[str, list[str]]] = [("", [])]
+    found = 0
     for block in document.iter_inner_content():
+        check_chars(filename, found, limits)  # a document whose text passes the limit stops here
         if isinstance(block, Table):
-            sections[-1][1].extend(" | ".join(c.text.strip() for c in row.cells) for row in block.rows)
+            rows = [" | ".join(c.text.strip() for c in row.cells) for row in block.rows]
+            found += sum(len(r) + 2 for r in rows)
+            sections[-1][1].extend(rows)
             continue
         text = block.text.strip()
+        found += len(text) + 2
         style = (block.style.name if block.style is not None else "") or ""
         if text and (style.startswith("Heading") or style == "Title"):
             sections.append((text, [text]))

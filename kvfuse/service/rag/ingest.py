@@ -28,6 +28,7 @@ from kvfuse.service.dispatch.base import require_worker
 from kvfuse.service.dispatch.job_book import WorkerCrashed, WorkerJobError, precompute
 from kvfuse.service.errors import APIError
 from kvfuse.service.rag.ingest_job import IngestJob, Submission, content_hash
+from kvfuse.service.rag.ingest_queue import SERVICE, IngestQueue
 from kvfuse.service.rag.ingest_retry import INDEX_UNAVAILABLE, WORKER_CRASHED, RetryPolicy, cause_of
 from kvfuse.service.rag.precompute_context import context_sources, contexts_for
 from kvfuse.service.wire.protocol import PrecomputeJob
@@ -60,7 +61,7 @@ class IngestManager:
         self.policy = RetryPolicy.from_settings(settings.server)
         self.jobs: OrderedDict[str, IngestJob] = OrderedDict()
         self.active: dict[str, IngestJob] = {}  # document id -> its unfinished job
-        self._queue: asyncio.Queue[IngestJob] = asyncio.Queue()
+        self._queue = IngestQueue(settings.server)  # bounded, fair between API keys (ingest_queue.py)
         self._runner: asyncio.Task | None = None
         self._purged_at = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -116,11 +117,17 @@ class IngestManager:
                 raise APIError(409, f"document {doc_id!r} already exists (on_conflict=fail)",
                                code="document_exists", param="id")
 
-    def submit_all(self, items: list[tuple[str, str, dict, str, str]], *,
+    def check_room(self, owner: str, n: int = 1) -> None:
+        """429 unless `n` more jobs of `owner` (the API key sending them) fit in the queue now."""
+        self._queue.check_room(owner, n)
+
+    def submit_all(self, items: list[tuple[str, str, dict, str, str]], owner: str = SERVICE, *,
                    precompute_at: dict[str, str] | None = None) -> list[tuple[IngestJob | None, Submission]]:
         """Queue a job per (doc id, text, metadata, on_conflict, collection) (after check_conflict, with no
-        await in between); (None, item) when skipped (a document kept by `skip` stays in its collection). The jobs are stored in one transaction before this returns:
-        a 202 is a promise that survives a restart. `precompute_at`: doc id -> the request's mode for it."""
+        await in between); (None, item) when skipped (a document kept by `skip` stays in its collection).
+        429 when the new jobs do not fit `owner`'s room in the queue (nothing is stored then). The jobs are
+        stored in one transaction before this returns: a 202 is a promise that survives a restart.
+        `precompute_at`: doc id -> the request's mode for it."""
         out: list[tuple[IngestJob | None, Submission]] = []
         new: list[IngestJob] = []
         for doc_id, text, metadata, on_conflict, collection in items:
@@ -138,12 +145,13 @@ class IngestManager:
             new.append(job)
             out.append((job, Submission(document_id=doc_id, job_id=job.id, status=job.status)))
         if new:
+            self._queue.check_room(owner, len(new))
             try:
                 self.corpus.store.jobs.put_many([j.rec for j in new])
             except Exception as err:  # noqa: BLE001 - nothing was promised yet
                 raise APIError(503, f"the ingestion jobs could not be stored: {err}", code="store_unavailable") from err
             for job in new:
-                self._register(job)
+                self._register(job, owner)
         return out
 
     def resubmit(self, doc_id: str, reason: str) -> IngestJob | None:
@@ -183,12 +191,14 @@ class IngestManager:
                 out.append((rec.id, rec.error or KV_LOST))
         return out
 
-    def _register(self, job: IngestJob) -> None:
+    def _register(self, job: IngestJob, owner: str = SERVICE) -> None:
+        """Queue a stored job. Its text stays in LMDB only until the job starts (`_attempt` reads it)."""
+        job.rec.text = ""
         self.jobs[job.id] = job
         while len(self.jobs) > _MAX_JOBS_KEPT:
             self.jobs.popitem(last=False)
         self.active[job.document_id] = job
-        self._queue.put_nowait(job)
+        self._queue.put(job, owner)
 
     def cancel(self, doc_id: str) -> IngestJob | None:
         """Stop the document's job: one still queued ends now; a running one at its next step."""
@@ -200,6 +210,7 @@ class IngestManager:
         if job.rec.status == "pending" and not job.rec.staged_keys:  # not started: nothing to undo
             self.corpus.store.jobs.abandon(job.rec, "cancelled", "the document was deleted before ingestion")
             del self.active[doc_id]
+            self._queue.discard(job)
             job.done.set()
         return job
 
@@ -249,6 +260,9 @@ class IngestManager:
         corpus, rec, jobs = self.corpus, job.rec, self.corpus.store.jobs
         t0 = time.perf_counter()
         doc_id = job.document_id
+        if not rec.text:  # queued without its text: read it back (the record as stored, with the text)
+            await self._reload(job)
+            rec = job.rec
         rec.waiting_for = None
         if rec.status == "indexing":  # swapped in before a restart or a retry: only the vectors are left
             await self._index(job, None, None)
@@ -261,7 +275,7 @@ class IngestManager:
         rec.chunks_total, rec.chunks_done = len(chunks), 0
         raw = [c.token_ids for c in chunks]
         ids = corpus.prompt_blocks(raw, corpus.prompt_name(rec))  # as fused: the labelled header cached too
-        vectors = await asyncio.to_thread(corpus.embedder.embed, [c.text for c in chunks])
+        vectors = await asyncio.to_thread(corpus.embedder.embed, [c.text for c in chunks], background=True)
         self._check(job)
         contexts = await asyncio.to_thread(contexts_for, corpus, doc_id, raw, vectors, rec.collection)
         fp, hashes = self.dispatcher.info["fingerprint"], [kvblob.context_hash(c) for c in contexts]
@@ -305,7 +319,7 @@ class IngestManager:
         if vectors is None or texts is None:
             text = await asyncio.to_thread(corpus.store.get_text, rec.document_id) or ""
             texts = [c.text for c in await asyncio.to_thread(corpus.chunker.chunk, text)]
-            vectors = await asyncio.to_thread(corpus.embedder.embed, texts)
+            vectors = await asyncio.to_thread(corpus.embedder.embed, texts, background=True)
         await asyncio.to_thread(corpus.index_replace, rec.document_id, vectors, texts, rec.metadata, rec.collection)
         await asyncio.to_thread(corpus.store.jobs.finish, rec)
 

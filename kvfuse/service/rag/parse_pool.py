@@ -8,7 +8,10 @@ to each over its pipes with the event loop alone (no thread waits on a parse). A
 `server.upload_parse_timeout_s` is answered 422 and its process killed; a process that dies or runs out
 of memory is replaced (each is pinged before it is handed a file, so one that died while idle costs no
 upload a 422); a replacement starts in the background, so the next upload finds a warm one. What
-a parser may produce is bounded inside the process (file_limits.py); what comes back is JSON.
+a parser may produce is bounded inside the process (file_limits.py, with the document's own character
+limit): what comes back is a small JSON answer and the text as framed UTF-8, each read within its bound,
+so a file that expands is refused there and nothing larger than a document may be crosses into this
+process or is decoded on its event loop.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.service.errors import APIError
-from kvfuse.service.rag.file_limits import ParseLimits
+from kvfuse.service.rag.file_limits import ParseLimits, decoded, text_limit
 from kvfuse.service.rag.files import ParsedFile
-from kvfuse.service.rag.parse_worker import frame
+from kvfuse.service.rag.parse_worker import HEADER_LIMIT, frame
 
 if TYPE_CHECKING:
     from kvfuse.config import ServerSettings
@@ -59,12 +62,17 @@ class _Process:
             raise RuntimeError(f"a parse process started with {ready!r} instead of ready")
         return worker
 
-    async def ask(self, header: dict[str, Any], data: bytes, reply_limit: int) -> dict[str, Any]:
+    async def ask(self, header: dict[str, Any], data: bytes, text_limit: int = 0) -> dict[str, Any]:
+        """The process's answer; a parsed file's text (the message after an `ok`, at most `text_limit`
+        bytes) is put into it as `ok.text`."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(frame(json.dumps({**header, "size": len(data)}).encode()))
         self.proc.stdin.write(data)
         await self.proc.stdin.drain()
-        return await self.receive(reply_limit)
+        reply = await self.receive(HEADER_LIMIT)
+        if isinstance(reply.get("ok"), dict):
+            reply["ok"]["text"] = decoded(await self._read(text_limit))
+        return reply
 
     async def answers(self) -> bool:
         """Whether the process answers a ping (before it is handed a file): a process that died while idle
@@ -72,7 +80,7 @@ class _Process:
         if self.ended():
             return False
         try:
-            reply = await asyncio.wait_for(self.ask({"ping": True}, b"", 1024), _START_TIMEOUT_S)
+            reply = await asyncio.wait_for(self.ask({"ping": True}, b""), _START_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError):
             return False
         return reply.get("pong") is True
@@ -80,14 +88,18 @@ class _Process:
     async def receive(self, limit: int) -> dict[str, Any]:
         """One JSON message; raises IncompleteReadError when the process has ended, ValueError for a
         message that is not what a parse process sends."""
+        message = json.loads(await self._read(limit))
+        if not isinstance(message, dict):
+            raise ValueError("a parse process answered something other than a JSON object")
+        return message
+
+    async def _read(self, limit: int) -> bytes:
+        """One framed message of at most `limit` bytes (ValueError past it, before it is read)."""
         assert self.proc.stdout is not None
         (n,) = struct.unpack(">I", await self.proc.stdout.readexactly(4))
         if n > limit:
             raise ValueError(f"a parse process answered {n} bytes, over {limit}")
-        message = json.loads(await self.proc.stdout.readexactly(n))
-        if not isinstance(message, dict):
-            raise ValueError("a parse process answered something other than a JSON object")
-        return message
+        return await self.proc.stdout.readexactly(n)
 
     def ended(self) -> bool:
         """Whether the process has exited, even before asyncio has reaped it and set its return code (a
@@ -124,8 +136,9 @@ class ParsePool:
         self.timeout_s = server.upload_parse_timeout_s
         self.memory_mb = server.upload_parse_memory_mb
         self.retry_after_s = max(1, server.retry_after_s)
-        # A JSON-escaped text may take up to 12 bytes a character (a surrogate pair as two \\uXXXX).
-        self.reply_limit = 12 * self.limits.max_decompressed_bytes + 1024 * 1024
+        self.max_waiters = server.upload_parse_waiters
+        self._waiters = 0  # uploads waiting for an idle process, each holding its file
+        self.text_limit = text_limit(self.limits)
         self._idle: asyncio.Queue[_Process] | None = None
         self._count = 0  # processes running or starting
         self._tasks: set[asyncio.Task] = set()
@@ -151,7 +164,7 @@ class ParsePool:
         reply: dict[str, Any] | None = None
         self._busy.add(worker)
         try:
-            reply = await asyncio.wait_for(worker.ask({"kind": kind, "filename": filename}, data, self.reply_limit),
+            reply = await asyncio.wait_for(worker.ask({"kind": kind, "filename": filename}, data, self.text_limit),
                                            self.timeout_s)
         except TimeoutError:
             raise APIError(422, f"parsing {filename!r} took longer than {self.timeout_s:g} s, the limit of "
@@ -167,22 +180,41 @@ class ParsePool:
             self._release(worker, keep=reply is not None and not reply.get("retire"))
         return self._parsed(reply)
 
-    async def _acquire(self, filename: str) -> _Process:
-        """An idle process, starting any missing; 503 when none frees up within the parse timeout, and at
-        least the time a process may take to start (every one is busy with files that take long, or none
-        can start)."""
+    def check_room(self) -> None:
+        """429 when no process is idle and `server.upload_parse_waiters` uploads already wait (asked also
+        before an upload's body is read, api/uploads.py)."""
         self.start()
+        assert self._idle is not None
+        if self._idle.empty() and self._waiters >= self.max_waiters:
+            raise APIError(429, f"every file parser is busy and {self._waiters} uploads wait for one "
+                                "(server.upload_parse_waiters); retry later", code="parsers_busy",
+                           param="file", headers={"Retry-After": str(self.retry_after_s)})
+
+    async def _acquire(self, filename: str) -> _Process:
+        """An idle process, starting any missing. With none idle, at most `server.upload_parse_waiters`
+        uploads wait (one more is 429 at once: each waiter holds its file); 503 when none frees up within
+        the parse timeout, and at least the time a process may take to start (every one is busy with
+        files that take long, or none can start)."""
+        self.check_room()
         assert self._idle is not None
         wait_s = max(self.timeout_s, _START_TIMEOUT_S)
         deadline = asyncio.get_running_loop().time() + wait_s
         while True:
+            self._waiters += 1
             try:
                 worker = await asyncio.wait_for(self._idle.get(), deadline - asyncio.get_running_loop().time())
             except TimeoutError:
                 raise APIError(503, f"no file parser was free within {wait_s:g} s to read {filename!r}: try "
                                     "again later", code="parsers_busy",
                                headers={"Retry-After": str(self.retry_after_s)}) from None
-            if await worker.answers():
+            finally:
+                self._waiters -= 1
+            try:
+                alive = await worker.answers()
+            except BaseException:  # cancelled mid-ping (the upload's client left): its pong may still be
+                self._release(worker, keep=False)  # on the way, so the process is not reused but replaced
+                raise
+            if alive:
                 return worker
             log.warning("an idle parse process had ended (%s): replacing it", worker.exit_text())
             self._release(worker, keep=False)  # ended while idle (killed from outside): not this file's doing

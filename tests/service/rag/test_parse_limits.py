@@ -187,3 +187,85 @@ def test_a_parse_process_killed_while_idle_is_replaced_and_no_file_blamed() -> N
             await pool.close()
 
     asyncio.run(run())
+
+
+def test_an_upload_cancelled_during_the_ping_gives_its_parse_process_back() -> None:
+    """The client leaves while its upload waits for the ping's answer: the process (stopped here with
+    SIGSTOP, so the ping is in flight when the cancellation comes) is killed and replaced, not leaked, and
+    the next upload parses."""
+    async def run() -> None:
+        pool = _pool(upload_parse_workers=1)
+        try:
+            pool.start()
+            (first,) = await _until(lambda: len(ps := _parse_processes()) == 1 and ps, "one parse process")
+            await _until(lambda: pool._idle.qsize() == 1, "the parse process idle")
+            first.suspend()
+            task = asyncio.create_task(pool.parse(b"# One\n\nfirst", "one.md", "markdown"))
+            await _until(lambda: pool._idle.qsize() == 0, "the upload took the process and pinged it", 5)
+            await asyncio.sleep(0.2)
+            assert not task.done()  # waiting for the pong of a stopped process
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await _until(lambda: _exited(first), "the process of the cancelled upload killed", 5)
+            assert (await asyncio.wait_for(pool.parse(b"# Two\n\nsecond", "two.md", "markdown"), 30)
+                    ).text.endswith("second")
+            assert pool._count == 1 and len(_parse_processes()) == 1
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
+
+
+def test_a_file_whose_text_passes_the_document_limit_is_refused_in_the_parse_process() -> None:
+    """server.max_document_chars holds in the parse process: a small DOCX that expands to more text, and
+    plain text past it, are refused there (413 naming the setting); text within it, not ASCII, crosses the
+    pipe as framed UTF-8 unchanged."""
+    async def run() -> None:
+        pool = _pool(upload_parse_workers=1, max_document_chars=1_000_000, upload_max_decompressed_mb=100)
+        try:
+            data = hf.amplifying_docx(3_000_000)
+            assert len(data) < 100_000
+            for name, body, kind in (("wide.docx", data, "docx"),
+                                     ("wide.txt", ("\u4e2d" * 1_000_001).encode(), "text")):
+                with pytest.raises(APIError) as caught:
+                    await pool.parse(body, name, kind)
+                err = caught.value
+                assert (err.status, err.code, err.param) == (413, "document_too_large", "file"), err.message
+                assert "server.max_document_chars" in err.message and name in err.message
+            text = "Caf\u00e9 \u4e2d\u6587 \U0001f600 " * 60_000  # 4-byte characters too, at the limit's edge
+            assert len(text) <= 1_000_000
+            assert (await pool.parse(text.encode(), "wide.md", "markdown")).text == text
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
+
+
+def test_uploads_past_the_waiters_bound_are_429_at_once() -> None:
+    """One parse process busy with a slow PDF, one upload waiting for it: the next is refused at once
+    (429 naming server.upload_parse_waiters, with Retry-After), and the waiting one parses once the slow
+    one is stopped at its deadline."""
+    async def run() -> None:
+        pool = _pool(upload_parse_workers=1, upload_parse_waiters=1, upload_parse_timeout_s=2)
+        try:
+            pool.start()
+            await _until(lambda: pool._idle.qsize() == 1, "the parse process idle")
+            slow = asyncio.create_task(pool.parse(hf.slow_pdf(), "slow.pdf", "pdf"))
+            await _until(lambda: pool._idle.qsize() == 0, "the slow PDF parsing", 5)
+            waiting = asyncio.create_task(pool.parse(b"# Two\n\nsecond", "two.md", "markdown"))
+            await _until(lambda: pool._waiters == 1, "one upload waiting", 5)
+            started = time.monotonic()
+            with pytest.raises(APIError) as caught:
+                await pool.parse(b"# Three\n\nthird", "three.md", "markdown")
+            assert time.monotonic() - started < 0.5
+            err = caught.value
+            assert (err.status, err.code, err.headers["Retry-After"]) == (429, "parsers_busy", "1")
+            assert "server.upload_parse_waiters" in err.message
+            with pytest.raises(APIError):
+                await slow
+            assert (await asyncio.wait_for(waiting, 60)).text.endswith("second")
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
