@@ -93,7 +93,9 @@ def _refused() -> list[str]:
 
 
 def _check() -> list[str]:
-    tol = ", ".join(f"{str(d).removeprefix('torch.')} {t:g}" for d, t in check.TOLERANCE.items())
+    tol = (f"a tolerance from the dtype's rounding: {check.TOLERANCE_FACTOR:g} (u + sqrt(K) u32) sqrt(L (1 + s)) for "
+           "unit roundoff u (bfloat16 2^-8, float16 2^-11, float32 2^-24), inner products of up to K terms "
+           "accumulated in float32, L layers and decode step s (kvfuse/fusion/model/check.py, `tolerance`)")
     return [
         f"`model.check_on_load` (on by default) runs it in the worker before `/ready`, and remembers a pass for "
         f"that model on that code, device and torch (`<models_dir>/checks/`, else `<data_dir>/model-checks/`), so "
