@@ -6,9 +6,9 @@ the engine ignores, a new variant behind a known model type -- would load, and a
 worker runs a short canned prompt through both before it reports ready (`FusionEngine.from_settings`
 with `model.check_on_load`), and `kvfuse models check PATH` runs the same from the command line.
 
-The checks, on one canned prompt (prefix, three chunks, a question: `CHECK_TOKENS` tokens, or a window
-plus `WINDOW_MARGIN` on a model whose smallest sliding window is shorter than `WINDOW_CHECKED`, so the
-window is crossed) and a short canned continuation:
+The checks, on one canned prompt (prefix, three chunks, a question: `CHECK_TOKENS` tokens, or the
+config's sliding window plus `WINDOW_MARGIN` where that is longer, so every window is crossed:
+`prompt_length`) and a short canned continuation:
 - `forward`: the engine's full prefill against transformers' forward: the embedding, the hidden state
   after every layer (transformers' `output_hidden_states`), every layer's K/V and the last row's logits;
 - `decode`: the continuation decoded token by token through the engine's decode step, each step's
@@ -35,8 +35,7 @@ from kvfuse.fusion.errors import UnsupportedModelError
 log = logging.getLogger("kvfuse.fusion")
 
 CHECK_TOKENS = 96  # the canned prompt's length
-WINDOW_CHECKED = 512  # a smallest window up to this long is crossed by the prompt ...
-WINDOW_MARGIN = 48  # ... by this many tokens
+WINDOW_MARGIN = 48  # the prompt crosses the config's sliding window by this many tokens
 DECODE_STEPS = 4
 TOLERANCE_FACTOR = 4.0  # headroom over the rounding estimate of `tolerance`
 FUSED_METHODS = ("anchor", "a3", "cacheblend", "prophetkv", "epic")
@@ -144,14 +143,15 @@ def first_parting(pairs: list[tuple[str, int | None, torch.Tensor, torch.Tensor]
     return worst, parted
 
 
-def _verdict(name: str, pairs, tol: float | list[float], passed: str) -> CheckResult:
+def _verdict(engine, name: str, pairs, tol: float | list[float], passed: str) -> CheckResult:
     worst, parted = first_parting(pairs, tol)
     if parted is None:
         shown = f"{min(tol):.1e} to {max(tol):.1e}" if isinstance(tol, list) else f"{tol:.1e}"
         return CheckResult(name, "ok", f"{passed} within {worst:.1e} (tolerance {shown})")
     what, layer, err, t = parted
     where = f"at layer {layer}" if layer is not None else "at the output"
-    return CheckResult(name, "FAILED", f"parts {where}: {what} error {err:.2e} > {t:.1e}", layer)
+    return CheckResult(name, "FAILED", f"parts {where}: {what} error {err:.2e} > {t:.1e} "
+                                       f"({layer_features(engine, layer)})", layer)
 
 
 def canned_ids(engine, total: int) -> list[int]:
@@ -161,12 +161,43 @@ def canned_ids(engine, total: int) -> list[int]:
     return ids[:total]
 
 
+def config_window(config) -> int | None:
+    """The sliding window transformers applies to some layer of this config, read from the config alone
+    (`sliding_window`, on a layer whose `layer_types` entry is sliding, if the config has them), never
+    from the engine's family table: that table is what the check judges, and a table that drops a window
+    must still meet a prompt that crosses it. None when no layer has one (or it spans every position)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or int(window) >= int(config.max_position_embeddings):
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
 def prompt_length(engine) -> int:
-    windows = [w for w in engine.tf.windows if w is not None]
-    n = CHECK_TOKENS
-    if windows and min(windows) <= WINDOW_CHECKED:
-        n = max(n, min(windows) + WINDOW_MARGIN)
+    """`CHECK_TOKENS`, or the config's window plus `WINDOW_MARGIN` where that is longer, so every
+    windowed layer's rows see past their window (within the engine's context)."""
+    window = config_window(engine.tf.config)
+    n = CHECK_TOKENS if window is None else max(CHECK_TOKENS, window + WINDOW_MARGIN)
     return min(n, engine.max_context_tokens - DECODE_STEPS)
+
+
+def layer_features(engine, layer: int | None) -> str:
+    """What the engine computes at `layer` (None: the output) by its family table, for a failure's
+    message: so a feature the table lacks or gets wrong shows beside where the two part."""
+    tf, fam = engine.tf, engine.family
+    if layer is None:
+        tied = tf.lm_head.weight is tf.embed_tokens.weight
+        cap = f"final soft-cap {tf.final_softcap:g}" if tf.final_softcap is not None else "no final soft-cap"
+        return f"the engine's output: final norm, {'tied' if tied else 'untied'} LM head, {cap}"
+    window = tf.windows[layer]
+    rope = tf.rope_of(layer)
+    parts = [f"sliding window {window}" if window is not None else "no window",
+             f"rope {rope.rope_type}" + (f" of {rope.layer_type} layers" if rope.layer_type else ""),
+             f"attention soft-cap {tf.softcap:g}" if tf.softcap is not None else "no attention soft-cap",
+             f"{fam.layout} norms", f"q/k norm per {fam.qk_norm}" if fam.qk_norm else "no q/k norm"]
+    return f"the engine's layer {layer}: " + ", ".join(parts)
 
 
 @torch.inference_mode()
@@ -223,7 +254,7 @@ def _forward(engine, ids: list[int], ref: _Reference) -> CheckResult:
         if layer < tf.num_layers - 1:
             pairs.append(("hidden state", layer, h[0], ref.hidden[layer + 1][:n]))
     pairs.append(("logits", None, tf.logits(h[:, -1])[0], ref.logits[n - 1]))
-    return _verdict("forward", pairs, tol, f"embedding, {tf.num_layers} layers' hidden states and K/V, logits")
+    return _verdict(engine, "forward", pairs, tol, f"embedding, {tf.num_layers} layers' hidden states and K/V, logits")
 
 
 def _decode(engine, ids: list[int], n: int, ref: _Reference) -> CheckResult:
@@ -234,7 +265,7 @@ def _decode(engine, ids: list[int], n: int, ref: _Reference) -> CheckResult:
     for step, token in enumerate(ids[n : n + DECODE_STEPS - 1]):
         pairs.append((f"step {step + 1} logits", None, engine.decode_step(fused.cache, token), ref.logits[n + step]))
     tols = [engine_tolerance(engine, n, step) for step in range(len(pairs))]
-    return _verdict("decode", pairs, tols, f"{DECODE_STEPS - 1} decode steps' logits")
+    return _verdict(engine, "decode", pairs, tols, f"{DECODE_STEPS - 1} decode steps' logits")
 
 
 def _parts(n: int) -> list[tuple[int, int]]:
@@ -262,7 +293,7 @@ def _recovery(engine, ids: list[int], parts, ref: _Reference) -> CheckResult:
         pairs += [("keys", layer, fused.cache.k[layer, :, :n], ref.keys[layer][:, :n]),
                   ("values", layer, fused.cache.v[layer, :, :n], ref.values[layer][:, :n])]
     pairs.append(("logits", None, fused.logits, ref.logits[n - 1]))
-    return _verdict("recovery", pairs, tol, f"a chunk moved by {c0} positions: every layer's K/V and the logits")
+    return _verdict(engine, "recovery", pairs, tol, f"a chunk moved by {c0} positions: every layer's K/V and the logits")
 
 
 def _fused(engine, ids: list[int], parts) -> list[CheckResult]:
@@ -291,5 +322,5 @@ def _fused(engine, ids: list[int], parts) -> list[CheckResult]:
             pairs += [("keys", layer, fused.cache.k[layer, :, :n], vanilla.cache.k[layer, :, :n]),
                       ("values", layer, fused.cache.v[layer, :, :n], vanilla.cache.v[layer, :, :n])]
         pairs.append(("logits", None, fused.logits, vanilla.logits))
-        out.append(_verdict(f"fused:{name}", pairs, tol, "ratio 1.0 against the full prefill: K/V and logits"))
+        out.append(_verdict(engine, f"fused:{name}", pairs, tol, "ratio 1.0 against the full prefill: K/V and logits"))
     return out

@@ -102,8 +102,8 @@ def _check() -> list[str]:
         f"a restart skips it (kvfuse/fusion/model/check_cache.py); a failure is checked again at every start. "
         f"`kvfuse models check PATH` "
         f"runs it from the command line, prints a verdict per check and exits 0 (passed) or 2. On a canned prompt "
-        f"of {check.CHECK_TOKENS} tokens (longer than the smallest sliding window when that is up to "
-        f"{check.WINDOW_CHECKED}):",
+        f"of {check.CHECK_TOKENS} tokens, or the config's `sliding_window` plus {check.WINDOW_MARGIN} where that is "
+        "longer (read from the config, not the family table, so every window is crossed):",
         "",
         "- `forward`: the embedding, every layer's hidden state and K/V, and the logits of the engine's full "
         "prefill against transformers' forward (`output_hidden_states`);",
