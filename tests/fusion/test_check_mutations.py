@@ -5,10 +5,11 @@ windows, per-layer-type ropes, where the norms sit, q/k norms -- switched off or
 what the engine computed there. The prompt crosses the window of the model's config however the table
 is altered (`check.prompt_length` reads the config). Tied embeddings and MoE routing have no table entry
 (the engine calls the model's own LM head and MLP modules); an engine that ignored the tie (an LM head of
-its own) is caught the same way."""
+its own) or routed each token to fewer experts than the config's is caught the same way."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -123,3 +124,18 @@ def test_in_bfloat16_the_check_still_catches_it(monkeypatch, family, fields, lay
     """bfloat16's wider tolerance (`check.tolerance`) still leaves a wrong computation far outside it."""
     altered(monkeypatch, family, **fields)
     assert_fails(engine_of(family, torch.bfloat16), layer, shows)
+
+
+def test_routing_each_token_to_fewer_experts_fails_the_check() -> None:
+    """Not a table entry: an engine whose layers route each token to one expert where Qwen3-MoE's config
+    routes it to two (the engine's own copies of the layers; transformers' reference keeps the model's)."""
+    engine = engine_of("qwen3_moe")
+    assert engine.tf.layers[0].mlp.gate.top_k == 2
+    for i, layer in enumerate(engine.tf.layers):
+        mine, mlp, gate = copy.copy(layer), copy.copy(layer.mlp), copy.copy(layer.mlp.gate)
+        gate.top_k = 1
+        mlp._modules = {**layer.mlp._modules, "gate": gate}
+        mine._modules = {**layer._modules, "mlp": mlp}
+        engine.tf.layers[i] = mine
+    assert engine.model.model.layers[0].mlp.gate.top_k == 2
+    assert_fails(engine, 0, "the engine's layer 0")
