@@ -51,8 +51,10 @@ FAMILIES = {
 }
 
 
-def build(family: str, vocab: int, seed: int = 0, **overrides) -> torch.nn.Module:
-    """The tiny model of `family` (a key of FAMILIES), in eval mode; `overrides` change its config."""
+def build(family: str, vocab: int, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
+    """The tiny model of `family` (a key of FAMILIES), in eval mode; `overrides` change its config.
+    dtype: its weights' (the float32 model's, rounded), as `from_pretrained(dtype=...)` loads them:
+    buffers such as the rotary module's inv_freq stay float32."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
     config = config_cls(vocab_size=vocab, **{**SMALL, **extra, **overrides})
@@ -61,6 +63,7 @@ def build(family: str, vocab: int, seed: int = 0, **overrides) -> torch.nn.Modul
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.2 * torch.randn_like(p))
+            p.data = p.data.to(dtype)
     return model
 
 

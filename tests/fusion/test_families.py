@@ -173,3 +173,25 @@ def test_a_chunk_cache_computed_with_a_window_keeps_every_key(fam) -> None:
     longer than the window is stored whole."""
     [kv] = fam.precompute(token_ids([60]))
     assert isinstance(kv, ChunkKV) and kv.k.shape == (fam.num_layers, fam.num_kv_heads, 60, fam.head_dim)
+
+
+@pytest.fixture
+def one_thread():
+    """The CPU's bfloat16 kernels on one thread: on a busy 2-core machine two threads wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family", list(tiny_models.FAMILIES))
+def test_the_load_check_passes_in_bfloat16(tokenizer, one_thread, family: str) -> None:
+    """bfloat16, the dtype GPU deployments run (float16 is measured in docs/DESIGN.md, "The load check"),
+    weights in it as transformers loads them (the rotary module's inv_freq stays float32): every
+    check within what the dtype's rounding allows (kvfuse/fusion/model/check.py, `tolerance`)."""
+    model = tiny_models.build(family, len(tokenizer), dtype=torch.bfloat16)
+    engine = FusionEngine(model, tokenizer, dtype="bfloat16", attention_block_rows=32)
+    engine.stop_token_ids = set()
+    report = check_model(engine)
+    assert report.ok, report.summary()
+    assert [r.verdict for r in report.results[:3]] == ["ok"] * 3

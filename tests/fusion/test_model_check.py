@@ -97,3 +97,17 @@ def test_a_pass_is_remembered_for_this_model_and_code_and_a_failure_never(saved,
     ro = settings_factory(model_cache_dir=tmp_path / "not-a-folder" / "models", model={"llm": str(saved["good"])})
     FusionEngine.from_settings(ro)
     assert len(list((ro.data_dir / "model-checks").glob("*.json"))) == 1
+
+
+def test_the_tolerance_is_the_dtypes_rounding_over_layers_and_steps() -> None:
+    """4 (u + sqrt(K) u32) sqrt(L (1 + s)): one op's rounding (the output's, plus fp32 accumulation over K
+    terms), a random walk over L layers and s earlier decode steps."""
+    import torch
+
+    from kvfuse.fusion.model.check import tolerance
+
+    u32 = 2.0**-24
+    assert tolerance(torch.bfloat16, 1, 1) == pytest.approx(4 * (2.0**-8 + u32))
+    assert tolerance(torch.float16, 1, 1) == pytest.approx(4 * (2.0**-11 + u32))
+    assert tolerance(torch.float32, 1, 1024) == pytest.approx(4 * 33 * u32)
+    assert tolerance(torch.bfloat16, 30, 1, step=3) == pytest.approx(tolerance(torch.bfloat16, 1, 1) * 120**0.5)

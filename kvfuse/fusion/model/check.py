@@ -6,9 +6,9 @@ the engine ignores, a new variant behind a known model type -- would load, and a
 worker runs a short canned prompt through both before it reports ready (`FusionEngine.from_settings`
 with `model.check_on_load`), and `kvfuse models check PATH` runs the same from the command line.
 
-The checks, on one canned prompt (prefix, three chunks, a question: `CHECK_TOKENS` tokens, or a window
-plus `WINDOW_MARGIN` on a model whose smallest sliding window is shorter than `WINDOW_CHECKED`, so the
-window is crossed) and a short canned continuation:
+The checks, on one canned prompt (prefix, three chunks, a question: `CHECK_TOKENS` tokens, or the
+config's sliding window plus `WINDOW_MARGIN` where that is longer, so every window is crossed:
+`prompt_length`) and a short canned continuation:
 - `forward`: the engine's full prefill against transformers' forward: the embedding, the hidden state
   after every layer (transformers' `output_hidden_states`), every layer's K/V and the last row's logits;
 - `decode`: the continuation decoded token by token through the engine's decode step, each step's
@@ -19,7 +19,7 @@ window is crossed) and a short canned continuation:
   engine's full prefill (logits and every layer's K/V); a method that refuses the model is reported
   with its reason, not failed.
 A failure names the first layer where the two part. Errors are measured relative to the reference's
-RMS, against `TOLERANCE[dtype]`.
+RMS, against `tolerance`: what the rounding of the model's dtype allows, not a fixed number.
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ from kvfuse.fusion.errors import UnsupportedModelError
 log = logging.getLogger("kvfuse.fusion")
 
 CHECK_TOKENS = 96  # the canned prompt's length
-WINDOW_CHECKED = 512  # a smallest window up to this long is crossed by the prompt ...
-WINDOW_MARGIN = 48  # ... by this many tokens
+WINDOW_MARGIN = 48  # the prompt crosses the config's sliding window by this many tokens
 DECODE_STEPS = 4
-TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}  # RMS-relative error
+TOLERANCE_FACTOR = 4.0  # headroom over the rounding estimate of `tolerance`
 FUSED_METHODS = ("anchor", "a3", "cacheblend", "prophetkv", "epic")
 TEXT = ("The harbour town kept its records in a stone archive by the water. Every spring the clerks copied the "
         "ledgers of the previous year, counted the ships that had come and gone, and wrote down the price of "
@@ -89,6 +88,40 @@ class CheckReport:
                                   f"({first.name}: {first.detail}); refusing to serve it\n{self.summary()}")
 
 
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = eps / 2: bfloat16 2^-8, float16 2^-11, float32 2^-24."""
+    return torch.finfo(dtype).eps / 2
+
+
+def tolerance(dtype: torch.dtype, layers: int, inner: int, step: int = 0) -> float:
+    """The RMS-relative error two correct computations of the model in `dtype` may part by, after
+    `layers` layers whose inner products run over up to `inner` terms, at decode step `step` (0: a prefill).
+
+    Why this form. Each of the two computations (the engine's and transformers') rounds every op's output
+    to the dtype, relative error u (`unit_roundoff`), and accumulates its inner products (the hidden size,
+    the MLP's width, the keys attended) in float32, as the CPU's and the GPU's kernels do, which adds
+    about sqrt(inner) * u32 for rounding errors of random sign: one op errs by ~ u + sqrt(inner) * u32
+    (in bfloat16 and float16 the output rounding dominates, in float32 the accumulation). The two round
+    in different orders (other kernels, shapes and summation orders), so their errors are independent:
+    along the residual stream they add like a random walk over the layers, ~ sqrt(layers) times one op's.
+    A decode step s
+    also reads the K/V of the s steps before it, which the engine computed and transformers did not:
+    s more independent errors, ~ sqrt(1 + s). `TOLERANCE_FACTOR` is the headroom over that estimate
+    (the ratio of measured error to it, over the default model in each dtype and every family's tiny model:
+    docs/DESIGN.md, "The load check"). A wrong computation (a missed norm, window or soft-cap) parts by
+    orders of magnitude more."""
+    per_op = unit_roundoff(dtype) + inner**0.5 * unit_roundoff(torch.float32)
+    return TOLERANCE_FACTOR * per_op * (layers * (1 + step)) ** 0.5
+
+
+def engine_tolerance(engine, tokens: int, step: int = 0) -> float:
+    """`tolerance` for `engine`'s model over a prompt of `tokens` tokens (the keys attended)."""
+    cfg, tf = engine.tf.config, engine.tf
+    inner = max(int(cfg.hidden_size), int(getattr(cfg, "intermediate_size", 0) or 0), tf.num_heads * tf.head_dim,
+                tokens + step)
+    return tolerance(engine.dtype, tf.num_layers, inner, step)
+
+
 def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """RMS of the difference over the RMS of the reference (fp32)."""
     ref = ref.float()
@@ -96,25 +129,29 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float(diff / ref.pow(2).mean().sqrt().clamp_min(1e-12))
 
 
-def first_parting(pairs: list[tuple[str, int | None, torch.Tensor, torch.Tensor]], tol: float
-                  ) -> tuple[float, tuple[str, int | None, float] | None]:
-    """(largest error, (what, layer, error) of the first pair over `tol`, or None)."""
+def first_parting(pairs: list[tuple[str, int | None, torch.Tensor, torch.Tensor]], tol: float | list[float]
+                  ) -> tuple[float, tuple[str, int | None, float, float] | None]:
+    """(largest error, (what, layer, error, tolerance) of the first pair over its tolerance, or None).
+    tol: one for every pair, or one per pair."""
+    tols = tol if isinstance(tol, list) else [tol] * len(pairs)
     worst, parted = 0.0, None
-    for what, layer, got, ref in pairs:
+    for (what, layer, got, ref), t in zip(pairs, tols, strict=True):
         err = rel_error(got, ref)
         worst = max(worst, err)
-        if parted is None and not err <= tol:  # NaN parts too
-            parted = (what, layer, err)
+        if parted is None and not err <= t:  # NaN parts too
+            parted = (what, layer, err, t)
     return worst, parted
 
 
-def _verdict(name: str, pairs, tol: float, passed: str) -> CheckResult:
+def _verdict(engine, name: str, pairs, tol: float | list[float], passed: str) -> CheckResult:
     worst, parted = first_parting(pairs, tol)
     if parted is None:
-        return CheckResult(name, "ok", f"{passed} within {worst:.1e} (tolerance {tol:.0e})")
-    what, layer, err = parted
+        shown = f"{min(tol):.1e} to {max(tol):.1e}" if isinstance(tol, list) else f"{tol:.1e}"
+        return CheckResult(name, "ok", f"{passed} within {worst:.1e} (tolerance {shown})")
+    what, layer, err, t = parted
     where = f"at layer {layer}" if layer is not None else "at the output"
-    return CheckResult(name, "FAILED", f"parts {where}: {what} error {err:.2e} > {tol:.0e}", layer)
+    return CheckResult(name, "FAILED", f"parts {where}: {what} error {err:.2e} > {t:.1e} "
+                                       f"({layer_features(engine, layer)})", layer)
 
 
 def canned_ids(engine, total: int) -> list[int]:
@@ -124,12 +161,43 @@ def canned_ids(engine, total: int) -> list[int]:
     return ids[:total]
 
 
+def config_window(config) -> int | None:
+    """The sliding window transformers applies to some layer of this config, read from the config alone
+    (`sliding_window`, on a layer whose `layer_types` entry is sliding, if the config has them), never
+    from the engine's family table: that table is what the check judges, and a table that drops a window
+    must still meet a prompt that crosses it. None when no layer has one (or it spans every position)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or int(window) >= int(config.max_position_embeddings):
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
 def prompt_length(engine) -> int:
-    windows = [w for w in engine.tf.windows if w is not None]
-    n = CHECK_TOKENS
-    if windows and min(windows) <= WINDOW_CHECKED:
-        n = max(n, min(windows) + WINDOW_MARGIN)
+    """`CHECK_TOKENS`, or the config's window plus `WINDOW_MARGIN` where that is longer, so every
+    windowed layer's rows see past their window (within the engine's context)."""
+    window = config_window(engine.tf.config)
+    n = CHECK_TOKENS if window is None else max(CHECK_TOKENS, window + WINDOW_MARGIN)
     return min(n, engine.max_context_tokens - DECODE_STEPS)
+
+
+def layer_features(engine, layer: int | None) -> str:
+    """What the engine computes at `layer` (None: the output) by its family table, for a failure's
+    message: so a feature the table lacks or gets wrong shows beside where the two part."""
+    tf, fam = engine.tf, engine.family
+    if layer is None:
+        tied = tf.lm_head.weight is tf.embed_tokens.weight
+        cap = f"final soft-cap {tf.final_softcap:g}" if tf.final_softcap is not None else "no final soft-cap"
+        return f"the engine's output: final norm, {'tied' if tied else 'untied'} LM head, {cap}"
+    window = tf.windows[layer]
+    rope = tf.rope_of(layer)
+    parts = [f"sliding window {window}" if window is not None else "no window",
+             f"rope {rope.rope_type}" + (f" of {rope.layer_type} layers" if rope.layer_type else ""),
+             f"attention soft-cap {tf.softcap:g}" if tf.softcap is not None else "no attention soft-cap",
+             f"{fam.layout} norms", f"q/k norm per {fam.qk_norm}" if fam.qk_norm else "no q/k norm"]
+    return f"the engine's layer {layer}: " + ", ".join(parts)
 
 
 @torch.inference_mode()
@@ -174,7 +242,7 @@ def _reference(engine, ids: list[int]) -> _Reference:
 
 def _forward(engine, ids: list[int], ref: _Reference) -> CheckResult:
     tf, n = engine.tf, len(ids)
-    tol = TOLERANCE[engine.dtype]
+    tol = engine_tolerance(engine, n)
     cache = engine.new_cache(n)
     rows = tf.rows(torch.arange(n, device=engine.device))
     h = tf.embed(torch.tensor(ids, device=engine.device))
@@ -186,18 +254,18 @@ def _forward(engine, ids: list[int], ref: _Reference) -> CheckResult:
         if layer < tf.num_layers - 1:
             pairs.append(("hidden state", layer, h[0], ref.hidden[layer + 1][:n]))
     pairs.append(("logits", None, tf.logits(h[:, -1])[0], ref.logits[n - 1]))
-    return _verdict("forward", pairs, tol, f"embedding, {tf.num_layers} layers' hidden states and K/V, logits")
+    return _verdict(engine, "forward", pairs, tol, f"embedding, {tf.num_layers} layers' hidden states and K/V, logits")
 
 
 def _decode(engine, ids: list[int], n: int, ref: _Reference) -> CheckResult:
     from kvfuse.fusion.types import FusionOptions
 
-    tol = TOLERANCE[engine.dtype]
     fused = engine.fuse(None, [], ids[:n], FusionOptions(method="vanilla"), max_tokens=DECODE_STEPS)
     pairs = [("prefill logits", None, fused.logits, ref.logits[n - 1])]
     for step, token in enumerate(ids[n : n + DECODE_STEPS - 1]):
         pairs.append((f"step {step + 1} logits", None, engine.decode_step(fused.cache, token), ref.logits[n + step]))
-    return _verdict("decode", pairs, tol, f"{DECODE_STEPS - 1} decode steps' logits")
+    tols = [engine_tolerance(engine, n, step) for step in range(len(pairs))]
+    return _verdict(engine, "decode", pairs, tols, f"{DECODE_STEPS - 1} decode steps' logits")
 
 
 def _parts(n: int) -> list[tuple[int, int]]:
@@ -213,7 +281,7 @@ def _recovery(engine, ids: list[int], parts, ref: _Reference) -> CheckResult:
     position recovery (pie): the full prefill's cache, every layer, and its logits."""
     from kvfuse.fusion.types import FusionOptions
 
-    tol = TOLERANCE[engine.dtype]
+    tol = engine_tolerance(engine, len(ids))
     (_, c0), (q0, _) = parts[-2], parts[-1]
     context, chunk, question = ids[:c0], ids[c0:q0], ids[q0:]
     [before] = engine.precompute([context])
@@ -225,14 +293,14 @@ def _recovery(engine, ids: list[int], parts, ref: _Reference) -> CheckResult:
         pairs += [("keys", layer, fused.cache.k[layer, :, :n], ref.keys[layer][:, :n]),
                   ("values", layer, fused.cache.v[layer, :, :n], ref.values[layer][:, :n])]
     pairs.append(("logits", None, fused.logits, ref.logits[n - 1]))
-    return _verdict("recovery", pairs, tol, f"a chunk moved by {c0} positions: every layer's K/V and the logits")
+    return _verdict(engine, "recovery", pairs, tol, f"a chunk moved by {c0} positions: every layer's K/V and the logits")
 
 
 def _fused(engine, ids: list[int], parts) -> list[CheckResult]:
     from kvfuse.fusion.methods import available_methods, get_method
     from kvfuse.fusion.types import FusionOptions
 
-    tol = TOLERANCE[engine.dtype]
+    tol = engine_tolerance(engine, len(ids))
     kvs = engine.precompute([ids[a:b] for a, b in parts[:-1]])
     question = ids[parts[-1][0] :]
     vanilla = engine.fuse(kvs[0], kvs[1:], question, FusionOptions(method="vanilla"))
@@ -254,5 +322,5 @@ def _fused(engine, ids: list[int], parts) -> list[CheckResult]:
             pairs += [("keys", layer, fused.cache.k[layer, :, :n], vanilla.cache.k[layer, :, :n]),
                       ("values", layer, fused.cache.v[layer, :, :n], vanilla.cache.v[layer, :, :n])]
         pairs.append(("logits", None, fused.logits, vanilla.logits))
-        out.append(_verdict(f"fused:{name}", pairs, tol, "ratio 1.0 against the full prefill: K/V and logits"))
+        out.append(_verdict(engine, f"fused:{name}", pairs, tol, "ratio 1.0 against the full prefill: K/V and logits"))
     return out

@@ -93,15 +93,17 @@ def _refused() -> list[str]:
 
 
 def _check() -> list[str]:
-    tol = ", ".join(f"{str(d).removeprefix('torch.')} {t:g}" for d, t in check.TOLERANCE.items())
+    tol = (f"a tolerance from the dtype's rounding: {check.TOLERANCE_FACTOR:g} (u + sqrt(K) u32) sqrt(L (1 + s)) for "
+           "unit roundoff u (bfloat16 2^-8, float16 2^-11, float32 2^-24), inner products of up to K terms "
+           "accumulated in float32, L layers and decode step s (kvfuse/fusion/model/check.py, `tolerance`)")
     return [
         f"`model.check_on_load` (on by default) runs it in the worker before `/ready`, and remembers a pass for "
         f"that model on that code, device and torch (`<models_dir>/checks/`, else `<data_dir>/model-checks/`), so "
         f"a restart skips it (kvfuse/fusion/model/check_cache.py); a failure is checked again at every start. "
         f"`kvfuse models check PATH` "
         f"runs it from the command line, prints a verdict per check and exits 0 (passed) or 2. On a canned prompt "
-        f"of {check.CHECK_TOKENS} tokens (longer than the smallest sliding window when that is up to "
-        f"{check.WINDOW_CHECKED}):",
+        f"of {check.CHECK_TOKENS} tokens, or the config's `sliding_window` plus {check.WINDOW_MARGIN} where that is "
+        "longer (read from the config, not the family table, so every window is crossed):",
         "",
         "- `forward`: the embedding, every layer's hidden state and K/V, and the logits of the engine's full "
         "prefill against transformers' forward (`output_hidden_states`);",

@@ -217,7 +217,9 @@ class Transformer:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, r, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        # In q's dtype: a family whose rotary module returns float32 cos/sin (OLMo 2) rotates in float32 and
+        # rounds once, as its modeling code does; the others round cos/sin to the model's dtype first.
+        return apply_rope(q, cos, sin).to(q.dtype), apply_rope(k, cos, sin).to(k.dtype), v
 
     def attend(self, cache: FusedCache, layer: int, rows: Rows, q: torch.Tensor) -> torch.Tensor:
         """Attention of the rows q [1, H, R, D] over the fused cache, each row causally by global
