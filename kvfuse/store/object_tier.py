@@ -234,9 +234,9 @@ class ObjectTier(ChunkStore):
             deleted += not used
             kb = key.encode()
 
-            def fn(txn: lmdb.Transaction, kb: bytes = kb, key: str = key) -> bool:
+            def fn(txn: lmdb.Transaction, kb: bytes = kb, key: str = key, gone: bool = not used) -> bool:
                 txn.delete(kb, db=self._orphans)
-                if self.in_use(txn, key):  # stored again while it was being deleted
+                if gone and self.in_use(txn, key):  # stored again while it was being deleted
                     txn.put(kb, str(time.time()).encode(), db=self._pending)
                     return True
                 return False

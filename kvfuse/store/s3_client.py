@@ -16,6 +16,7 @@ import configparser
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -96,7 +97,7 @@ class ObstoreClient:
             options["root_certificate"] = Path(cfg.ca_file).read_bytes()
         # Few retries: a read that fails is recomputed and a write is retried by the tier, so waiting long
         # for an object store that is down only delays the query.
-        retry = {"max_retries": 1, "retry_timeout": __import__("datetime").timedelta(seconds=cfg.timeout_s)}
+        retry = {"max_retries": 1, "retry_timeout": timedelta(seconds=cfg.timeout_s)}
         self._store = S3Store(self.location.bucket, prefix=self.location.prefix or None, config=config,
                               client_options=options, retry_config=retry)
 
