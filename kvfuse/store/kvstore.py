@@ -70,6 +70,8 @@ class KVStore:
             objects.local_copy = lambda key: LmdbTier.get(self.blobs, key)
             objects.in_use = lambda txn, key: (self.catalog.referenced(txn, key)
                                                or LmdbTier.stored(self.blobs, txn, key))
+            if isinstance(self.blobs, LmdbTier):  # the budget never evicts a chunk not yet uploaded
+                self.blobs.keep = objects.is_pending
             objects.start()
 
     @classmethod

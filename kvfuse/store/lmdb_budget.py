@@ -19,11 +19,21 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvfuse.store.eviction_policy import EvictionPolicy, make_policy
 from kvfuse.store.records import ChunkInfo
+
+
+class _Either:
+    """Membership in either of two containers (the pins and the caller's kept chunks), without a copy."""
+
+    def __init__(self, a: Container[str], b: Container[str]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
 
 
 class LmdbBudget:
@@ -57,10 +67,11 @@ class LmdbBudget:
         with self._lock:
             self.policy.remove(key)
 
-    def victims(self, free_bytes: int) -> list[str]:
-        """The policy's victims for `free_bytes`, pinned chunks skipped; they are out of the policy now."""
+    def victims(self, free_bytes: int, kept: Container[str] = frozenset()) -> list[str]:
+        """The policy's victims for `free_bytes`, pinned chunks and `kept` skipped; they are out of the
+        policy now."""
         with self._lock:
-            return self.policy.victims(free_bytes, self._pins)
+            return self.policy.victims(free_bytes, _Either(self._pins, kept))
 
     def is_pinned(self, key: str) -> bool:
         with self._lock:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import replace
 
 import lmdb
@@ -67,6 +67,8 @@ class LmdbTier(ChunkStore):
         self._meta = env.db("meta")
         self._refs = env.db("refs")
         self.budget = budget
+        # Set by KVStore with an object store below: a chunk the budget must not evict yet (in txn).
+        self.keep: Callable[[lmdb.Transaction, str], bool] | None = None
         if budget is not None:
             with env.read() as txn:
                 budget.seed(i for i in self.infos(txn) if not i.evicted_at)
@@ -204,27 +206,37 @@ class LmdbTier(ChunkStore):
 
     def _make_room(self, txn: lmdb.Transaction, key: str, nbytes: int) -> bool:
         """Evict until `nbytes` more fit under the budget: the policy's victims, then (blobs this process
-        does not track) any unpinned blob in key order. False when they cannot fit."""
+        does not track) any unpinned blob in key order. A chunk `keep` holds (one the object store below
+        has not taken yet: object_tier.py) is skipped and stays tracked. False when they cannot fit."""
         assert self.budget is not None
         if nbytes > self.budget.budget_bytes:
             return False
         over = self.kv_bytes(txn) + nbytes - self.budget.budget_bytes
-        while over > 0:
-            victims = self.budget.victims(over)
-            if not victims:
-                victims = self._untracked_victim(txn, key)
+        kept: set[str] = set()
+        try:
+            while over > 0:
+                victims = self.budget.victims(over, kept) or self._untracked_victim(txn, key, kept)
                 if not victims:
                     return False
-            for victim in victims:
-                if victim != key:
+                for victim in victims:
+                    if victim == key:
+                        continue
+                    if self.keep is not None and self.keep(txn, victim):
+                        kept.add(victim)
+                        continue
                     over -= self.evict(txn, victim)
-        return True
+            return True
+        finally:
+            for k in kept:  # back into the policy: the next put may evict them once they are uploaded
+                info = self.info(txn, k)
+                if info is not None:
+                    self.budget.stored(k, info.bytes, info.tokens)
 
-    def _untracked_victim(self, txn: lmdb.Transaction, key: str) -> list[str]:
+    def _untracked_victim(self, txn: lmdb.Transaction, key: str, kept: Container[str]) -> list[str]:
         assert self.budget is not None
         for kb in txn.cursor(db=self._blobs).iternext(keys=True, values=False):
             k = bytes(kb).decode()
-            if k != key and not self.budget.is_pinned(k):
+            if k != key and k not in kept and not self.budget.is_pinned(k):
                 return [k]
         return []
 

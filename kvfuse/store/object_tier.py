@@ -191,6 +191,10 @@ class ObjectTier(ChunkStore):
             txn.put(key.encode(), str(time.time()).encode(), db=self._pending)
             txn.delete(key.encode(), db=self._orphans)
 
+    def is_pending(self, txn: lmdb.Transaction, key: str) -> bool:
+        """Whether `key` is listed for upload in `txn` (the host's copy is the only one yet)."""
+        return self._pending is not None and txn.get(key.encode(), db=self._pending) is not None
+
     def orphaned(self, txn: lmdb.Transaction, key: str) -> None:
         """The last reference to `key` went in `txn` (the catalog's): its object is deleted after the grace."""
         if self._orphans is not None:

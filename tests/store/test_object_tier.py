@@ -227,3 +227,26 @@ def test_the_probe_read_measures_a_chunk_sized_get_and_leaves_nothing(open_store
     nbytes, seconds = store.objects.probe_read()
     assert nbytes == 1 << 20 and seconds > 0
     assert list(store.objects.client.keys()) == []  # the probe object deleted
+
+
+def test_a_bounded_lmdb_evicts_only_uploaded_chunks_and_reads_evicted_ones_from_the_object_store(open_store) -> None:
+    """store.lmdb_budget_mb over an object store: a chunk still listed for upload (the host's copy is the
+    only one) is never the budget's victim; the others are evicted, stay their document's, and are read
+    back from the object store byte for byte."""
+    store = open_store(lmdb_budget_mb=2, hot_tier_mb=0)
+    made = [make_blob(40 + i, tokens=48) for i in range(4)]  # ~1.06 MB each at float16: two fit
+    keys = [m[0] for m in made]
+    store.catalog.put_document(DocumentRecord(id="d", status="processing", chunk_keys=keys), "text")
+    store.put_chunk(keys[0], made[0][1])
+    store.env.write(lambda txn: store.objects.needs_upload(txn, keys[0]))  # as an outage leaves it
+    for key, blob, *_ in made[1:]:
+        store.put_chunk(key, blob)
+    assert store.has_chunk(keys[0])  # kept: not uploaded yet
+    evicted = [k for k in keys[1:] if not store.has_chunk(k)]
+    assert evicted and store.stats()["kv_bytes"] <= 2 << 20
+    store.set_status("d", "ready")
+    for key in evicted:
+        assert store.chunks.where(key) == "object"
+        k, v, header = store.load_chunk(key)
+        blob = next(m[1] for m in made if m[0] == key)
+        assert header.key == key and torch.equal(k, kvblob.decode(blob)[0]) and torch.equal(v, kvblob.decode(blob)[1])
