@@ -128,7 +128,8 @@ async def _stream(queries: QueryService, run: QueryRun, head: dict, include_usag
                   ) -> AsyncIterator[bytes]:
     def event(choices: list[CompletionChoice], **extra: object) -> bytes:
         # Only the fields given are sent (exclude_unset): each event carries what OpenAI's would, plus ours.
-        return sse.event(TextCompletion(**head, choices=choices, **extra).model_dump(mode="json", exclude_unset=True))
+        c = TextCompletion(**head, object="text_completion", choices=choices, **extra)
+        return sse.event(c.model_dump(mode="json", exclude_unset=True))
 
     def choice(text: str, finish: Literal["stop", "length"] | None, entries: list | None, at: int
                ) -> list[CompletionChoice]:

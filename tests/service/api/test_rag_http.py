@@ -301,6 +301,7 @@ def test_completions_are_chats_answer_to_the_prompt_streamed_or_not(holder: Hold
     text, usage, finish = "", None, None
     for chunk in oa.completions.create(model="kvfuse", prompt=[QUESTION], max_tokens=4, stream=True,
                                        stream_options={"include_usage": True}):
+        assert chunk.object == "text_completion"
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
