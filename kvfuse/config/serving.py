@@ -81,6 +81,11 @@ class ServerSettings(Section):
     max_connections: int = Field(1024, ge=1, description=(
         "open connections the server holds (uvicorn's limit_concurrency); past it uvicorn itself answers "
         "a plain 503"))
+    embeddings_max_inputs: int = Field(2048, gt=0, description=(
+        "inputs per /v1/embeddings request (OpenAI's limit; LangChain sends 1,000); more get 413"))
+    embeddings_max_chars: int = Field(2_000_000, gt=0, description=(
+        "characters over all inputs of a /v1/embeddings request; more get 413. It is embedded in slices of "
+        "model.embed_batch_size inputs, so a question's embedding waits for one slice, not the request"))
     request_timeout_s: float = Field(300.0, gt=0, description=(
         "a query that runs longer ends with 504 / an SSE error event"))
     queue_size: int = Field(16, ge=1, description="queries waiting for admission beyond this get 429")

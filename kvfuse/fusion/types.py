@@ -127,6 +127,10 @@ class GenerationOptions:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: none; n: each kept token's log-probability and the n most likely
+    # OpenAI's, applied by the sampler (engine/sampling.py): token id -> bias, and the output-token penalties
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @dataclass

@@ -61,16 +61,23 @@ class Embedder:
                         self.max_seq_length)
 
     def embed(self, texts: list[str], *, background: bool = False) -> np.ndarray:
-        """float32 [len(texts), dim], each row L2-normalized. `background` (ingestion's chunks): embedded a
-        batch per turn, every question that waits meanwhile going first, so a flood of ingestion delays a
-        query's retrieval by one batch at most, not by every chunk queued before it."""
+        """float32 [len(texts), dim], each row L2-normalized. `background` (ingestion's chunks, the inputs of
+        /v1/embeddings): embedded a batch per turn, every question that waits meanwhile going first, so a
+        flood of them delays a query's retrieval by one batch at most, not by every text queued before it."""
+        return self.embed_counted(texts, background=background)[0]
+
+    def embed_counted(self, texts: list[str], *, background: bool = False) -> tuple[np.ndarray, int]:
+        """`embed(texts)` and the number of word pieces the texts hold (special tokens not counted): the
+        usage /v1/embeddings reports. Counted in the embedder's turn, as the tokenizer may not run
+        concurrently."""
         if not texts:
-            return np.zeros((0, self.dim), dtype=np.float32)
+            return np.zeros((0, self.dim), dtype=np.float32), 0
         if background and len(texts) > self.batch_size:
-            return np.concatenate([self.embed(texts[i : i + self.batch_size], background=True)
-                                   for i in range(0, len(texts), self.batch_size)])
+            parts = [self.embed_counted(texts[i : i + self.batch_size], background=True)
+                     for i in range(0, len(texts), self.batch_size)]
+            return np.concatenate([v for v, _ in parts]), sum(n for _, n in parts)
         with self._turns.turn(urgent=not background):
-            pieces, owner, weight = self._windows(texts)
+            pieces, owner, weight, tokens = self._windows(texts)
             with _torch_threads(1 if len(pieces) <= SINGLE_THREAD_MAX_WINDOWS else None):
                 vecs = self.model.encode(
                     pieces,
@@ -80,23 +87,27 @@ class Embedder:
                     show_progress_bar=False,
                 ).astype(np.float32, copy=False)
         if len(pieces) == len(texts):
-            return np.ascontiguousarray(vecs)
+            return np.ascontiguousarray(vecs), tokens
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         np.add.at(out, owner, vecs * weight[:, None])
         norms = np.linalg.norm(out, axis=1, keepdims=True)
-        return out / np.maximum(norms, 1e-12)
+        return out / np.maximum(norms, 1e-12), tokens
 
-    def _windows(self, texts: list[str]) -> tuple[list[str], np.ndarray, np.ndarray]:
-        """Split texts longer than the model window at token offsets: (pieces, owning text, weights)."""
+    def _windows(self, texts: list[str]) -> tuple[list[str], np.ndarray, np.ndarray, int]:
+        """Split texts longer than the model window at token offsets: (pieces, owning text, weights, the
+        texts' tokens)."""
         if self._tokenizer is None:
-            return texts, np.arange(len(texts)), np.ones(len(texts), dtype=np.float32)
+            counted = self.model.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            return texts, np.arange(len(texts)), np.ones(len(texts), dtype=np.float32), sum(map(len, counted))
         window = max(1, self.max_seq_length - 2)  # room for [CLS] and [SEP]
         enc = self._tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         pieces: list[str] = []
         owner: list[int] = []
         weight: list[float] = []
+        tokens = 0
         for i, (text, offsets) in enumerate(zip(texts, enc["offset_mapping"], strict=True)):
             n = len(offsets)
+            tokens += n
             if n <= window:
                 pieces.append(text)
                 owner.append(i)
@@ -109,7 +120,7 @@ class Embedder:
                 pieces.append(text[start:end])
                 owner.append(i)
                 weight.append(float(b - a))
-        return pieces, np.asarray(owner), np.asarray(weight, dtype=np.float32)
+        return pieces, np.asarray(owner), np.asarray(weight, dtype=np.float32), tokens
 
 
 class _Turns:

@@ -113,6 +113,19 @@ def test_embed_nothing(embedder):
     assert embedder.embed([]).shape == (0, embedder.dim)
 
 
+def test_embed_counted_counts_every_word_piece_past_the_window_too(essay_chunks, embedder):
+    """The usage /v1/embeddings reports: the texts' word pieces, special tokens not counted, a long text's
+    every window included; the vectors are embed()'s."""
+    long = next(c.text for chunks in essay_chunks.values() for c in chunks if len(c.token_ids) >= 480)
+    texts = ["tide tables", long]
+    vecs, tokens = embedder.embed_counted(texts)
+    pieces = embedder.model.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    assert tokens == sum(map(len, pieces)) and len(pieces[1]) > embedder.max_seq_length
+    np.testing.assert_allclose(vecs, embedder.embed(texts), atol=1e-6)
+    empty, none = embedder.embed_counted([])
+    assert empty.shape == (0, embedder.dim) and none == 0
+
+
 def test_embedder_serves_several_threads_at_once(embedder):
     """Questions are embedded from a thread pool while ingestion embeds chunks."""
     from concurrent.futures import ThreadPoolExecutor

@@ -112,8 +112,9 @@ def serving(root: Path, env: dict[str, str], essays: dict[str, str] | None = Non
     """A server on a fresh data dir under `root`, with `essays` ingested (each ready, its name as id and
     topic) and `setup` run, stopped at the end (a module fixture yields what this yields)."""
     h = Holder()
-    h.server = ServerProcess(root / "data", root / "server.log", **env).start()
+    h.server = ServerProcess(root / "data", root / "server.log", **env)
     try:
+        h.server.start()  # inside the try: a server that never got ready is stopped too, not left running
         if essays or setup:
             with make_client(h.server) as c:
                 if essays:

@@ -37,7 +37,8 @@ class Generation:
             raise ValueError("max_tokens must be at least 1")
         self.options = options
         self.stop_token_ids = stop_token_ids
-        self.sampling = RowSampling.create(options.temperature, options.top_p, options.seed, torch.device(device))
+        self.sampling = RowSampling.create(options.temperature, options.top_p, options.seed, torch.device(device),
+                                           options.logit_bias, options.presence_penalty, options.frequency_penalty)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(list(dict.fromkeys([*options.stop, *stop_strings])))
         self.token_ids: list[int] = []

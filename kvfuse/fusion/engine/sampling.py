@@ -9,28 +9,46 @@ request samples the same tokens alone (`Generation.accept`, a batch of one) and 
 operation is row-wise (softmax, sort, cumulative sum), and the random draw is vLLM v1's exponential
 race -- `argmax(p / q)` with `q ~ Exp(1)` drawn from the row's generator, which picks index i with
 probability p_i -- so each row consumes exactly `vocab` draws of its own generator per token whatever
-the batch. docs/DESIGN.md, "Decoding".
+the batch.
+
+OpenAI's `logit_bias`, `presence_penalty` and `frequency_penalty` adjust a row's logits before the choice,
+greedy or sampled: `logit + bias[j] - frequency_penalty * c[j] - presence_penalty * (c[j] > 0)`, with c[j]
+the times token j was chosen for this row so far (its output only, as vLLM counts; OpenAI's reference
+formula). The counts are kept on the row and updated by `choose` itself, so the decode loop needs no part
+in it and a row's adjustment is still its own alone. A bias of -100 bans a token in practice; here it is
+also excluded outright (logit -inf), so a banned token never appears. docs/DESIGN.md, "Decoding".
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
+
+BAN_BIAS = -100.0  # OpenAI's floor: "should ban the token"
 
 
 @dataclass
 class RowSampling:
-    """One request's sampling knobs. temperature <= 0: greedy (no generator)."""
+    """One request's sampling knobs. temperature <= 0: greedy (no generator). `logit_bias`: token id ->
+    bias in [-100, 100]; `counts`: [vocab] times each token was chosen, kept only when a penalty is set."""
 
     temperature: float
     top_p: float
     generator: torch.Generator | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    counts: torch.Tensor | None = None
+    _bias: torch.Tensor | None = None  # logit_bias as a [vocab] row, built on the first choice
 
     @classmethod
-    def create(cls, temperature: float, top_p: float, seed: int | None, device: torch.device) -> RowSampling:
-        """A sampling row with its generator on `device`, seeded (or from OS entropy when seed is None)."""
+    def create(cls, temperature: float, top_p: float, seed: int | None, device: torch.device,
+               logit_bias: Mapping[int | str, float] | None = None, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0) -> RowSampling:
+        """A sampling row with its generator on `device`, seeded (or from OS entropy when seed is None).
+        `logit_bias` keys may be strings (as JSON carries them)."""
         generator = None
         if temperature > 0:
             generator = torch.Generator(device=device)
@@ -38,17 +56,63 @@ class RowSampling:
                 generator.seed()
             else:
                 generator.manual_seed(seed)
-        return cls(temperature, top_p, generator)
+        bias = {int(k): float(v) for k, v in (logit_bias or {}).items() if v}
+        return cls(temperature, top_p, generator, bias, presence_penalty, frequency_penalty)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def adjusts(self) -> bool:
+        return bool(self.logit_bias) or self.penalized
+
+    def adjust(self, row: torch.Tensor) -> torch.Tensor:
+        """This row's logits [vocab] with its bias and penalties applied (a new float32 tensor)."""
+        vocab = row.shape[0]
+        out = row.float()
+        if self.logit_bias:
+            if self._bias is None:
+                bad = [t for t in self.logit_bias if not 0 <= t < vocab]
+                if bad:
+                    raise ValueError(f"logit_bias names token ids outside the vocabulary (0..{vocab - 1}): {bad}")
+                ids = torch.tensor(list(self.logit_bias), device=row.device)
+                values = torch.tensor(list(self.logit_bias.values()), device=row.device)
+                values = torch.where(values <= BAN_BIAS, torch.full_like(values, float("-inf")), values)
+                self._bias = torch.zeros(vocab, device=row.device).index_copy(0, ids, values)
+            out = out + self._bias
+        if self.penalized and self.counts is not None:
+            out = out - self.frequency_penalty * self.counts - self.presence_penalty * (self.counts > 0).float()
+        return out
+
+    def record(self, token: torch.Tensor, vocab: int) -> None:
+        """Count the token chosen for this row (a 1-element device tensor: no host synchronisation)."""
+        if self.penalized:
+            if self.counts is None:
+                self.counts = torch.zeros(vocab, device=token.device)
+            self.counts.index_add_(0, token, torch.ones(1, device=token.device))
 
 
 def choose(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
     """logits [B, vocab] (one row per entry of `rows`) -> chosen token ids [B] (int64, on logits' device)."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} sampling rows")
+    adjusted = [i for i, r in enumerate(rows) if r.adjusts]
+    if adjusted:
+        logits = logits.float().clone()
+        for i in adjusted:
+            logits[i] = rows[i].adjust(logits[i])
+    chosen = _choose(logits, rows)
+    for i in adjusted:
+        rows[i].record(chosen[i : i + 1], logits.shape[1])
+    return chosen
+
+
+def _choose(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
     chosen = torch.argmax(logits, dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if not sampled:

@@ -17,7 +17,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfuse import __version__
 from kvfuse.config import ConfigError, Settings, setting_error
-from kvfuse.service.api import document_routes, openai_routes, query_routes, search_routes, warmup_routes
+from kvfuse.service.api import (
+    document_routes,
+    openai_completions,
+    openai_embeddings,
+    openai_routes,
+    query_routes,
+    search_routes,
+    warmup_routes,
+)
 from kvfuse.service.api.auth import KeyRing, presented_key, request_principal
 from kvfuse.service.api.concurrency import ConcurrencyMiddleware
 from kvfuse.service.api.dependencies import State
@@ -68,6 +76,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(query_routes.router)
     app.include_router(search_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(openai_completions.router)
+    app.include_router(openai_embeddings.router)
     fastapi_openapi = app.openapi
 
     def openapi() -> dict:

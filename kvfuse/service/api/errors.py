@@ -58,6 +58,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404 and request.url.path.startswith("/v1/"):  # OpenAI's words, and what is served
+            from kvfuse.service.api.openai_conventions import unknown_path
+
+            return error_response(unknown_path(request))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(APIError(exc.status_code, str(exc.detail), code=code))
 

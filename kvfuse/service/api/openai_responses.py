@@ -1,5 +1,5 @@
-"""Response bodies of the OpenAI-compatible endpoints (`/v1/models`, `/v1/chat/completions`): OpenAI's
-shapes, with kvfuse's sources, timings and fusion where an OpenAI client ignores them and a RAG client
+"""Response bodies of the OpenAI-compatible endpoints (`/v1/models`, `/v1/chat/completions`,
+`/v1/completions`, `/v1/embeddings`): OpenAI's shapes, with kvfuse's sources, timings and fusion where an OpenAI client ignores them and a RAG client
 reads them (docs/usage.md). The shapes they share with `/v1/query` come from responses.py.
 """
 
@@ -119,3 +119,54 @@ class ChatCompletionChunk(BaseModel):
     warning: str | None = None
     timings: Timings | None = None
     fusion: FusionUsed | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions endpoint's `logprobs` (see openai_conventions.completion_logprobs)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int = 0
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class TextCompletion(BaseModel):
+    """`POST /v1/completions`, the answer or (with `object` the same) one streamed event. Sent with only
+    the fields given (`exclude_unset`) when streamed, as ChatCompletionChunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: ChatUsage | None = None
+    sources: list[Source] | None = None
+    dropped_sources: list[Source] | None = None
+    warning: str | None = None
+    timings: Timings | None = None
+    fusion: FusionUsed | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a str: base64 of the little-endian float32 vector (encoding_format)
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int  # in the embedder's own tokenizer
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

@@ -1,9 +1,10 @@
-"""OpenAI-compatible POST /v1/chat/completions and GET /v1/models, usable by the `openai` client unchanged.
+"""OpenAI-compatible POST /v1/chat/completions, GET /v1/models and GET /v1/models/{id}, usable by the
+`openai` client unchanged (/v1/completions: openai_completions.py; /v1/embeddings: openai_embeddings.py).
 
 The question is the last user message; earlier user and assistant turns go into the prompt and help
 retrieval (rag/conversation.py); system/developer messages replace the configured system prompt.
 Retrieval and fusion knobs (`top_k`, `document_ids`, `filters`, `retrieval`, `fusion`) ride along as extra
-body fields. `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens whose stored KV was
+body fields, and `use_retrieval: false` answers from the messages alone. `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens whose stored KV was
 reused; `sources` (an extra field) carries the chunks the answer is built on, with their text and their
 documents' metadata. Errors, model names and refused parameters follow OpenAI (openai_conventions.py).
 """
@@ -24,8 +25,10 @@ from kvfuse.service.api.auth import Principal
 from kvfuse.service.api.dependencies import Caller, Queries, State
 from kvfuse.service.api.errors import ERROR_RESPONSES
 from kvfuse.service.api.openai_conventions import (
+    check_logit_bias,
     check_request,
     choice_logprobs,
+    embedder_names,
     openai_error,
     served_names,
 )
@@ -40,8 +43,9 @@ from kvfuse.service.api.openai_responses import (
     ModelCard,
     ModelList,
 )
-from kvfuse.service.api.query_routes import CLIENT_CLOSED, collect_answer, start_query
-from kvfuse.service.api.schemas import ChatIn, documented_body, parse_json, validate
+from kvfuse.service.api.openai_schemas import ChatIn
+from kvfuse.service.api.query_routes import CLIENT_CLOSED, collect_answer
+from kvfuse.service.api.schemas import documented_body, parse_json, validate
 from kvfuse.service.errors import APIError
 from kvfuse.service.rag.conversation import ROLES
 from kvfuse.service.rag.query import ClientGone, QueryRun, QueryService
@@ -49,10 +53,40 @@ from kvfuse.service.rag.query import ClientGone, QueryRun, QueryService
 router = APIRouter(responses=ERROR_RESPONSES)
 
 
+def model_cards(state: Any) -> list[ModelCard]:
+    """The chat model's names (the one answers carry first), then the embedder's."""
+    created = int(state.started_at)
+    names = served_names(state.settings) + embedder_names(state.settings)
+    return [ModelCard(id=name, created=created) for name in names]
+
+
 @router.get("/v1/models")
 async def models(state: State) -> ModelList:
-    created = int(state.started_at)
-    return ModelList(data=[ModelCard(id=name, created=created) for name in served_names(state.settings)])
+    return ModelList(data=model_cards(state))
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, state: State) -> ModelCard:
+    """A listed model's card; model ids hold "/" (HuggingFaceTB/SmolLM2-135M-Instruct): a path parameter."""
+    for card in model_cards(state):
+        if card.id == model_id:
+            return card
+    names = ", ".join(repr(c.id) for c in model_cards(state))
+    raise APIError(404, f"model {model_id!r} does not exist; this service serves {names}", code="model_not_found",
+                   param="model")
+
+
+async def start_openai_query(queries: QueryService, request: Request, body: Any, caller: Principal, *, gen: Any,
+                             question: str, system_prompt: str | None, arrived: float,
+                             turns: list[tuple[str, str]] | None = None) -> QueryRun:
+    """Plan and queue a query from an OpenAI body (ChatIn, CompletionIn), retrieving only from what the
+    caller's key sees, or from nothing with `use_retrieval: false`. `gen`: the sampling knobs as
+    QueryService.generation_options reads them."""
+    plan = await queries.prepare(question=question, system_prompt=system_prompt, top_k=body.top_k,
+                                 document_ids=body.document_ids, filters=body.filters, retrieval=body.retrieval,
+                                 fusion=body.fusion, gen=gen, arrived=arrived, turns=turns,
+                                 visible=caller.allowed_collections, retrieve=body.use_retrieval)
+    return await queries.start(plan, request.is_disconnected)
 
 
 def _finish(reason: str) -> Literal["stop", "length"]:
@@ -86,12 +120,13 @@ async def _complete(request: Request, state: Any, queries: QueryService, caller:
     body = validate(ChatIn, parse_json(await request.body()))
     names = served_names(state.settings)
     check_request(body, names)
+    check_logit_bias(body, len(state.corpus.chunker.tokenizer))
     question, turns, system = _conversation(body)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     try:
-        run = await start_query(queries, request, body, caller, question=question, system_prompt=system,
-                                arrived=arrived, turns=turns)
+        run = await start_openai_query(queries, request, body, caller, gen=body, question=question,
+                                       system_prompt=system, arrived=arrived, turns=turns)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     cid = "chatcmpl-" + uuid.uuid4().hex[:24]

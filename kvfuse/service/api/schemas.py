@@ -98,7 +98,7 @@ RetrievalOptionsIn = create_model("RetrievalOptionsIn", __base__=Strict,
 
 
 class GenerationIn(Strict):
-    """Sampling knobs shared by /v1/query and /v1/chat/completions."""
+    """Sampling knobs shared by /v1/query and the OpenAI endpoints (openai_schemas.py narrows some)."""
 
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=5.0)
@@ -141,38 +141,9 @@ class QueryIn(GenerationIn, RetrievalIn):
     system_prompt: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        # Content parts: only text parts carry meaning here.
-        return "".join(str(p.get("text", "")) for p in self.content or [] if p.get("type") == "text")
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
-
-
-class ChatIn(GenerationIn, RetrievalIn):
-    # OpenAI clients send fields this service ignores (presence_penalty, user, ...): allowed, not strict.
-    model_config = ConfigDict(extra="allow", strict=False)
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's bounds (fusion/engine/logprobs.py MAX_TOP_LOGPROBS)
-
-
 # Bodies read by hand (see `documented_body`), listed in /openapi.json all the same.
-BODY_MODELS: tuple[type[BaseModel], ...] = (DocumentIn, DocumentBatchIn, QueryIn, ChatIn, SearchIn, DeleteByFilterIn)
+# The OpenAI-compatible endpoints' bodies are in openai_schemas.py (OPENAI_BODY_MODELS).
+BODY_MODELS: tuple[type[BaseModel], ...] = (DocumentIn, DocumentBatchIn, QueryIn, SearchIn, DeleteByFilterIn)
 
 
 _UPLOAD_SCHEMA = {"type": "object", "required": ["file"], "properties": {
@@ -196,7 +167,9 @@ def documented_body(*models: type[BaseModel], text: bool = False, upload: bool =
 
 def add_body_schemas(openapi: dict[str, Any]) -> dict[str, Any]:
     """`openapi` with the JSON schemas of every hand-read request body among its components."""
-    _, top = models_json_schema([(m, "validation") for m in BODY_MODELS],
+    from kvfuse.service.api.openai_schemas import OPENAI_BODY_MODELS  # it builds on this module's models
+
+    _, top = models_json_schema([(m, "validation") for m in BODY_MODELS + OPENAI_BODY_MODELS],
                                 ref_template="#/components/schemas/{model}")
     openapi.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
     return openapi

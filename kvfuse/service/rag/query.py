@@ -167,11 +167,13 @@ class QueryService:
                       document_ids: list[str] | None, filters: dict | None, retrieval: Any | None,
                       fusion: Any | None, gen: Any, arrived: float,
                       turns: list[tuple[str, str]] | None = None,
-                      visible: frozenset[str] | None = None) -> QueryPlan:
+                      visible: frozenset[str] | None = None, retrieve: bool = True) -> QueryPlan:
         """`fusion` and `gen` are the request's knobs (pydantic models: api/schemas.py FusionIn and
         GenerationIn); unset ones take the configured defaults. `turns`: a chat's earlier messages, (role,
         text) oldest first (rag/conversation.py). `visible`: the collections the caller's key sees (None =
-        every one); others answer as absent. The corpus must be loaded."""
+        every one); others answer as absent. `retrieve` False: no documents at all (a prompt that holds
+        its own context, /v1/completions' `use_retrieval: false`), retrieval mode "none". The corpus must
+        be loaded."""
         s = self.settings
         check_question(s, question, top_k)
         requested_ratio = fusion.recompute_ratio if fusion is not None else None
@@ -189,19 +191,21 @@ class QueryService:
         retrieval_opts = retrieval_options(s, retrieval, visible)
         top_k = top_k or s.retriever.top_k
         t0 = time.perf_counter()
-        if document_ids is not None:
+        if not retrieve:
+            chunks, retrieval_opts = [], dataclasses.replace(retrieval_opts, mode="none")
+        elif document_ids is not None:
             chunks = await asyncio.to_thread(self.sources.named, document_ids, visible)
         else:
             chunks = await asyncio.to_thread(self.sources.searched, search_for, top_k, retrieval_opts, filters)
         retrieval_s = time.perf_counter() - t0
-        if document_ids is None:
+        if document_ids is None and retrieve:
             self.metrics.retrieval.observe(retrieval_s)
         source, bucket = "request" if requested_ratio is not None else "config", None
         if self.fidelity is not None and self.fidelity.auto(requested_ratio):
             bucket = self.fidelity.resolve(fusion_opts, sum(len(c.token_ids) for c in chunks))
             source = "auto" if bucket is not None else "config"
         return QueryPlan(question=question, system_prompt=system_prompt, chunks=chunks,
-                         explicit=document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
+                         explicit=retrieve and document_ids is not None, retrieval=retrieval_opts, fusion=fusion_opts,
                          generation=gen_opts, retrieval_s=retrieval_s, arrived=arrived,
                          deadline=arrived + s.server.request_timeout_s, conversation=conversation,
                          ratio_source=source, size_bucket=bucket, prompt_order=s.model.prompt_order,
@@ -240,9 +244,13 @@ class QueryService:
             raise APIError(422, "stop strings must not be empty", code="invalid_value", param="stop")
         # OpenAI's logprobs / top_logprobs (chat only): None = none, n = the chosen token's and n more
         logprobs = (getattr(gen, "top_logprobs", None) or 0) if getattr(gen, "logprobs", False) else None
+        # OpenAI's logit_bias and penalties (the OpenAI endpoints only; engine/sampling.py applies them)
+        adjust = {k: v for k in ("presence_penalty", "frequency_penalty") if (v := getattr(gen, k, None))}
+        if bias := {int(t): b for t, b in (getattr(gen, "logit_bias", None) or {}).items() if b}:
+            adjust["logit_bias"] = bias
         return {"max_tokens": max_tokens, "temperature": g.temperature if gen.temperature is None else gen.temperature,
                 "top_p": g.top_p if gen.top_p is None else gen.top_p, "seed": gen.seed, "stop": stop,
-                "logprobs": logprobs}
+                "logprobs": logprobs, **adjust}
 
 
     # -- running -------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ every decoder layer, or one decode step (docs/results/contract/ has what a large
    prefill), one piece per slice;
 2. teacher forcing: the fused answer's tokens through the full prefill's cache, a layer at a time
    within the same budget, giving P_full at every answer token; answer KL = mean KL(P_full ‖ P_fused);
-3. when the fused answer was greedy, the full prefill's own greedy answer, compared with the fused one
+3. when the fused answer was greedy (and not adjusted by a logit_bias or a penalty: those answers get
+   the KL only, as sampled ones do), the full prefill's own greedy answer, compared with the fused one
    under `fidelity.metric` (kvfuse/answer_match.py). It shares the fused answer's tokens up to the first
    position where the teacher-forced argmax differs, so only the rest is decoded, one step per slice
    (an answer the full prefill would have given token for token costs no decode step at all).
@@ -38,6 +39,15 @@ from kvfuse.answer_match import same_answer
 from kvfuse.service.wire import protocol as P
 
 ENDS_SLICE = True  # a decode step is a slice of its own
+
+
+def _plain_greedy(opts: Any) -> bool:
+    """Whether the answer was the argmax of the model's own logits, so the full prefill's greedy answer is
+    its reference. With logit_bias or penalties it is not (engine/sampling.py): the reference would have
+    to be decoded under the same adjustment, which is not done; the KL, of the model's own distributions,
+    still is measured."""
+    adjusted = opts.logit_bias or opts.presence_penalty or opts.frequency_penalty
+    return opts.temperature == 0.0 and not adjusted
 
 
 @dataclass
@@ -108,7 +118,7 @@ class ShadowChecks:
         opts = seq.gen_options
         check = ShadowCheck(seq.fusion.method, float(seq.fusion.recompute_ratio),
                             [list(seq.prefix_ids), *chunks, list(seq.question_ids)], tokens[: len(steps)], gen.text,
-                            torch.stack(steps), opts.temperature == 0.0, opts.max_tokens, list(opts.stop))
+                            torch.stack(steps), _plain_greedy(opts), opts.max_tokens, list(opts.stop))
         self.queue.append(check)
         out: list[Any] = []
         while len(self.queue) > self.max_checks or (self.queue and self.held_bytes > self.max_bytes):

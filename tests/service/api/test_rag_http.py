@@ -6,9 +6,12 @@ keep-alive pings. One server for the module; the tests run in file order (deleti
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import file_fixtures as ff
 import httpx
+import numpy as np
 import pytest
 from service_helpers import API_KEY, Holder, make_client, serving
 
@@ -36,6 +39,7 @@ NOTES = [
      "metadata": {"year": 2020, "kind": "harbour"}},
 ]
 QUESTION = "What did the palliative care nurse Bronnie Ware make a list of?"  # in essay "todo"
+EMBEDDER = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def _setup(c: httpx.Client) -> None:
@@ -214,10 +218,18 @@ def _openai(holder: Holder):
 
 
 def test_the_full_model_id_is_served_and_listed_first(holder: Holder) -> None:
+    import openai
+
     oa = _openai(holder)
     names = [m.id for m in oa.models.list()]
-    assert names == ["HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct", "kvfuse"]
-    for name in names:
+    assert names == ["HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct", "kvfuse", EMBEDDER,
+                     "all-MiniLM-L6-v2"]
+    for name in names:  # each listed id is a model the client can look up
+        assert oa.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError) as err:
+        oa.models.retrieve("gpt-4o")
+    assert err.value.code == "model_not_found" and EMBEDDER in err.value.message
+    for name in names[:3]:
         resp = oa.chat.completions.create(model=name, messages=[{"role": "user", "content": QUESTION}], max_tokens=1)
         assert resp.model == names[0] and resp.choices[0].finish_reason in ("stop", "length")
 
@@ -273,6 +285,154 @@ def test_logprobs_are_the_models_own_and_agree_between_json_and_stream(holder: H
     assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
     plain = oa.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
+
+
+def test_completions_are_chats_answer_to_the_prompt_streamed_or_not(holder: Holder) -> None:
+    """The legacy endpoint runs the prompt as chat runs its one user message: same retrieval, same fused
+    prompt, same greedy tokens; streamed, the same text with the usage last."""
+    oa = _openai(holder)
+    chat = oa.chat.completions.create(model="kvfuse", messages=[{"role": "user", "content": QUESTION}], max_tokens=4)
+    resp = oa.completions.create(model="kvfuse", prompt=QUESTION, max_tokens=4)
+    assert resp.object == "text_completion" and resp.model == chat.model
+    assert resp.choices[0].text == chat.choices[0].message.content and resp.choices[0].text.strip()
+    assert resp.choices[0].finish_reason == chat.choices[0].finish_reason
+    assert resp.usage.prompt_tokens == chat.usage.prompt_tokens and resp.usage.prompt_tokens_details.cached_tokens > 0
+    assert [x["document_id"] for x in resp.model_extra["sources"]] == [x["document_id"] for x in chat.model_extra["sources"]]
+    text, usage, finish = "", None, None
+    for chunk in oa.completions.create(model="kvfuse", prompt=[QUESTION], max_tokens=4, stream=True,
+                                       stream_options={"include_usage": True}):
+        assert chunk.object == "text_completion"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            assert choice.index == 0
+            text += choice.text
+            finish = choice.finish_reason or finish
+    assert text == resp.choices[0].text and finish == resp.choices[0].finish_reason
+    assert usage.completion_tokens == resp.usage.completion_tokens
+
+
+
+def test_a_token_banned_by_logit_bias_never_appears(holder: Holder, default_llm_path: str) -> None:
+    """The issue's own case: `logit_bias` {token: -100} used to be ignored. The greedy answer's first token,
+    banned, is replaced by the model's next best; logprobs stay the model's own distribution."""
+    from transformers import AutoTokenizer
+
+    oa = _openai(holder)
+    kwargs = {"model": "kvfuse", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4,
+              "logprobs": True, "top_logprobs": 2}
+    plain = oa.chat.completions.create(**kwargs).choices[0].logprobs.content
+    tokenizer = AutoTokenizer.from_pretrained(default_llm_path)
+    banned = tokenizer.encode(plain[0].token, add_special_tokens=False)
+    assert tokenizer.decode(banned) == plain[0].token and len(banned) == 1
+    biased = oa.chat.completions.create(**kwargs, logit_bias={str(banned[0]): -100}).choices[0].logprobs.content
+    assert all(t.token != plain[0].token for t in biased)
+    assert biased[0].token == plain[0].top_logprobs[1].token  # the runner-up of the same distribution
+    assert [a.token for a in biased[0].top_logprobs] == [a.token for a in plain[0].top_logprobs]
+
+
+def test_what_openai_refuses_or_this_service_does_not_do_is_a_bad_request_by_name(holder: Holder) -> None:
+    import openai
+
+    oa = _openai(holder)
+    cases = [  # (endpoint, extra arguments, code, param)
+        ("completions", {"echo": True}, "unsupported_parameter", "echo"),
+        ("completions", {"suffix": "done."}, "unsupported_parameter", "suffix"),
+        ("completions", {"best_of": 2}, "unsupported_parameter", "best_of"),
+        ("completions", {"n": 2}, "invalid_value", "n"),
+        ("completions", {"prompt": ["one", "two"]}, "invalid_value", "prompt"),
+        ("completions", {"temperature": 3}, "invalid_value", "temperature"),
+        ("completions", {"stream_options": {"include_usage": True}}, "invalid_value", "stream_options"),
+        ("completions", {"logit_bias": {"504": -101}}, "invalid_value", "logit_bias"),
+        ("completions", {"logit_bias": {"9999999": 1}}, "invalid_value", "logit_bias"),
+        ("completions", {"presence_penalty": 2.5}, "invalid_value", "presence_penalty"),
+        ("completions", {"prompt": "word " * 3000}, "context_length_exceeded", "prompt"),
+        ("chat", {"temperature": 2.5}, "invalid_value", "temperature"),
+        ("chat", {"stream_options": {"include_usage": True}}, "invalid_value", "stream_options"),
+        ("chat", {"frequency_penalty": -3}, "invalid_value", "frequency_penalty"),
+        ("chat", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
+         "unsupported_content", "messages[0].content[1].type"),
+    ]
+    for endpoint, extra, code, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            if endpoint == "completions":
+                oa.completions.create(**{"model": "kvfuse", "prompt": QUESTION, "max_tokens": 2, **extra})
+            else:
+                oa.chat.completions.create(**{"model": "kvfuse", "messages": [{"role": "user", "content": QUESTION}],
+                                              "max_tokens": 2, **extra})
+        assert err.value.code == code and err.value.param == param, (endpoint, extra, err.value.message)
+    with pytest.raises(openai.NotFoundError):
+        oa.completions.create(model="gpt-3.5-turbo-instruct", prompt=QUESTION, max_tokens=2)
+    with pytest.raises(openai.NotFoundError) as err:  # an unknown path under /v1/ names what is served
+        oa.get("/completion", cast_to=object)
+    assert "POST /v1/completions" in err.value.message and "POST /v1/embeddings" in err.value.message
+
+
+def _vectors(resp) -> np.ndarray:
+    assert [d.index for d in resp.data] == list(range(len(resp.data)))
+    return np.array([d.embedding for d in resp.data], dtype=np.float32)
+
+
+def test_embeddings_are_the_embedders_for_strings_and_for_cl100k_token_ids(holder: Holder,
+                                                                           default_embedder_path: str) -> None:
+    import openai
+    from transformers import AutoTokenizer
+
+    from kvfuse.service.api.openai_embeddings import token_encoding
+
+    oa = _openai(holder)
+    texts = [n["text"] for n in NOTES]
+    resp = oa.embeddings.create(model=EMBEDDER, input=texts)  # the client asks for base64 and decodes it
+    vecs = _vectors(resp)
+    assert resp.model == EMBEDDER and vecs.shape == (3, 384)
+    np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
+    pieces = AutoTokenizer.from_pretrained(default_embedder_path)(texts, add_special_tokens=False)["input_ids"]
+    assert resp.usage.prompt_tokens == resp.usage.total_tokens == sum(map(len, pieces))
+    floats = oa.embeddings.create(model="all-MiniLM-L6-v2", input=texts, encoding_format="float", dimensions=384)
+    np.testing.assert_allclose(_vectors(floats), vecs, atol=1e-6)
+    solo = oa.embeddings.create(model=EMBEDDER, input=texts[2])  # a batch = each input alone
+    np.testing.assert_allclose(_vectors(solo)[0], vecs[2], atol=1e-5)
+    enc = token_encoding()  # LangChain's OpenAIEmbeddings sends cl100k_base token ids
+    as_ids = oa.embeddings.create(model=EMBEDDER, input=[enc.encode(t) for t in texts])
+    np.testing.assert_allclose(_vectors(as_ids), vecs, atol=1e-5)
+    question = _vectors(oa.embeddings.create(model=EMBEDDER, input="Who printed the harbour's tide tables?"))[0]
+    assert int(np.argmax(vecs @ question)) == 2
+    for kwargs, error, param in [({"dimensions": 100}, openai.BadRequestError, "dimensions"),
+                                 ({"input": [[10**7]]}, openai.BadRequestError, "input"),
+                                 ({"model": "text-embedding-3-small"}, openai.NotFoundError, "model"),
+                                 ({"input": ["x"] * 2049}, openai.APIStatusError, "input")]:
+        with pytest.raises(error) as err:
+            oa.embeddings.create(**{"model": EMBEDDER, "input": texts, **kwargs})
+        assert err.value.param == param, kwargs
+    assert err.value.status_code == 413 and err.value.code == "batch_too_large"
+    anon = openai.OpenAI(base_url=holder.server.url + "/v1", api_key="not-a-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anon.embeddings.create(model=EMBEDDER, input=texts)
+
+
+def test_a_search_embeds_its_question_between_the_slices_of_a_thousand_inputs(holder: Holder,
+                                                                              client: httpx.Client) -> None:
+    """LangChain sends 1,000 inputs at once: embedded slice by slice, so a question waits for one slice."""
+    texts = [f"{NOTES[i % 3]['text']} ({i})" for i in range(1000)]
+    ended: dict[str, float] = {}
+
+    def batch() -> None:
+        with make_client(holder.server) as c:
+            resp = c.post("/v1/embeddings", json={"model": EMBEDDER, "input": texts, "encoding_format": "base64"})
+        ended["batch"] = time.monotonic()
+        ended["status"], ended["count"] = resp.status_code, len(resp.json()["data"])
+
+    worker = threading.Thread(target=batch)
+    worker.start()
+    time.sleep(0.3)
+    found = client.post("/v1/search", json={"query": "Who printed the tide tables?", "top_k": 1,
+                                            "retrieval": {"collections": ["notes"]}})
+    searched = time.monotonic()
+    worker.join()
+    assert found.status_code == 200 and found.json()["results"][0]["document_id"] == "n2020"
+    assert (ended["status"], ended["count"]) == (200, 1000)
+    assert searched < ended["batch"], "the search waited for the whole batch"
 
 
 def test_sources_in_the_openai_answer_carry_text_and_metadata(holder: Holder) -> None:

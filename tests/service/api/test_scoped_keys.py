@@ -13,10 +13,12 @@ from service_helpers import API_KEY, Holder, ingest, make_client, serving
 pytestmark = pytest.mark.slow
 
 TEAM_A, TEAM_B, READER = "team-a-key-0123456789", "team-b-key-0123456789", "reader-key-0123456789"
+NEWCOMER = "newcomer-key-0123456789"  # its collection has no documents yet
 KEY_FILE = f"""# key -> what it may do
 {TEAM_A}: {{collections: [alpha], access: write}}
 {TEAM_B}: {{collections: [beta, gamma]}}
 {READER}: {{collections: [alpha], access: read}}
+{NEWCOMER}: {{collections: [delta], access: read}}
 """
 QUESTION = "What did the palliative care nurse Bronnie Ware make a list of?"
 
@@ -165,3 +167,24 @@ def test_a_scoped_key_searches_lists_chunks_and_deletes_by_filter_only_in_its_co
         assert dry["dry_run"] is True and dry["ids"] == ["a-todo"]  # beta's documents match nothing for it
         assert _error(r.post("/v1/documents/delete", json=everything))[:2] == (403, "read_only_key")
         assert admin.post("/v1/documents/delete", json=everything).json()["matched"] >= 3
+
+
+def test_a_key_with_no_documents_embeds_and_completes_a_prompt_that_holds_its_context(holder: Holder) -> None:
+    """LlamaIndex's completion mode sends its retrieved context in the prompt: `use_retrieval: false` needs
+    no document, where retrieval finds none (404). Embeddings need only a valid key."""
+    import openai
+
+    oa = openai.OpenAI(base_url=holder.server.url + "/v1", api_key=NEWCOMER, max_retries=0, timeout=180)
+    prompt = "Context: the harbour's tide tables were printed by the lighthouse keeper.\nQ: Who printed them?\nA:"
+    with pytest.raises(openai.NotFoundError):
+        oa.completions.create(model="kvfuse", prompt=prompt, max_tokens=3)
+    resp = oa.completions.create(model="kvfuse", prompt=prompt, max_tokens=3, logprobs=2,
+                                 extra_body={"use_retrieval": False})
+    choice, lp = resp.choices[0], resp.choices[0].logprobs
+    assert resp.model_extra["sources"] == [] and resp.usage.completion_tokens == len(lp.tokens) >= 1
+    assert "".join(lp.tokens) == choice.text and choice.text.strip()
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for token, logprob, best in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(best) == 2 and max(best.values()) == logprob == best[token]  # greedy: the most likely token
+    vec = oa.embeddings.create(model="all-MiniLM-L6-v2", input=prompt).data[0].embedding
+    assert len(vec) == 384

@@ -14,11 +14,11 @@ from service_helpers import REPO
 from kvfuse.config import ServerSettings, Settings
 from kvfuse.service.api import sse
 from kvfuse.service.api.auth import FULL_ACCESS, KeyRing, check_bind, is_loopback
+from kvfuse.service.api.openai_schemas import ChatIn
 from kvfuse.service.api.schemas import (
     DOC_ID_PATTERN,
     SEED_MAX,
     SEED_MIN,
-    ChatIn,
     DocumentIn,
     QueryIn,
     decode_utf8,
