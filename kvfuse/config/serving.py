@@ -158,7 +158,7 @@ class FleetSettings(Section):
     reply_ttl_s: float = Field(30.0, gt=0, description=(
         "a job's reply stream outlives its reader by this much (then the job is dropped)"))
     shared_tier_mb: int = Field(1024, ge=0, description=(
-        "cap of the shared chunk KV tier in Redis; when full new chunks stay host-local (0 = off)"))
+        "cap of the shared chunk KV tier in Redis; past it chunks are evicted by S3-FIFO (0 = off)"))
     # Query routing (kvfuse/service/dispatch/routing.py): a worker's score is the share of the query's chunks
     # it holds minus this times its jobs over its running slots; 0 = locality alone.
     route_load_weight: float = Field(8.0, ge=0, description=(
