@@ -110,9 +110,9 @@ class StoreSettings(Section):
         "records, embeddings and the index never are; an evicted chunk is rebuilt from its token ids or read "
         'from a lower tier). 0 = no limit (docs/DESIGN.md, "Bounded tiers")'))
     eviction_policy: Literal["lru", "lfu", "s3fifo", "cost"] = Field("s3fifo", description=(
-        "which chunks a bounded KV tier (the LMDB budget, the shared Redis tier) gives up first: lru | lfu | "
-        "s3fifo | cost (GreedyDual-Size-Frequency over recompute seconds); chosen by `kvfuse bench tiers` "
-        "(docs/results/tiers/README.md)"))
+        "which chunks the LMDB budget gives up first: lru | lfu | s3fifo | cost (GreedyDual-Size-Frequency "
+        "over recompute seconds); chosen by `kvfuse bench tiers` (docs/results/tiers/README.md). The shared "
+        "Redis tier always runs s3fifo"))
     hot_tier_mb: int = Field(512, ge=0, description="RAM LRU of decoded chunk KV in front of LMDB; 0 = off")
     device_tier_mb: int = Field(0, ge=0, description=(
         "LRU of chunk KV kept on model.device (GPU memory on a CUDA worker) above the RAM tier; 0 = off"))

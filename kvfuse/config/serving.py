@@ -223,7 +223,7 @@ class FleetSettings(Section):
     reply_ttl_s: float = Field(30.0, gt=0, description=(
         "a job's reply stream outlives its reader by this much (then the job is dropped)"))
     shared_tier_mb: int = Field(1024, ge=0, description=(
-        "cap of the shared chunk KV tier in Redis; when full new chunks stay host-local (0 = off)"))
+        "cap of the shared chunk KV tier in Redis; past it chunks are evicted by S3-FIFO (0 = off)"))
     redis_kv_with_object_store: bool = Field(False, description=(
         "keep the Redis shared KV tier above the object store when object_store.url is set; off, the object "
         "store is the fleet's shared KV tier (docs/results/object-store/README.md says what was measured)"))

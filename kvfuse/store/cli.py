@@ -48,6 +48,8 @@ def _check(args: argparse.Namespace) -> int:
 def _print_check(rep, repaired: bool) -> None:
     objects = f", {rep.objects} objects in the object store" if rep.objects else ""
     print(f"{rep.documents} documents, {rep.chunks} chunk blobs{objects}")
+    if rep.evicted:  # not a problem: rebuilt from their tokens or read from a lower tier when queried
+        print(f"chunks evicted by store.lmdb_budget_mb (not lost): {rep.evicted}")
     for title, items in (
         ("orphan blobs", rep.orphans),
         ("orphan blobs within the grace period (kept)", rep.young_orphans),

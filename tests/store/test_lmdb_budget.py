@@ -13,6 +13,7 @@ import pytest
 from store_kvdata import make_blob
 
 from kvfuse.store.check import check_store
+from kvfuse.store.cli import _print_check
 from kvfuse.store.kvstore import KVStore
 from kvfuse.store.records import DocumentRecord
 
@@ -50,7 +51,7 @@ def _file_bytes(store: KVStore) -> int:
     return os.path.getsize(store.env.path / "data.mdb")
 
 
-def test_lmdb_file_stays_within_budget_plus_slack(settings_factory) -> None:
+def test_lmdb_file_stays_within_budget_plus_slack(settings_factory, capsys) -> None:
     """Ten budgets of KV ingested (and every other document read back, so the policy sees reuse): the
     stored KV never passes the budget, the file stops growing after the first budgets' churn, and it
     stays within the budget plus the stated slack: three of the largest blobs (pages freed by a write
@@ -79,6 +80,8 @@ def test_lmdb_file_stays_within_budget_plus_slack(settings_factory) -> None:
         assert total == doc and all(d.status == "ready" for d in docs)
         report = check_store(store, repair=True)
         assert report.missing == [] and report.problems == 0 and report.evicted > 0
+        _print_check(report, True)
+        assert f"evicted by store.lmdb_budget_mb (not lost): {report.evicted}" in capsys.readouterr().out
         assert all(d.status == "ready" for d in store.list_documents(limit=10**6)[0])
 
 

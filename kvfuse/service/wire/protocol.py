@@ -142,7 +142,8 @@ class Result:
     worker: str = ""  # the worker that served it (named in the answer)
     logprobs: list | None = None  # every kept token's, as in Delta, when asked for
     # Chunks of this query served by each store tier ("device", "hot", "lmdb", ...; "miss": none had it),
-    # and the device tier's bytes after it (kvfuse_kv_tier_* metrics)
+    # the device tier's bytes after it, and per tier "bytes:<tier>" held and "evictions:<tier>" so far
+    # (kvfuse_kv_tier_* metrics)
     kv_reads: dict[str, int] = field(default_factory=dict)
 
 
