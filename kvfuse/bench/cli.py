@@ -1,4 +1,4 @@
-"""`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, gpu, decode and report.
+"""`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, gpu, decode, overload and report.
 
 Nothing heavy is imported until a subcommand runs, so `kvfuse --help` stays instant."""
 
@@ -323,3 +323,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvfuse.bench import decode
 
     decode.register(bsub)  # `bench decode`: the decode step vs the weight-read bound
+
+    from kvfuse.bench import overload
+
+    overload.register(bsub)  # `bench overload`: a server flooded past every bound while queries run
