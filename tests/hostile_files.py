@@ -13,6 +13,8 @@ import zlib
 
 import file_fixtures as ff
 
+from kvfuse.bench.overload import amplifying_docx  # noqa: F401 - one home: the bench floods with it too
+
 MB = 1024 * 1024
 _BODY_HEAD = (b'<?xml version="1.0" encoding="UTF-8"?><w:document xmlns:w="http://schemas.openxmlformats.org/'
               b'wordprocessingml/2006/main"><w:body>')
@@ -57,23 +59,6 @@ def paragraphs_docx(mb: int = 40) -> bytes:
         for _ in range(mb * MB // len(paragraph)):
             member.write(paragraph)
         member.write(_BODY_TAIL)
-
-    return _docx_with_body(write)
-
-
-def amplifying_docx(chars: int = 21_000_000, char: str = "\u4e2d") -> bytes:
-    """A DOCX of one paragraph of `chars` copies of one CJK character: within the decompressed limit (3
-    bytes each inflated), about 77 kB on the wire for 21 M characters, and six bytes a character as
-    escaped JSON."""
-    piece = char.encode() * (MB // 3)
-
-    def write(member) -> None:
-        member.write(_BODY_HEAD + b"<w:p><w:r><w:t>")
-        left = chars
-        while left > 0:
-            member.write(piece[: 3 * min(left, MB // 3)])
-            left -= MB // 3
-        member.write(b"</w:t></w:r></w:p>" + _BODY_TAIL)
 
     return _docx_with_body(write)
 

@@ -1,4 +1,5 @@
-"""`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, tiers, gpu, decode and report.
+"""`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, tiers, object-store, gpu, decode,
+ingest, overload and report.
 
 Nothing heavy is imported until a subcommand runs, so `kvfuse --help` stays instant."""
 
@@ -335,3 +336,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvfuse.bench import first_use
 
     first_use.register(bsub)  # `bench ingest`: precompute_at first_use against ingest
+
+    from kvfuse.bench import overload
+
+    overload.register(bsub)  # `bench overload`: a server flooded past every bound while queries run

@@ -75,7 +75,7 @@ class ServerSettings(Section):
     ingest_queue_key_share: float = Field(0.5, gt=0.0, le=1.0, description=(
         "the share of ingest_queue_size one API key's waiting jobs may take, so a key's flood leaves room "
         "for the others; the keys' jobs run in turn"))
-    max_concurrent_requests: int = Field(256, ge=1, description=(
+    max_concurrent_requests: int = Field(64, ge=1, description=(
         "requests answered at once (a stream counts until it ends; /health, /ready and /metrics do not "
         "count); one more gets 429 server_busy with Retry-After"))
     max_connections: int = Field(1024, ge=1, description=(
