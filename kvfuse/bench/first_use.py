@@ -51,8 +51,10 @@ def _ingest(c: Any, docs: list[tuple[str, str]], mode: str) -> float:
     return seconds
 
 
-def _ask(c: Any, doc_id: str, method: str | None = None) -> dict[str, Any]:
+def _ask(c: Any, doc_id: str, method: str | None = None, max_tokens: int | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"query": QUESTION, "document_ids": [doc_id]}
+    if max_tokens:
+        body["max_tokens"] = max_tokens
     if method:
         body["fusion"] = {"method": method}
     resp = c.post("/v1/query", json=body)
@@ -62,23 +64,28 @@ def _ask(c: Any, doc_id: str, method: str | None = None) -> dict[str, Any]:
             "chunks_computed": a["usage"].get("chunks_computed"), "answer": a["answer"]}
 
 
-def run(url: str, docs: list[tuple[str, str]], timeout_s: float = 1800) -> dict[str, Any]:
-    """Both phases against the server at `url`; the rows per document and the summary."""
+def run(url: str, docs: list[tuple[str, str]], timeout_s: float = 1800, max_tokens: int | None = None) -> dict[str, Any]:
+    """Both phases against the server at `url`; the rows per document and the summary. `max_tokens`: the
+    answers' budget (None: the server's `generation.max_tokens`)."""
+    import functools
+
     import httpx
+
+    _q = functools.partial(_ask, max_tokens=max_tokens)
 
     rows = {d: {"document": d} for d, _ in docs}
     with httpx.Client(base_url=url, timeout=timeout_s) as c:
         first_use_s = _ingest(c, docs, "first_use")
         for d, _ in docs:
             rows[d]["chunks"] = c.get(f"/v1/documents/{d}").json()["chunks"]
-            rows[d]["cold"] = _ask(c, d)
-            rows[d]["vanilla"] = _ask(c, d, "vanilla")
-            rows[d]["after_warm_up"] = _ask(c, d)
+            rows[d]["cold"] = _q(c, d)
+            rows[d]["vanilla"] = _q(c, d, "vanilla")
+            rows[d]["after_warm_up"] = _q(c, d)
         for d, _ in docs:
             c.delete(f"/v1/documents/{d}").raise_for_status()
         ingest_s = _ingest(c, docs, "ingest")
         for d, _ in docs:
-            rows[d]["warm"] = _ask(c, d)
+            rows[d]["warm"] = _q(c, d)
     med = lambda key: statistics.median(r[key]["ttft_ms"] for r in rows.values())  # noqa: E731
     summary = {
         "documents": len(docs), "chunks": sum(r["chunks"] for r in rows.values()),
@@ -144,10 +151,10 @@ def command(args: argparse.Namespace) -> int:
 
     docs = _docs(resolve_data_dir(args.data_dir), args.documents, args.chars)
     if args.url:
-        result = run(args.url, docs)
+        result = run(args.url, docs, max_tokens=args.max_tokens)
     else:
         with LocalServer() as server:
-            result = run(server.url, docs)
+            result = run(server.url, docs, max_tokens=args.max_tokens)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = command_line("kvfuse bench ingest", args.parser, args)
@@ -169,6 +176,7 @@ def register(bsub: Any) -> None:
     p = bsub.add_parser("ingest", help="precompute_at first_use against ingest: ingest time, cold/warm TTFT, vanilla")
     p.add_argument("--documents", type=int, default=6, help="essay openings ingested (one query each)")
     p.add_argument("--chars", type=int, default=2400, help="characters of each essay's opening")
+    p.add_argument("--max-tokens", type=int, default=None, help="answer budget (default: generation.max_tokens)")
     p.add_argument("--url", default=None, help="measure this server instead of starting one (it must be empty of them)")
     p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
     p.add_argument("--out", default="docs/results/first-use", help="folder of first-use.json, .md and .png")
