@@ -143,15 +143,6 @@ class KVStore:
         self.put_chunk(key, blob)
         return key, len(blob)
 
-    def readmit_kv(self, fingerprint: str, kv_dtype: str, token_ids: Sequence[int], k: Tensor, v: Tensor) -> bool:
-        """Store a chunk a query rebuilt if the LMDB budget had evicted it (lmdb_tier.LmdbTier.readmit);
-        True if stored."""
-        if self.blobs.budget is None:
-            return False
-        key = kvblob.chunk_key(fingerprint, kv_dtype, token_ids)
-        blob = kvblob.encode(k, v, model_fingerprint=fingerprint, token_ids=token_ids, dtype=kv_dtype)
-        return self.blobs.readmit(key, kvblob.decode(blob))
-
     def put_kv_referenced(self, rows: Sequence[tuple[str, bytes]]) -> list[str]:
         """Store blobs (key, blob) computed at a query or a warm-up, but only those a document or a running
         ingestion still refers to, checked in the write's own transaction (a chunk of a document deleted

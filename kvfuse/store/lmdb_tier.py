@@ -155,17 +155,6 @@ class LmdbTier(ChunkStore):
         blob = pack(k, v, header)
         return self.env.write(lambda txn: self.write(txn, key, blob, header.num_tokens))
 
-    def readmit(self, key: str, entry: Entry) -> bool:
-        """Store a chunk again that the budget evicted while its documents still use it (rebuilt by a
-        query); False when it is not such a chunk (never evicted, or its last document went meanwhile:
-        it must not come back as an orphan)."""
-        with self.env.read() as txn:
-            if not self.evicted(txn, key):
-                return False
-        k, v, header = entry
-        blob = pack(k, v, header)
-        return self.env.write(lambda txn: self.evicted(txn, key) and self.write(txn, key, blob, header.num_tokens))
-
     def remove(self, key: str) -> bool:
         if not self.contains(key):  # no write transaction (and its sync) for nothing
             return False

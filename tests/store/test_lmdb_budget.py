@@ -97,14 +97,14 @@ def test_evicted_chunks_stay_known_until_their_document_goes(settings_factory) -
             assert all(store.blobs.evicted(txn, k) for k in first)
             assert {i.key for i in store.blobs.infos(txn, first)} == set(first)  # the index lists them
         # a query rebuilds one and stores it again: its document still uses it
-        _, _, k, v, ids = make_blob(*MADE[first[0]])
-        assert store.readmit_kv("test-model-fingerprint", "float16", ids, k, v)
+        key, blob, *_ = make_blob(*MADE[first[0]])
+        assert store.put_kv_referenced([(key, blob)]) == [key]
         assert store.has_chunk(first[0]) and store.stats()["kv_bytes"] <= BUDGET_MB << 20
         # the document goes: its evicted chunks' infos go with it, and none can come back as an orphan
         assert store.delete_document("d0")
         with store.env.read() as txn:
             assert store.blobs.infos(txn, first) == []
-        assert not store.readmit_kv("test-model-fingerprint", "float16", ids, k, v)
+        assert store.put_kv_referenced([(key, blob)]) == []
         assert check_store(store).problems == 0
 
 
