@@ -198,8 +198,7 @@ class DocumentCatalog:
             raise ValueError(f"status must be one of {STATUSES}, got {rec.status!r}")
         if rec.chunk_tokens and len(rec.chunk_tokens) != len(rec.chunk_keys):
             raise ValueError(f"{len(rec.chunk_keys)} chunk keys but {len(rec.chunk_tokens)} chunk token counts")
-        if rec.status == "ready" and rec.precompute_at != "first_use":  # first use: computed when queried
-            # a chunk the LMDB budget evicted is still the document's (rebuilt or read from a lower tier)
+        if rec.needs_stored_kv:  # a chunk the LMDB budget evicted is still the document's (rebuilt or read)
             missing = [k for k in rec.chunk_keys if not self.blobs.stored(txn, k) and not self.blobs.evicted(txn, k)]
             if missing:
                 raise StoreError(f"document {rec.id!r} cannot be ready: {len(missing)} chunk blobs are missing")

@@ -114,9 +114,9 @@ def check_store(store: KVStore, *, repair: bool = False, grace_s: float | None =
     rep.evicted = len(evicted)
     held = stored | (_check_objects(store, rep, referenced) if store.objects is not None else set())
     rep.missing = sorted(
-        (d.id, k) for d in docs.values() if d.status == "ready" and d.precompute_at != "first_use"
-        for k in d.chunk_keys if k not in held and k not in evicted
-    )  # a first-use document's chunks are computed when a query needs them: one not stored is not lost
+        (d.id, k) for d in docs.values() if d.needs_stored_kv for k in d.chunk_keys
+        if k not in held and k not in evicted
+    )
     rep.index_drift = _index_drift(store)
     if repair and rep.problems:
         _repair(store, rep, docs, wanted, corrupt, stored)

@@ -41,6 +41,12 @@ class DocumentRecord:
     content_hash: str = ""
     collection: str = DEFAULT_COLLECTION  # the retrieval scope it belongs to (records before it: the default)
 
+    @property
+    def needs_stored_kv(self) -> bool:
+        """Whether every chunk must hold KV (stored, or evicted by a budget): a ready document whose KV was
+        computed at ingestion; a first-use document's chunks are computed when a query needs them."""
+        return self.status == "ready" and self.precompute_at != "first_use"
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
