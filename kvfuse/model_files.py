@@ -51,7 +51,7 @@ def default_llm_dir(model_cache_dir: Path) -> Path:
     return Path(model_cache_dir) / DEFAULT_LLM_NAME
 
 
-def _is_prepared(path: Path) -> bool:
+def is_prepared(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors")) and (
         path / "tokenizer_config.json"
     ).is_file()
@@ -62,7 +62,7 @@ def _is_prepared(path: Path) -> bool:
 DIR_MODE, FILE_MODE = 0o755, 0o644
 
 
-def _make_shared(root: Path) -> None:
+def make_shared(root: Path) -> None:
     """Give `root` and everything under it the shared modes; only what this user owns is changed (a copy
     prepared by another user is theirs to mend)."""
     uid = os.geteuid()
@@ -75,7 +75,7 @@ def _make_shared(root: Path) -> None:
             path.chmod(want)
 
 
-def _make_dirs(path: Path) -> None:
+def make_dirs(path: Path) -> None:
     """Create `path` and its missing parents, each with the shared folder mode."""
     missing = [p for p in (path, *path.parents) if not p.exists()]
     path.mkdir(parents=True, exist_ok=True)
@@ -87,8 +87,8 @@ def prepare_default_llm(model_cache_dir: Path) -> Path:
     """Convert the packaged GGUF to a safetensors directory once; later calls return at once. A copy
     prepared with narrower modes (an older kvfuse, a umask of 077) is widened when this user owns it."""
     target = default_llm_dir(model_cache_dir)
-    if _is_prepared(target):
-        _make_shared(target)
+    if is_prepared(target):
+        make_shared(target)
         return target
     gguf = default_gguf_path()
     log.info("converting %s to safetensors under %s (once per model cache)", gguf.name, target)
@@ -96,17 +96,15 @@ def prepare_default_llm(model_cache_dir: Path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    from kvfuse.model_sources import unmark_quantized
-
     unmark_quantized(model)
-    _make_dirs(target.parent)
+    make_dirs(target.parent)
     # Write into a temp dir beside the target, then rename: a crash never leaves half a model behind.
-    # mkdtemp makes it 0700 and the files follow the umask: _make_shared opens them before the rename.
+    # mkdtemp makes it 0700 and the files follow the umask: make_shared opens them before the rename.
     tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=target.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        _make_shared(tmp)
+        make_shared(tmp)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -114,6 +112,20 @@ def prepare_default_llm(model_cache_dir: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def unmark_quantized(model) -> None:
+    """The GGUF weights are already dequantized to float tensors; transformers still marks the model as
+    quantized and refuses to save it. Clearing the marks makes it an ordinary model."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("is_quantized", "_is_quantized_training_enabled"):
+        if hasattr(model, attr):
+            try:
+                setattr(model, attr, False)
+            except (AttributeError, TypeError):
+                pass
 
 
 def resolve_llm(name: str, model_cache_dir: Path) -> str:

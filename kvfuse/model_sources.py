@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfuse.model_files import ModelFilesError, _make_dirs, _make_shared
+from kvfuse.model_files import ModelFilesError, is_prepared, make_dirs, make_shared, unmark_quantized
 
 log = logging.getLogger(__name__)
 
@@ -162,10 +162,10 @@ def prepare(source: str, models_dir: Path, *, name: str | None = None, dtype: st
     """Write SOURCE as a served model folder under `models_dir` (once: a complete folder prepared from the
     same source is returned as it is). `name`: the model's id (default: its own name); `dtype`: what a
     GGUF is written in (default: float32 when it fits in half the machine's memory, else bfloat16)."""
-    _make_dirs(Path(models_dir))
+    make_dirs(Path(models_dir))
     origin = {"source": str(source), "stat": _source_stat(source)}
     if (earlier := _prepared_before(Path(models_dir), origin, name)) is not None:
-        _make_shared(earlier.path)
+        make_shared(earlier.path)
         return earlier
     scratch = Path(tempfile.mkdtemp(prefix=".prepare-", dir=models_dir))
     try:
@@ -178,7 +178,7 @@ def prepare(source: str, models_dir: Path, *, name: str | None = None, dtype: st
         else:
             written = _copy_checkpoint(found, out)
         (out / MARKER).write_text(json.dumps({"name": name, **origin, "dtype": written}, indent=1))
-        _make_shared(out)
+        make_shared(out)
         if target.exists():
             shutil.rmtree(target)
         os.replace(out, target)
@@ -198,15 +198,13 @@ def _source_stat(source: str) -> list[int] | None:
 
 def _prepared_before(models_dir: Path, origin: dict, name: str | None) -> Prepared | None:
     """A complete folder prepared from the same source (as it is now) under the same name, if any."""
-    from kvfuse.model_files import _is_prepared
-
     for marker in sorted(models_dir.glob(f"*/{MARKER}")):
         try:
             recorded = json.loads(marker.read_text())
         except (OSError, ValueError):
             continue
         same = all(recorded.get(k) == v for k, v in origin.items()) and name in (None, recorded.get("name"))
-        if same and _is_prepared(marker.parent):
+        if same and is_prepared(marker.parent):
             return Prepared(marker.parent, str(recorded["name"]), converted=False)
     return None
 
@@ -255,20 +253,6 @@ def _convert_gguf(path: Path, out: Path, dtype: str | None) -> str:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return chosen
-
-
-def unmark_quantized(model) -> None:
-    """The GGUF weights are already dequantized to float tensors; transformers still marks the model as
-    quantized and refuses to save it. Clearing the marks makes it an ordinary model."""
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    for attr in ("is_quantized", "_is_quantized_training_enabled"):
-        if hasattr(model, attr):
-            try:
-                setattr(model, attr, False)
-            except (AttributeError, TypeError):
-                pass
 
 
 def _copy_checkpoint(folder: Path, out: Path) -> str:

@@ -31,8 +31,9 @@ from kvfuse.service.api.concurrency import ConcurrencyMiddleware
 from kvfuse.service.api.dependencies import State
 from kvfuse.service.api.errors import install_error_handlers
 from kvfuse.service.api.middleware import GuardMiddleware
+from kvfuse.service.api.openai_schemas import OPENAI_BODY_MODELS
 from kvfuse.service.api.responses import Health, Readiness
-from kvfuse.service.api.schemas import add_body_schemas
+from kvfuse.service.api.schemas import BODY_MODELS, add_body_schemas
 from kvfuse.service.errors import ErrorBody, error_body
 from kvfuse.service.health import OK
 from kvfuse.service.state import ServiceState
@@ -82,7 +83,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = add_body_schemas(fastapi_openapi())
+            app.openapi_schema = add_body_schemas(fastapi_openapi(), BODY_MODELS + OPENAI_BODY_MODELS)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -165,11 +165,9 @@ def documented_body(*models: type[BaseModel], text: bool = False, upload: bool =
     return {"requestBody": {"required": True, "content": content}}
 
 
-def add_body_schemas(openapi: dict[str, Any]) -> dict[str, Any]:
-    """`openapi` with the JSON schemas of every hand-read request body among its components."""
-    from kvfuse.service.api.openai_schemas import OPENAI_BODY_MODELS  # it builds on this module's models
-
-    _, top = models_json_schema([(m, "validation") for m in BODY_MODELS + OPENAI_BODY_MODELS],
+def add_body_schemas(openapi: dict[str, Any], models: tuple[type[BaseModel], ...]) -> dict[str, Any]:
+    """`openapi` with the JSON schemas of `models` (every hand-read request body) among its components."""
+    _, top = models_json_schema([(m, "validation") for m in models],
                                 ref_template="#/components/schemas/{model}")
     openapi.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
     return openapi
