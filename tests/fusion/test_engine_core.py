@@ -61,7 +61,7 @@ def _run(core: EngineCore, seqs: list[Sequence], each_step=None) -> list:
     while core.has_work:
         if each_step is not None:
             each_step(core, out)
-        core.step(out.append)
+        out.extend(core.step())
     return out
 
 
@@ -79,6 +79,21 @@ def test_a_batch_gives_each_request_its_solo_tokens(tiny) -> None:
     assert max(s.batch for s in steps) == 3  # they decoded together
     kinds = [type(o).__name__ for o in out if getattr(o, "job_id", None) == 1]
     assert kinds[0] == "Admitted" and kinds[-1] == "Finished" and "Token" in kinds
+
+
+def test_a_step_returns_the_admission_before_the_prefill_runs(tiny) -> None:
+    """The step that admits a request returns its Admitted output and runs none of its prefill (the
+    service sends the plan before a long prefill starts); the next step completes the prefill and returns
+    its first token, then decodes it with the batch in that same step: the solo answer's first two."""
+    req = _request(tiny, 0, 60)
+    core = _core(tiny, 1024)
+    seq = _sequence(tiny, 0, req)
+    core.add(seq, 0)
+    first = core.step()
+    assert [type(o).__name__ for o in first] == ["Admitted", "Stepped"] and seq.prefilling and seq.gen is None
+    second = core.step()
+    assert seq.gen is not None and seq.gen.token_ids == _solo(tiny, req)[:2] and isinstance(second[-1], E.Stepped)
+    assert not any(isinstance(o, E.Admitted) for o in second)
 
 
 def test_kv_memory_holds_one_long_request_beside_many_short(tiny) -> None:
@@ -108,7 +123,7 @@ def test_kv_memory_holds_one_long_request_beside_many_short(tiny) -> None:
 
 def _decoding(core: EngineCore, out: list, n: int) -> None:
     while len(core.scheduler.decode_batch()) < n:
-        core.step(out.append)
+        out.extend(core.step())
 
 
 def test_a_sequence_with_broken_kv_fails_alone(tiny) -> None:
@@ -122,7 +137,7 @@ def test_a_sequence_with_broken_kv_fails_alone(tiny) -> None:
     broken = core.scheduler.running[1].extent
     core.memory.k[:, :, broken.start : broken.start + 5] = float("nan")
     while core.has_work:
-        core.step(out.append)
+        out.extend(core.step())
     failed = [o for o in out if isinstance(o, E.Failed)]
     assert [f.job_id for f in failed] == [1] and "non-finite logits" in str(failed[0].error)
     assert _tokens(out, 0) == _solo(tiny, reqs[0]) and _tokens(out, 2) == _solo(tiny, reqs[2])
@@ -139,7 +154,7 @@ def test_a_batched_step_that_raises_is_retried_row_by_row(tiny) -> None:
     _decoding(core, out, 3)
     core.scheduler.running[2].data.gen.last_token = tiny.model.config.vocab_size + 7
     while core.has_work:
-        core.step(out.append)
+        out.extend(core.step())
     failed = [o for o in out if isinstance(o, E.Failed)]
     assert [f.job_id for f in failed] == [2] and isinstance(failed[0].error, IndexError)
     assert _tokens(out, 0) == _solo(tiny, reqs[0]) and _tokens(out, 1) == _solo(tiny, reqs[1])
@@ -152,15 +167,15 @@ def test_abort_ends_a_request_wherever_it_is(tiny) -> None:
     for s in seqs:
         core.add(s, s.request_id)
     _decoding(core, out, 2)
-    core.abort(0, out.append)  # decoding: finishes as cancelled
-    core.abort(2, out.append)  # still waiting: fails as cancelled
-    core.abort(2, out.append)  # already gone: nothing
+    out.extend(core.abort(0))  # decoding: finishes as cancelled
+    out.extend(core.abort(2))  # still waiting: fails as cancelled
+    assert core.abort(2) == []  # already gone: nothing
     ends = [o for o in out if isinstance(o, E.Finished | E.Failed)]
     assert [(type(o).__name__, o.job_id) for o in ends] == [("Finished", 0), ("Failed", 2)]
     assert ends[0].seq.gen.finished == "cancelled" and isinstance(ends[1].error, E.Cancelled)
     assert core.memory.extent_of(0) is None and core.scheduler.num_waiting == 0
     while core.has_work:
-        core.step(out.append)
+        out.extend(core.step())
     assert _tokens(out, 1) == _solo(tiny, reqs[1])
 
 

@@ -8,10 +8,14 @@ their messages; `FusionEngine.generate` is a batch of one on the same core. Thre
 - kv_memory.py: where every running sequence's KV lives (one buffer at the budget, an extent each);
 - runner.py: how a decode step runs (one forward for the batch, each row over its own extent).
 
-A step: admit what the scheduler allows (each admitted sequence loads its chunks' KV straight into its
-extent); run the step's share of prefill (decoder layers of the prefilling sequences, oldest first; a
-completed prefill takes its first token); a piece of ingestion when it is ingestion's turn; one batched
-decode step for every sequence past its prefill, its tokens chosen on the device with one host copy.
+A step returns its outputs, as vLLM v1's `EngineCore.step` does (a list of Admitted / Token / Finished /
+Failed / Ingested, then one Stepped): admit what the scheduler allows (each admitted sequence loads its
+chunks' KV straight into its extent); run the step's share of prefill (decoder layers of the prefilling
+sequences admitted in earlier steps, oldest first; a completed prefill takes its first token); a piece of
+ingestion when it is ingestion's turn; one batched decode step for every sequence past its prefill, its
+tokens chosen on the device with one host copy. A sequence's prefill starts in the step after its
+admission, so its Admitted output (the service's plan, the SSE `sources` event) reaches the transport
+before the prefill runs, not with its first token (docs/DESIGN.md, "Decoding: the engine core").
 
 Failures stay with their sequence: a prefill or KV load that raises fails that request; a batched decode
 step that raises is retried sequence by sequence, so only the rows that fail alone fail, and a row whose
@@ -86,7 +90,7 @@ class Stepped:
 
 
 Output = Admitted | Token | Finished | Failed | Ingested | Stepped
-Emit = Callable[[Output], None]
+Emit = Callable[[Output], None]  # how the step's parts append to its outputs
 
 
 class EngineCore:
@@ -136,29 +140,31 @@ class EngineCore:
         done, then its result (emitted as Ingested)."""
         self.scheduler.add_ingest(Request(job_id, data=piece))
 
-    def abort(self, job_id: Any, emit: Emit) -> None:
-        """Stop a request wherever it is: a decoding one finishes as cancelled (its held-back text
-        first), any other fails with Cancelled; an ingestion job is dropped."""
+    def abort(self, job_id: Any) -> list[Output]:
+        """Stop a request wherever it is; returns what that finished: a decoding one finishes as
+        cancelled (its held-back text first), any other fails with Cancelled; an ingestion job is
+        dropped (nothing)."""
         req = self.scheduler.remove(job_id)
         if req is None or req.status is Phase.INGESTING:
-            return
+            return []
         seq: Sequence = req.data
-        if req.status is Phase.DECODING:
-            tail = seq.gen.cancel()
-            if tail:
-                emit(Token(job_id, tail))
-            emit(Finished(job_id, seq))
-        else:
-            emit(Failed(job_id, Cancelled("cancelled")))
+        if req.status is not Phase.DECODING:
+            return [Failed(job_id, Cancelled("cancelled"))]
+        tail = seq.gen.cancel()
+        return [*([Token(job_id, tail)] if tail else []), Finished(job_id, seq)]
 
     # -- the step ---------------------------------------------------------------------------------------------
-    def step(self, emit: Emit) -> None:
+    def step(self) -> list[Output]:
+        """One step (the module docstring); returns its outputs, in the order they happened."""
         self.step_no += 1
+        out: list[Output] = []
+        emit = out.append
         sch = self.scheduler
         plan = sch.schedule()
         for req in plan.admit:
             self._start(req, emit)
-        self._prefill(sch.limits.prefill_tokens_per_step * self.engine.num_layers, emit)
+        self._prefill(sch.limits.prefill_tokens_per_step * self.engine.num_layers, emit,
+                      admitted={r.job_id for r in plan.admit})
         if plan.ingest is not None:
             self._ingest(plan.ingest, plan.ingest_tokens, emit)
         batch = sch.decode_batch()
@@ -167,6 +173,7 @@ class EngineCore:
         emit(Stepped(self.step_no, len(batch), [r.job_id for r in plan.admit],
                      plan.ingest.job_id if plan.ingest is not None else None, sch.num_running, sch.num_waiting,
                      sch.kv_used, self.memory.used_bytes))
+        return out
 
     def _fail(self, job_id: Any, err: BaseException, emit: Emit) -> None:
         self.scheduler.retire(job_id)
@@ -185,11 +192,14 @@ class EngineCore:
         except Exception as err:  # noqa: BLE001 - fails this request only
             self._fail(req.job_id, err, emit)
 
-    def _prefill(self, budget: int, emit: Emit) -> None:
-        """Advance the prefilling sequences, oldest first, by up to `budget` rows x layers in all."""
+    def _prefill(self, budget: int, emit: Emit, admitted: set[Any]) -> None:
+        """Advance the prefilling sequences, oldest first, by up to `budget` rows x layers in all; those
+        `admitted` in this step wait for the next (their Admitted output goes out first)."""
         for req in self.scheduler.prefilling():
             if budget <= 0:
                 return
+            if req.job_id in admitted:
+                continue
             seq: Sequence = req.data
             try:
                 spent, text = seq.advance(self.engine, budget)
