@@ -98,5 +98,10 @@ class Sequence:
         return self.gen.accept_token(token, logits)
 
     @property
+    def first_token_at(self) -> float:
+        """When the first token was taken (perf_counter; 0 before)."""
+        return self._t_first
+
+    @property
     def decode_s(self) -> float:
         return time.perf_counter() - self._t_first if self._t_first else 0.0
