@@ -57,7 +57,7 @@ def _core(engine, budget: int, running: int = 8) -> EngineCore:
 def _run(core: EngineCore, seqs: list[Sequence], each_step=None) -> list:
     out: list = []
     for s in seqs:
-        core.add(s, s.request_id)
+        core.add(s)
     while core.has_work:
         if each_step is not None:
             each_step(core, out)
@@ -88,7 +88,7 @@ def test_a_step_returns_the_admission_before_the_prefill_runs(tiny) -> None:
     req = _request(tiny, 0, 60)
     core = _core(tiny, 1024)
     seq = _sequence(tiny, 0, req)
-    core.add(seq, 0)
+    core.add(seq)
     first = core.step()
     assert [type(o).__name__ for o in first] == ["Admitted", "Stepped"] and seq.prefilling and seq.gen is None
     second = core.step()
@@ -113,7 +113,7 @@ def test_kv_memory_holds_one_long_request_beside_many_short(tiny) -> None:
         assert mem.used_bytes <= mem.nbytes == budget * mem.token_bytes
         assert (mem.k.data_ptr(), mem.v.data_ptr()) == buffers
         for r in core.scheduler.decode_batch():
-            assert r.data.cache.extent is r.extent and r.data.cache.capacity <= r.extent.tokens
+            assert r.seq.cache.extent is r.extent and r.seq.cache.capacity <= r.extent.tokens
 
     out = _run(core, seqs, check)
     assert [_tokens(out, i) for i in range(9)] == [_solo(tiny, r) for r in reqs]
@@ -132,7 +132,7 @@ def test_a_sequence_with_broken_kv_fails_alone(tiny) -> None:
     reqs = [_request(tiny, i, 20 + 10 * i) for i in range(3)]
     core, out = _core(tiny, 1024), []
     for i, r in enumerate(reqs):
-        core.add(_sequence(tiny, i, r), i)
+        core.add(_sequence(tiny, i, r))
     _decoding(core, out, 3)
     broken = core.scheduler.running[1].extent
     core.memory.k[:, :, broken.start : broken.start + 5] = float("nan")
@@ -150,9 +150,9 @@ def test_a_batched_step_that_raises_is_retried_row_by_row(tiny) -> None:
     reqs = [_request(tiny, i, 25) for i in range(3)]
     core, out = _core(tiny, 1024), []
     for i, r in enumerate(reqs):
-        core.add(_sequence(tiny, i, r), i)
+        core.add(_sequence(tiny, i, r))
     _decoding(core, out, 3)
-    core.scheduler.running[2].data.gen.last_token = tiny.model.config.vocab_size + 7
+    core.scheduler.running[2].seq.gen.last_token = tiny.model.config.vocab_size + 7
     while core.has_work:
         out.extend(core.step())
     failed = [o for o in out if isinstance(o, E.Failed)]
@@ -165,7 +165,7 @@ def test_abort_ends_a_request_wherever_it_is(tiny) -> None:
     seqs = [_sequence(tiny, i, r) for i, r in enumerate(reqs)]
     core, out = _core(tiny, seqs[0].kv_tokens + seqs[1].kv_tokens, running=2), []
     for s in seqs:
-        core.add(s, s.request_id)
+        core.add(s)
     _decoding(core, out, 2)
     out.extend(core.abort(0))  # decoding: finishes as cancelled
     out.extend(core.abort(2))  # still waiting: fails as cancelled
@@ -184,4 +184,4 @@ def test_a_request_that_can_never_fit_is_refused(tiny) -> None:
     seq = _sequence(tiny, 0, _request(tiny, 0, 100))
     assert not core.fits(seq.kv_tokens)
     with pytest.raises(ValueError, match="over the budget"):
-        core.add(seq, 0)
+        core.add(seq)

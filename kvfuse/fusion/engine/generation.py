@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvfuse.fusion.engine import sampling
-from kvfuse.fusion.engine.detokenize import IncrementalDetokenizer, StopMatcher
+from kvfuse.fusion.engine.detokenize import IncrementalDetokenizer, StopMatcher, Tokenizer
 from kvfuse.fusion.engine.logprobs import TokenLogprob, token_logprob
 from kvfuse.fusion.engine.sampling import RowSampling
 from kvfuse.fusion.types import FinishReason, GenerationOptions, GenerationResult
@@ -26,15 +26,16 @@ class Generation:
     to the next decode step while `finished` is None.
     """
 
-    def __init__(self, tokenizer, stop_token_ids: set[int], options: GenerationOptions,
+    def __init__(self, tokenizer: Tokenizer, stop_token_ids: set[int], options: GenerationOptions,
                  device: torch.device | str = "cpu", stop_strings: tuple[str, ...] = ()) -> None:
         """`stop_strings`: the model's own, beside the request's (a base model's: prompt_style.BASE_STOPS)."""
         if options.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         self.options = options
         self.stop_token_ids = stop_token_ids
+        bias: dict[int | str, float] = {t: b for t, b in options.logit_bias.items()}
         self.sampling = RowSampling.create(options.temperature, options.top_p, options.seed, torch.device(device),
-                                           options.logit_bias, options.presence_penalty, options.frequency_penalty)
+                                           bias, options.presence_penalty, options.frequency_penalty)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(list(dict.fromkeys([*options.stop, *stop_strings])))
         self.token_ids: list[int] = []

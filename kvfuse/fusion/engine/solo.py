@@ -17,11 +17,10 @@ import torch
 
 from kvfuse.fusion.engine import core as E
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
-from kvfuse.fusion.engine.sequence import Sequence
+from kvfuse.fusion.engine.sequence import FusionChoice, Sequence
 from kvfuse.fusion.types import (
     ChunkKV,
     FusedPrefill,
-    FusionOptions,
     GenerationOptions,
     GenerationResult,
     TokenDelta,
@@ -71,7 +70,7 @@ class _PrefilledSequence(_SoloSequence):
 
 
 def generate(engine: FusionEngine, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
-             fusion: FusionOptions, gen: GenerationOptions, cancel: Callable[[], bool] | None = None
+             fusion: FusionChoice, gen: GenerationOptions, cancel: Callable[[], bool] | None = None
              ) -> Iterator[TokenDelta | GenerationResult]:
     """`FusionEngine.generate` (its docstring)."""
     from kvfuse.fusion.methods import get_method
@@ -100,7 +99,7 @@ def _drive(engine: FusionEngine, seq: _SoloSequence, cancel: Callable[[], bool] 
     limits = SchedulerLimits(max_running=1, kv_budget_tokens=seq.kv_tokens,
                              prefill_tokens_per_step=max(1, seq.prefill_tokens), ingest_share=0.0)
     core = E.EngineCore(engine, limits)
-    core.add(seq, _ID)
+    core.add(seq)
     while core.has_work:
         admitted = core.step_no > 0
         outs = core.abort(_ID) if admitted and cancel is not None and cancel() else core.step()

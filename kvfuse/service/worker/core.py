@@ -128,7 +128,7 @@ class WorkerCore:
                 if isinstance(seq, P.Error):
                     self.send(seq)
                 else:
-                    self.core.add(seq, msg.job_id)
+                    self.core.add(seq)
                     self.shadow.watch(seq)
             elif isinstance(msg, P.PrecomputeJob):
                 task = IngestTask(msg)
