@@ -5,6 +5,8 @@ run the same core with the real model behind the worker's transports."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -14,6 +16,7 @@ from kvfuse.fusion.engine import core as E
 from kvfuse.fusion.engine.core import EngineCore
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence
+from kvfuse.fusion.errors import FusionError
 
 MAX_TOKENS = 6
 
@@ -185,3 +188,14 @@ def test_a_request_that_can_never_fit_is_refused(tiny) -> None:
     assert not core.fits(seq.kv_tokens)
     with pytest.raises(ValueError, match="over the budget"):
         core.add(seq)
+
+
+def test_generate_is_a_batch_of_one_on_the_core_with_its_non_finite_check(tiny) -> None:
+    """`FusionEngine.generate` decodes on an engine core: a chunk whose KV holds NaN makes its logits
+    non-finite, and the core's check fails the request with a clear error instead of yielding tokens."""
+    prefix, chunks, question_ids, fusion = _request(tiny, 0, 30, "pie")
+    broken = chunks[0].v.clone()
+    broken[:, :, 3] = float("nan")
+    chunks = [dataclasses.replace(chunks[0], v=broken)]
+    with pytest.raises(FusionError, match="non-finite logits"):
+        list(tiny.generate(prefix, chunks, question_ids, fusion, GenerationOptions(max_tokens=MAX_TOKENS)))
