@@ -38,6 +38,7 @@ test-deploy: setup
 
 lint: setup
 	$(BIN)/ruff check kvfuse tests
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

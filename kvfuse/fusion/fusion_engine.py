@@ -1,5 +1,5 @@
 """FusionEngine: the model with its prefills -- precompute chunk caches at ingestion, fuse them at query
-time -- and the batch of one (`generate`) that decodes with the same runner as the engine core."""
+time -- and the batch of one (`generate`), a request on an engine core of its own (engine/solo.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import eviction
-from kvfuse.fusion.engine.generation import Generation, decode_loop
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.engine.runner import ModelRunner
 from kvfuse.fusion.errors import ContextOverflowError
@@ -351,21 +351,20 @@ class FusionEngine:
                  cancel: Callable[[], bool] | None = None) -> Iterator[TokenDelta | GenerationResult]:
         """Yields TokenDelta as text becomes printable, then one GenerationResult.
 
-        The batch of one: the same per-sequence state (`Generation`) and batched decode step that the
-        service's scheduler drives for many requests at once. `cancel` is polled before each token."""
+        The batch of one: one Sequence on an engine core of its own (engine/solo.py), the same scheduler,
+        runner, sampling and non-finite check that the service's core drives for many requests at once.
+        `cancel` is polled before each engine step once the request is admitted; a failure is raised
+        (Cancelled when the cancel came before the first token)."""
         gen = gen or GenerationOptions()
         if gen.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        start = time.perf_counter()
-        fused = self.fuse(prefix, chunks, question_ids, fusion, max_tokens=gen.max_tokens)
-        yield from self.decode_from(fused, gen, cancel, started=start)
+        return solo.generate(self, prefix, chunks, question_ids, fusion or FusionOptions(), gen, cancel)
 
     def decode_from(self, fused: FusedPrefill, gen: GenerationOptions, cancel: Callable[[], bool] | None = None,
                     *, started: float, on_step: Callable[[torch.Tensor, int], None] | None = None
                     ) -> Iterator[TokenDelta | GenerationResult]:
-        """The decode loop after a fused prefill (`generate` runs it; so does the fidelity benchmark, which
-        keeps every step). `started`: when the prefill began (perf_counter), for TTFT; `on_step(logits,
-        token)` sees each step's logits and the token chosen from them, the stop token included."""
-        return decode_loop(self.runner, Generation(self.tokenizer, self.stop_token_ids, gen, self.device,
-                                                      self.stop_strings), fused,
-                           cancel, started=started, on_step=on_step)
+        """Decoding after a prefill already fused (the fidelity benchmark, which keeps every step), on an
+        engine core as `generate` decodes. `started`: when the prefill began (perf_counter), for TTFT;
+        `on_step(logits, token)` sees each step's logits and the token chosen from them, the stop token
+        included."""
+        return solo.decode_from(self, fused, gen, cancel, started, on_step)

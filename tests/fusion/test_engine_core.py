@@ -5,6 +5,8 @@ run the same core with the real model behind the worker's transports."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -14,6 +16,7 @@ from kvfuse.fusion.engine import core as E
 from kvfuse.fusion.engine.core import EngineCore
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence
+from kvfuse.fusion.errors import FusionError
 
 MAX_TOKENS = 6
 
@@ -57,11 +60,11 @@ def _core(engine, budget: int, running: int = 8) -> EngineCore:
 def _run(core: EngineCore, seqs: list[Sequence], each_step=None) -> list:
     out: list = []
     for s in seqs:
-        core.add(s, s.request_id)
+        core.add(s)
     while core.has_work:
         if each_step is not None:
             each_step(core, out)
-        core.step(out.append)
+        out.extend(core.step())
     return out
 
 
@@ -81,6 +84,21 @@ def test_a_batch_gives_each_request_its_solo_tokens(tiny) -> None:
     assert kinds[0] == "Admitted" and kinds[-1] == "Finished" and "Token" in kinds
 
 
+def test_a_step_returns_the_admission_before_the_prefill_runs(tiny) -> None:
+    """The step that admits a request returns its Admitted output and runs none of its prefill (the
+    service sends the plan before a long prefill starts); the next step completes the prefill and returns
+    its first token, then decodes it with the batch in that same step: the solo answer's first two."""
+    req = _request(tiny, 0, 60)
+    core = _core(tiny, 1024)
+    seq = _sequence(tiny, 0, req)
+    core.add(seq)
+    first = core.step()
+    assert [type(o).__name__ for o in first] == ["Admitted", "Stepped"] and seq.prefilling and seq.gen is None
+    second = core.step()
+    assert seq.gen is not None and seq.gen.token_ids == _solo(tiny, req)[:2] and isinstance(second[-1], E.Stepped)
+    assert not any(isinstance(o, E.Admitted) for o in second)
+
+
 def test_kv_memory_holds_one_long_request_beside_many_short(tiny) -> None:
     """One long request and eight short ones in a memory that cannot hold them all: the bytes held never
     pass the budget, the buffers are never replaced, each row decodes over its own extent, and every
@@ -98,7 +116,7 @@ def test_kv_memory_holds_one_long_request_beside_many_short(tiny) -> None:
         assert mem.used_bytes <= mem.nbytes == budget * mem.token_bytes
         assert (mem.k.data_ptr(), mem.v.data_ptr()) == buffers
         for r in core.scheduler.decode_batch():
-            assert r.data.cache.extent is r.extent and r.data.cache.capacity <= r.extent.tokens
+            assert r.seq.cache.extent is r.extent and r.seq.cache.capacity <= r.extent.tokens
 
     out = _run(core, seqs, check)
     assert [_tokens(out, i) for i in range(9)] == [_solo(tiny, r) for r in reqs]
@@ -108,7 +126,7 @@ def test_kv_memory_holds_one_long_request_beside_many_short(tiny) -> None:
 
 def _decoding(core: EngineCore, out: list, n: int) -> None:
     while len(core.scheduler.decode_batch()) < n:
-        core.step(out.append)
+        out.extend(core.step())
 
 
 def test_a_sequence_with_broken_kv_fails_alone(tiny) -> None:
@@ -117,12 +135,12 @@ def test_a_sequence_with_broken_kv_fails_alone(tiny) -> None:
     reqs = [_request(tiny, i, 20 + 10 * i) for i in range(3)]
     core, out = _core(tiny, 1024), []
     for i, r in enumerate(reqs):
-        core.add(_sequence(tiny, i, r), i)
+        core.add(_sequence(tiny, i, r))
     _decoding(core, out, 3)
     broken = core.scheduler.running[1].extent
     core.memory.k[:, :, broken.start : broken.start + 5] = float("nan")
     while core.has_work:
-        core.step(out.append)
+        out.extend(core.step())
     failed = [o for o in out if isinstance(o, E.Failed)]
     assert [f.job_id for f in failed] == [1] and "non-finite logits" in str(failed[0].error)
     assert _tokens(out, 0) == _solo(tiny, reqs[0]) and _tokens(out, 2) == _solo(tiny, reqs[2])
@@ -135,11 +153,11 @@ def test_a_batched_step_that_raises_is_retried_row_by_row(tiny) -> None:
     reqs = [_request(tiny, i, 25) for i in range(3)]
     core, out = _core(tiny, 1024), []
     for i, r in enumerate(reqs):
-        core.add(_sequence(tiny, i, r), i)
+        core.add(_sequence(tiny, i, r))
     _decoding(core, out, 3)
-    core.scheduler.running[2].data.gen.last_token = tiny.model.config.vocab_size + 7
+    core.scheduler.running[2].seq.gen.last_token = tiny.model.config.vocab_size + 7
     while core.has_work:
-        core.step(out.append)
+        out.extend(core.step())
     failed = [o for o in out if isinstance(o, E.Failed)]
     assert [f.job_id for f in failed] == [2] and isinstance(failed[0].error, IndexError)
     assert _tokens(out, 0) == _solo(tiny, reqs[0]) and _tokens(out, 1) == _solo(tiny, reqs[1])
@@ -150,17 +168,17 @@ def test_abort_ends_a_request_wherever_it_is(tiny) -> None:
     seqs = [_sequence(tiny, i, r) for i, r in enumerate(reqs)]
     core, out = _core(tiny, seqs[0].kv_tokens + seqs[1].kv_tokens, running=2), []
     for s in seqs:
-        core.add(s, s.request_id)
+        core.add(s)
     _decoding(core, out, 2)
-    core.abort(0, out.append)  # decoding: finishes as cancelled
-    core.abort(2, out.append)  # still waiting: fails as cancelled
-    core.abort(2, out.append)  # already gone: nothing
+    out.extend(core.abort(0))  # decoding: finishes as cancelled
+    out.extend(core.abort(2))  # still waiting: fails as cancelled
+    assert core.abort(2) == []  # already gone: nothing
     ends = [o for o in out if isinstance(o, E.Finished | E.Failed)]
     assert [(type(o).__name__, o.job_id) for o in ends] == [("Finished", 0), ("Failed", 2)]
     assert ends[0].seq.gen.finished == "cancelled" and isinstance(ends[1].error, E.Cancelled)
     assert core.memory.extent_of(0) is None and core.scheduler.num_waiting == 0
     while core.has_work:
-        core.step(out.append)
+        out.extend(core.step())
     assert _tokens(out, 1) == _solo(tiny, reqs[1])
 
 
@@ -169,4 +187,15 @@ def test_a_request_that_can_never_fit_is_refused(tiny) -> None:
     seq = _sequence(tiny, 0, _request(tiny, 0, 100))
     assert not core.fits(seq.kv_tokens)
     with pytest.raises(ValueError, match="over the budget"):
-        core.add(seq, 0)
+        core.add(seq)
+
+
+def test_generate_is_a_batch_of_one_on_the_core_with_its_non_finite_check(tiny) -> None:
+    """`FusionEngine.generate` decodes on an engine core: a chunk whose KV holds NaN makes its logits
+    non-finite, and the core's check fails the request with a clear error instead of yielding tokens."""
+    prefix, chunks, question_ids, fusion = _request(tiny, 0, 30, "pie")
+    broken = chunks[0].v.clone()
+    broken[:, :, 3] = float("nan")
+    chunks = [dataclasses.replace(chunks[0], v=broken)]
+    with pytest.raises(FusionError, match="non-finite logits"):
+        list(tiny.generate(prefix, chunks, question_ids, fusion, GenerationOptions(max_tokens=MAX_TOKENS)))

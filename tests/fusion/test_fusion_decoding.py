@@ -51,14 +51,19 @@ def test_eos_ends_generation(engine, prompt):
 
 @pytest.mark.slow
 def test_cancel_is_checked_every_step(engine, prompt):
+    """cancel is polled before every engine step once the request is admitted: cancelled on the fourth
+    poll, the answer ends as cancelled with the tokens of the steps before it, those of the full answer."""
     calls = []
 
     def cancel() -> bool:
         calls.append(1)
         return len(calls) > 3
 
-    _, result = run(engine, prompt, GenerationOptions(max_tokens=50), cancel)
-    assert result.finish_reason == "cancelled" and len(result.token_ids) == 3
+    _, full = run(engine, prompt, GenerationOptions(max_tokens=50))
+    deltas, result = run(engine, prompt, GenerationOptions(max_tokens=50), cancel)
+    assert result.finish_reason == "cancelled" and len(calls) == 4
+    assert 0 < len(result.token_ids) < 50 and result.token_ids == full.token_ids[: len(result.token_ids)]
+    assert "".join(deltas) == result.text
 
 
 @pytest.mark.slow

@@ -8,10 +8,14 @@ their messages; `FusionEngine.generate` is a batch of one on the same core. Thre
 - kv_memory.py: where every running sequence's KV lives (one buffer at the budget, an extent each);
 - runner.py: how a decode step runs (one forward for the batch, each row over its own extent).
 
-A step: admit what the scheduler allows (each admitted sequence loads its chunks' KV straight into its
-extent); run the step's share of prefill (decoder layers of the prefilling sequences, oldest first; a
-completed prefill takes its first token); a piece of ingestion when it is ingestion's turn; one batched
-decode step for every sequence past its prefill, its tokens chosen on the device with one host copy.
+A step returns its outputs, as vLLM v1's `EngineCore.step` does (a list of Admitted / Token / Finished /
+Failed / Ingested, then one Stepped): admit what the scheduler allows (each admitted sequence loads its
+chunks' KV straight into its extent); run the step's share of prefill (decoder layers of the prefilling
+sequences admitted in earlier steps, oldest first; a completed prefill takes its first token); a piece of
+ingestion when it is ingestion's turn; one batched decode step for every sequence past its prefill, its
+tokens chosen on the device with one host copy. A sequence's prefill starts in the step after its
+admission, so its Admitted output (the service's plan, the SSE `sources` event) reaches the transport
+before the prefill runs, not with its first token (docs/DESIGN.md, "Decoding: the engine core").
 
 Failures stay with their sequence: a prefill or KV load that raises fails that request; a batched decode
 step that raises is retried sequence by sequence, so only the rows that fail alone fail, and a row whose
@@ -23,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,8 +35,14 @@ from kvfuse.fusion.engine import sampling
 from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
 from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
 from kvfuse.fusion.engine.scheduler import Phase, Request, Scheduler, SchedulerLimits
-from kvfuse.fusion.engine.sequence import Sequence
+from kvfuse.fusion.engine.sequence import RequestId, Sequence
 from kvfuse.fusion.errors import FusionError
+
+if TYPE_CHECKING:
+    from kvfuse.config import Settings
+    from kvfuse.fusion.engine.logprobs import TokenLogprob
+    from kvfuse.fusion.engine.scheduler import IngestPiece
+    from kvfuse.fusion.fusion_engine import FusionEngine
 
 log = logging.getLogger("kvfuse.fusion")
 
@@ -44,41 +54,41 @@ class Cancelled(FusionError):
 # -- outputs ------------------------------------------------------------------------------------------------
 @dataclass
 class Admitted:
-    job_id: Any
+    job_id: RequestId
     seq: Sequence
 
 
 @dataclass
 class Token:
-    job_id: Any
+    job_id: RequestId
     text: str
-    logprobs: list | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class Finished:
-    job_id: Any
+    job_id: RequestId
     seq: Sequence
 
 
 @dataclass
 class Failed:
-    job_id: Any
+    job_id: RequestId
     error: BaseException
 
 
 @dataclass
 class Ingested:
-    job_id: Any
-    value: Any
+    job_id: RequestId
+    value: object  # what the ingestion piece returned when it was done
 
 
 @dataclass
 class Stepped:
     step: int
     batch: int
-    admitted: list
-    ingest: Any
+    admitted: list[RequestId]
+    ingest: RequestId | None
     running: int
     waiting: int
     kv_tokens: int
@@ -86,7 +96,7 @@ class Stepped:
 
 
 Output = Admitted | Token | Finished | Failed | Ingested | Stepped
-Emit = Callable[[Output], None]
+Emit = Callable[[Output], None]  # how the step's parts append to its outputs
 
 
 class EngineCore:
@@ -94,7 +104,7 @@ class EngineCore:
 
     static / cuda_graphs: the runner's static decode path and its CUDA graphs (runner.py)."""
 
-    def __init__(self, engine: Any, limits: SchedulerLimits, *, static: bool = False,
+    def __init__(self, engine: FusionEngine, limits: SchedulerLimits, *, static: bool = False,
                  cuda_graphs: bool = False) -> None:
         self.engine = engine
         capacity = limits.kv_budget_tokens
@@ -107,7 +117,7 @@ class EngineCore:
         self.step_no = 0
 
     @classmethod
-    def from_settings(cls, engine: Any, settings: Any) -> EngineCore:
+    def from_settings(cls, engine: FusionEngine, settings: Settings) -> EngineCore:
         """As kvfuse.config Settings say (server.* limits; the static path with CUDA graphs on a CUDA
         device when fusion.decode_cuda_graphs is on)."""
         graphs = settings.fusion.decode_cuda_graphs and engine.device.type == "cuda"
@@ -127,38 +137,41 @@ class EngineCore:
         return self.scheduler.fits_alone(kv_tokens)
 
     # -- arrivals ---------------------------------------------------------------------------------------------
-    def add(self, seq: Sequence, job_id: Any) -> None:
-        """Queue a query (ValueError when it could never fit the KV memory)."""
-        self.scheduler.add(Request(job_id, kv_tokens=seq.kv_tokens, prefill_tokens=seq.prefill_tokens, data=seq))
+    def add(self, seq: Sequence) -> None:
+        """Queue a query under its `request_id` (ValueError when it could never fit the KV memory)."""
+        self.scheduler.add(Request(seq.request_id, kv_tokens=seq.kv_tokens, prefill_tokens=seq.prefill_tokens,
+                                   seq=seq))
 
-    def add_ingest(self, job_id: Any, piece: Callable[[int], Any]) -> None:
+    def add_ingest(self, job_id: RequestId, piece: IngestPiece) -> None:
         """Queue ingestion work: `piece(budget_tokens)` runs one piece and returns None until the work is
         done, then its result (emitted as Ingested)."""
-        self.scheduler.add_ingest(Request(job_id, data=piece))
+        self.scheduler.add_ingest(Request(job_id, piece=piece))
 
-    def abort(self, job_id: Any, emit: Emit) -> None:
-        """Stop a request wherever it is: a decoding one finishes as cancelled (its held-back text
-        first), any other fails with Cancelled; an ingestion job is dropped."""
+    def abort(self, job_id: RequestId) -> list[Output]:
+        """Stop a request wherever it is; returns what that finished: a decoding one finishes as
+        cancelled (its held-back text first), any other fails with Cancelled; an ingestion job is
+        dropped (nothing)."""
         req = self.scheduler.remove(job_id)
         if req is None or req.status is Phase.INGESTING:
-            return
-        seq: Sequence = req.data
-        if req.status is Phase.DECODING:
-            tail = seq.gen.cancel()
-            if tail:
-                emit(Token(job_id, tail))
-            emit(Finished(job_id, seq))
-        else:
-            emit(Failed(job_id, Cancelled("cancelled")))
+            return []
+        seq = _seq(req)
+        if req.status is not Phase.DECODING:
+            return [Failed(job_id, Cancelled("cancelled"))]
+        tail = seq.generation.cancel()
+        return [*([Token(job_id, tail)] if tail else []), Finished(job_id, seq)]
 
     # -- the step ---------------------------------------------------------------------------------------------
-    def step(self, emit: Emit) -> None:
+    def step(self) -> list[Output]:
+        """One step (the module docstring); returns its outputs, in the order they happened."""
         self.step_no += 1
+        out: list[Output] = []
+        emit = out.append
         sch = self.scheduler
         plan = sch.schedule()
         for req in plan.admit:
             self._start(req, emit)
-        self._prefill(sch.limits.prefill_tokens_per_step * self.engine.num_layers, emit)
+        self._prefill(sch.limits.prefill_tokens_per_step * self.engine.num_layers, emit,
+                      admitted={r.job_id for r in plan.admit})
         if plan.ingest is not None:
             self._ingest(plan.ingest, plan.ingest_tokens, emit)
         batch = sch.decode_batch()
@@ -167,15 +180,17 @@ class EngineCore:
         emit(Stepped(self.step_no, len(batch), [r.job_id for r in plan.admit],
                      plan.ingest.job_id if plan.ingest is not None else None, sch.num_running, sch.num_waiting,
                      sch.kv_used, self.memory.used_bytes))
+        return out
 
-    def _fail(self, job_id: Any, err: BaseException, emit: Emit) -> None:
+    def _fail(self, job_id: RequestId, err: BaseException, emit: Emit) -> None:
         self.scheduler.retire(job_id)
         emit(Failed(job_id, err))
 
     def _start(self, req: Request, emit: Emit) -> None:
-        seq: Sequence = req.data
+        seq = _seq(req)
         emit(Admitted(req.job_id, seq))
         extent = req.extent
+        assert extent is not None  # an admitted request holds its extent
 
         def new_cache(capacity: int) -> FusedCache:  # the prefill's cache is the request's extent
             return FusedCache.in_memory(self.memory, extent, capacity)
@@ -185,12 +200,15 @@ class EngineCore:
         except Exception as err:  # noqa: BLE001 - fails this request only
             self._fail(req.job_id, err, emit)
 
-    def _prefill(self, budget: int, emit: Emit) -> None:
-        """Advance the prefilling sequences, oldest first, by up to `budget` rows x layers in all."""
+    def _prefill(self, budget: int, emit: Emit, admitted: set[RequestId]) -> None:
+        """Advance the prefilling sequences, oldest first, by up to `budget` rows x layers in all; those
+        `admitted` in this step wait for the next (their Admitted output goes out first)."""
         for req in self.scheduler.prefilling():
             if budget <= 0:
                 return
-            seq: Sequence = req.data
+            if req.job_id in admitted:
+                continue
+            seq = _seq(req)
             try:
                 spent, text = seq.advance(self.engine, budget)
             except Exception as err:  # noqa: BLE001 - fails this request only
@@ -198,12 +216,13 @@ class EngineCore:
                 continue
             budget -= spent
             if text is not None:
-                self.scheduler.prefilled(req.job_id, kv_tokens=seq.cache.capacity)  # smaller if evicted
+                self.scheduler.prefilled(req.job_id, kv_tokens=seq.fused_cache.capacity)  # smaller if evicted
                 self._emit(req, text, emit)
 
     def _ingest(self, req: Request, budget_tokens: int, emit: Emit) -> None:
+        assert req.piece is not None  # an ingestion request
         try:
-            done = req.data(budget_tokens)
+            done = req.piece(budget_tokens)
         except Exception as err:  # noqa: BLE001 - fails this job only
             self.scheduler.ingest_done(req.job_id)
             emit(Failed(req.job_id, err))
@@ -215,10 +234,10 @@ class EngineCore:
     def _decode(self, batch: list[Request], emit: Emit) -> None:
         """One step for every decoding sequence: one forward, the tokens chosen on the device for the whole
         batch and copied to the host once. Failing rows fail alone (the module docstring)."""
-        seqs: list[Sequence] = [r.data for r in batch]
-        tokens = torch.tensor([s.gen.last_token for s in seqs], dtype=torch.long)
+        seqs = [_seq(r) for r in batch]
+        tokens = torch.tensor([s.generation.last_token for s in seqs], dtype=torch.long)
         try:
-            logits = self.runner.decode([s.cache for s in seqs], tokens)
+            logits = self.runner.decode([s.fused_cache for s in seqs], tokens)
         except Exception:  # noqa: BLE001 - find the rows that fail alone; the others keep their tokens
             log.warning("a batched decode step failed: retrying its %d sequences one by one", len(batch),
                         exc_info=True)
@@ -227,10 +246,11 @@ class EngineCore:
         self._take(batch, logits, emit)
 
     def _decode_alone(self, batch: list[Request], tokens: torch.Tensor, emit: Emit) -> None:
-        kept, rows = [], []
+        kept: list[Request] = []
+        rows: list[torch.Tensor] = []
         for i, r in enumerate(batch):
             try:
-                rows.append(self.runner.decode([r.data.cache], tokens[i : i + 1]))
+                rows.append(self.runner.decode([_seq(r).fused_cache], tokens[i : i + 1]))
                 kept.append(r)
             except Exception as err:  # noqa: BLE001 - this sequence's own failure
                 self._fail(r.job_id, err, emit)
@@ -240,19 +260,27 @@ class EngineCore:
     def _take(self, batch: list[Request], logits: torch.Tensor, emit: Emit) -> None:
         finite = torch.isfinite(logits).all(dim=-1)
         safe = torch.where(finite[:, None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
-        chosen = sampling.choose(safe, [r.data.gen.sampling for r in batch])
-        chosen, finite = chosen.tolist(), finite.tolist()  # the one host sync
+        picked = sampling.choose(safe, [_seq(r).generation.sampling for r in batch])
+        chosen, ok = picked.tolist(), finite.tolist()  # the one host sync
         for i, r in enumerate(batch):
-            if not finite[i]:
+            if not ok[i]:
                 self._fail(r.job_id, FusionError("the model produced non-finite logits for this sequence"), emit)
                 continue
-            self._emit(r, r.data.accept_token(chosen[i], logits[i]), emit)
+            self._emit(r, _seq(r).accept_token(chosen[i], logits[i]), emit)
 
     def _emit(self, req: Request, text: str, emit: Emit) -> None:
-        seq: Sequence = req.data
+        seq = _seq(req)
+        gen = seq.generation
         if text:
-            logprobs = seq.gen.take_logprobs() if seq.gen.options.logprobs is not None else None
+            logprobs = gen.take_logprobs() if gen.options.logprobs is not None else None
             emit(Token(req.job_id, text, logprobs))
-        if seq.gen.finished is not None:
+        if gen.finished is not None:
             self.scheduler.retire(req.job_id)
             emit(Finished(req.job_id, seq))
+
+
+def _seq(req: Request) -> Sequence:
+    """The Sequence of a query's request (every request but an ingestion job's has one)."""
+    if req.seq is None:
+        raise TypeError(f"request {req.job_id} is an ingestion job, not a query")
+    return req.seq

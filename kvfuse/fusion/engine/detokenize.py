@@ -3,6 +3,15 @@ that are never partially emitted. Token choice is `sampling.py`'s, batched on th
 
 from __future__ import annotations
 
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    """What decoding needs of a tokenizer (a transformers one has it)."""
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...,
+               clean_up_tokenization_spaces: bool | None = ...) -> str: ...
+
 
 class IncrementalDetokenizer:
     """Text deltas from a growing list of token ids.
@@ -11,14 +20,15 @@ class IncrementalDetokenizer:
     incomplete character (U+FFFD) until the rest of its bytes arrive.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return text
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)

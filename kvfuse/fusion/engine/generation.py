@@ -3,23 +3,19 @@
 A batched decode step produces one row of logits per running sequence; everything that makes a request
 *that* request -- its sampler and seed, its incremental detokenizer, its stop strings, `max_tokens`, EOS
 and cancellation -- lives here, per sequence. `FusionEngine.generate` (the batch of one) and the
-service's scheduler (the batch of many) both drive this class, so a request decodes the same tokens
+service's core (the batch of many) both reach it through the engine core, so a request decodes the same tokens
 alone or in a batch.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
-
 import torch
 
 from kvfuse.fusion.engine import sampling
-from kvfuse.fusion.engine.detokenize import IncrementalDetokenizer, StopMatcher
+from kvfuse.fusion.engine.detokenize import IncrementalDetokenizer, StopMatcher, Tokenizer
 from kvfuse.fusion.engine.logprobs import TokenLogprob, token_logprob
 from kvfuse.fusion.engine.sampling import RowSampling
-from kvfuse.fusion.types import FinishReason, GenerationOptions, GenerationResult, TokenDelta
+from kvfuse.fusion.types import FinishReason, GenerationOptions, GenerationResult
 
 
 class Generation:
@@ -30,15 +26,16 @@ class Generation:
     to the next decode step while `finished` is None.
     """
 
-    def __init__(self, tokenizer, stop_token_ids: set[int], options: GenerationOptions,
+    def __init__(self, tokenizer: Tokenizer, stop_token_ids: set[int], options: GenerationOptions,
                  device: torch.device | str = "cpu", stop_strings: tuple[str, ...] = ()) -> None:
         """`stop_strings`: the model's own, beside the request's (a base model's: prompt_style.BASE_STOPS)."""
         if options.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         self.options = options
         self.stop_token_ids = stop_token_ids
+        bias: dict[int | str, float] = {t: b for t, b in options.logit_bias.items()}
         self.sampling = RowSampling.create(options.temperature, options.top_p, options.seed, torch.device(device),
-                                           options.logit_bias, options.presence_penalty, options.frequency_penalty)
+                                           bias, options.presence_penalty, options.frequency_penalty)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(list(dict.fromkeys([*options.stop, *stop_strings])))
         self.token_ids: list[int] = []
@@ -110,24 +107,3 @@ class Generation:
         return GenerationResult(self.text, self.finished or "length", usage, timings, list(self.token_ids),
                                 self.decode_steps, dict(stats), list(self.logprobs))
 
-
-def decode_loop(runner: Any, seq: Generation, fused: Any, cancel: Callable[[], bool] | None = None, *,
-                started: float, on_step: Callable[[torch.Tensor, int], None] | None = None
-                ) -> Iterator[TokenDelta | GenerationResult]:
-    """One sequence decoded to its end after its fused prefill, on `runner` (engine/runner.py): the batch
-    of one. `started`: when the prefill began (perf_counter), for TTFT; `on_step(logits, token)` sees
-    each step's logits and the token chosen from them, the stop token included; `cancel` is polled
-    before each token."""
-    logits = fused.logits
-    ttft = None
-    while seq.finished is None:
-        text = seq.cancel() if cancel is not None and cancel() else seq.accept(logits)
-        ttft = ttft if ttft is not None else time.perf_counter() - started
-        if on_step is not None and seq.finished != "cancelled":
-            on_step(logits, seq.last_token)
-        if text:
-            yield TokenDelta(text)
-        if seq.finished is None:
-            logits = runner.decode([fused.cache], torch.tensor([seq.last_token]))[0]
-    timings = dict(fused.timings, ttft_s=ttft, decode_s=time.perf_counter() - started - ttft)
-    yield seq.result(fused.stats, timings)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,7 +73,7 @@ class KVMemory:
         self.moved_tokens = 0  # tokens copied by compaction since start
 
     @classmethod
-    def for_transformer(cls, tf, capacity: int, *, zeroed: bool = False) -> KVMemory:
+    def for_transformer(cls, tf: Any, capacity: int, *, zeroed: bool = False) -> KVMemory:
         """Memory shaped for `tf` (kvfuse.fusion.model.transformer.Transformer), in its dtype and device."""
         return cls(tf.num_layers, tf.num_kv_heads, tf.head_dim, capacity, tf.dtype, tf.embed_tokens.weight.device,
                    zeroed=zeroed)
@@ -268,8 +269,8 @@ class FusedCache:
     def place(self, start: int, k: torch.Tensor | QTensor, v: torch.Tensor | QTensor) -> None:
         """Copy (and cast) a [L, Hkv, n, D] slab into positions start..start+n-1 of every layer; a slab
         read back in a quantized format (a stored prefix) is dequantized on the way."""
-        if isinstance(k, QTensor):
-            k, v = dequantize(k, self.memory.k.dtype), dequantize(v, self.memory.v.dtype)
-        n = k.shape[2]
-        self.k[:, :, start : start + n].copy_(k)
-        self.v[:, :, start : start + n].copy_(v)
+        kf = dequantize(k, self.memory.k.dtype) if isinstance(k, QTensor) else k
+        vf = dequantize(v, self.memory.v.dtype) if isinstance(v, QTensor) else v
+        n = kf.shape[2]
+        self.k[:, :, start : start + n].copy_(kf)
+        self.v[:, :, start : start + n].copy_(vf)

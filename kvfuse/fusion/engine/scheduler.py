@@ -29,7 +29,17 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING
+
+from kvfuse.fusion.engine.kv_memory import Extent, KVMemory
+from kvfuse.fusion.engine.sequence import RequestId, Sequence
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvfuse.config import ServerSettings
+
+    IngestPiece = Callable[[int], object | None]  # one piece of ingestion within a token budget: its result when done
 
 
 class Phase(StrEnum):
@@ -51,7 +61,7 @@ class SchedulerLimits:
     ingest_share: float
 
     @classmethod
-    def from_settings(cls, server: Any) -> SchedulerLimits:
+    def from_settings(cls, server: ServerSettings) -> SchedulerLimits:
         """From kvfuse.config.ServerSettings."""
         return cls(max_running=server.max_running_requests, kv_budget_tokens=server.kv_budget_tokens,
                    prefill_tokens_per_step=server.prefill_tokens_per_step, ingest_share=server.ingest_step_share)
@@ -59,14 +69,15 @@ class SchedulerLimits:
 
 @dataclass(eq=False)
 class Request:
-    """One unit of work: a query (waiting, then running) or an ingestion job. `data` is the caller's."""
+    """One unit of work: a query (`seq`: waiting, then running) or an ingestion job (`piece`)."""
 
-    job_id: int
+    job_id: RequestId
     kv_tokens: int = 0  # cache tokens held while running: prompt + max_tokens
     prefill_tokens: int = 0  # prefill work on admission (an estimate in tokens)
-    data: Any = None
+    seq: Sequence | None = None
+    piece: IngestPiece | None = None
     status: Phase = Phase.WAITING
-    extent: Any = None  # its kv_memory.Extent while running
+    extent: Extent | None = None  # while running
 
 
 @dataclass
@@ -79,12 +90,12 @@ class StepPlan:
 class Scheduler:
     """memory: the kv_memory.KVMemory running requests hold their extents in."""
 
-    def __init__(self, limits: SchedulerLimits, memory: Any) -> None:
+    def __init__(self, limits: SchedulerLimits, memory: KVMemory) -> None:
         self.limits = limits
         self.memory = memory
         self.capacity = memory.free_tokens  # what one request may hold at most (the memory minus any reserve)
         self.waiting: deque[Request] = deque()
-        self.running: OrderedDict[int, Request] = OrderedDict()
+        self.running: OrderedDict[RequestId, Request] = OrderedDict()
         self.ingest: deque[Request] = deque()
         self.prefill_pending = 0  # prefill tokens of running requests whose prefill is not complete
         self._credit = 0.0
@@ -122,7 +133,7 @@ class Scheduler:
         req.status = Phase.INGESTING
         self.ingest.append(req)
 
-    def retire(self, job_id: int) -> Request | None:
+    def retire(self, job_id: RequestId) -> Request | None:
         """A running request ended (finished, cancelled or failed): its KV budget is free again."""
         req = self.running.pop(job_id, None)
         if req is not None:
@@ -132,7 +143,7 @@ class Scheduler:
                 self.prefill_pending -= req.prefill_tokens
         return req
 
-    def prefilled(self, job_id: int, kv_tokens: int | None = None) -> None:
+    def prefilled(self, job_id: RequestId, kv_tokens: int | None = None) -> None:
         """A running request's prefill is complete: from now on it decodes with the batch. kv_tokens:
         the cache it holds from now on, when smaller than admitted (eviction after the first token,
         fusion/eviction.py); the difference is free for admissions at once."""
@@ -145,10 +156,10 @@ class Scheduler:
             req.kv_tokens = kv_tokens
         self.memory.settle(job_id)  # no loader writes its extent any more: compaction may move it
 
-    def ingest_done(self, job_id: int) -> None:
+    def ingest_done(self, job_id: RequestId) -> None:
         self.ingest = deque(r for r in self.ingest if r.job_id != job_id)
 
-    def remove(self, job_id: int) -> Request | None:
+    def remove(self, job_id: RequestId) -> Request | None:
         """Take a request out wherever it is (cancellation); its `status` says where it was."""
         for r in self.waiting:
             if r.job_id == job_id:

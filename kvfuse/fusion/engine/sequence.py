@@ -12,12 +12,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvfuse.fusion.engine.generation import Generation
+from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.types import ChunkKV, FusedPrefill, GenerationOptions
+
+if TYPE_CHECKING:
+    from kvfuse.fusion.fusion_engine import FusionEngine
+
+RequestId = int  # one request's id, from its arrival to its last output (the wire's job_id in the service)
+# kvfuse.fusion.types.FusionOptions: built by make_dataclass from the settings, so no checker can read it.
+FusionChoice = Any
+NewCache = Callable[[int], FusedCache]  # a cache for this many tokens (the engine core: a view of the extent)
 
 
 class Sequence:
@@ -25,7 +34,7 @@ class Sequence:
     `kv_tokens`: the cache it needs (prompt + max_tokens, and any rows its method adds); `prefill_tokens`:
     an estimate of its prefill work; `on_logits(row)`: sees every logits row it takes a token from."""
 
-    def __init__(self, request_id: Any, prefix_ids: list[int], question_ids: list[int], fusion: Any,
+    def __init__(self, request_id: RequestId, prefix_ids: list[int], question_ids: list[int], fusion: FusionChoice,
                  gen_options: GenerationOptions, *, kv_tokens: int, prefill_tokens: int,
                  prefix: ChunkKV | None = None, chunks: list[ChunkKV] | None = None) -> None:
         self.request_id = request_id
@@ -37,7 +46,7 @@ class Sequence:
         self.prefill_tokens = prefill_tokens
         self._prefix, self._chunks = prefix, chunks
         self.gen: Generation | None = None  # from the first token on
-        self.cache: Any = None  # its FusedCache (a view of its extent) from the first token on
+        self.cache: FusedCache | None = None  # a view of its extent, from the first token on
         self.stats: dict[str, int] = {}
         self.timings: dict[str, float] = {}
         self.on_logits: Callable[[torch.Tensor], None] | None = None
@@ -49,7 +58,7 @@ class Sequence:
         """The system prefix's and the chunks' KV (token ids only for a full-prefill method)."""
         return self._prefix, list(self._chunks or [])
 
-    def start(self, engine: Any, new_cache: Callable[[int], Any]) -> None:
+    def start(self, engine: FusionEngine, new_cache: NewCache) -> None:
         """Load the chunks' KV and set up the fused prefill (over caches `new_cache(capacity)` gives), which
         `advance` then runs in pieces."""
         t0 = time.perf_counter()
@@ -59,9 +68,11 @@ class Sequence:
         self._steps = engine.fuse_steps(prefix, chunks, self.question_ids, self.fusion,
                                         max_tokens=self.gen_options.max_tokens, new_cache=new_cache)
 
-    def advance(self, engine: Any, budget: int) -> tuple[int, str | None]:
+    def advance(self, engine: FusionEngine, budget: int) -> tuple[int, str | None]:
         """Run the prefill for about `budget` rows x layers (at least one layer): (work done, the first
         token's text once the prefill is complete, else None)."""
+        if self._steps is None:
+            raise RuntimeError("the sequence is not prefilling")
         spent = 0
         try:
             while spent < budget:
@@ -81,6 +92,20 @@ class Sequence:
         return spent, text
 
     @property
+    def generation(self) -> Generation:
+        """Its generation state (from the first token on; before that a RuntimeError)."""
+        if self.gen is None:
+            raise RuntimeError(f"request {self.request_id} has no token yet")
+        return self.gen
+
+    @property
+    def fused_cache(self) -> FusedCache:
+        """Its cache (from the first token on; before that a RuntimeError)."""
+        if self.cache is None:
+            raise RuntimeError(f"request {self.request_id} has no cache yet")
+        return self.cache
+
+    @property
     def prefilling(self) -> bool:
         return self._steps is not None
 
@@ -89,13 +114,18 @@ class Sequence:
         """Choose and take the first token from the prefill's logits."""
         if self.on_logits is not None:
             self.on_logits(logits)
-        return self.gen.accept(logits)
+        return self.generation.accept(logits)
 
     def accept_token(self, token: int, logits: torch.Tensor) -> str:
         """Take the token the batch chose for this request from its row `logits` [vocab] of the step."""
         if self.on_logits is not None:
             self.on_logits(logits)
-        return self.gen.accept_token(token, logits)
+        return self.generation.accept_token(token, logits)
+
+    @property
+    def first_token_at(self) -> float:
+        """When the first token was taken (perf_counter; 0 before)."""
+        return self._t_first
 
     @property
     def decode_s(self) -> float:

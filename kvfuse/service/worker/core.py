@@ -128,13 +128,14 @@ class WorkerCore:
                 if isinstance(seq, P.Error):
                     self.send(seq)
                 else:
-                    self.core.add(seq, msg.job_id)
+                    self.core.add(seq)
                     self.shadow.watch(seq)
             elif isinstance(msg, P.PrecomputeJob):
                 task = IngestTask(msg)
                 self.core.add_ingest(msg.job_id, lambda budget, task=task: task.run_piece(self.kv, budget))
             elif isinstance(msg, P.Cancel):
-                self.core.abort(msg.job_id, self._on_output)
+                for out in self.core.abort(msg.job_id):
+                    self._on_output(out)
             else:
                 self.send(P.Error(getattr(msg, "job_id", 0), ERR_INTERNAL, f"unknown message {type(msg).__name__}"))
         except Exception as err:  # noqa: BLE001 - a bad job must not kill the worker
@@ -143,7 +144,9 @@ class WorkerCore:
 
     # -- the engine step -------------------------------------------------------------------------------------
     def step(self) -> None:
-        self.core.step(self._on_output)
+        """One engine step; its outputs go out as the wire's messages."""
+        for out in self.core.step():
+            self._on_output(out)
 
     def _on_output(self, out: Any) -> None:
         """An engine output as the wire's message(s)."""
