@@ -67,8 +67,9 @@ def engine_streams(engine: Any, cache: Any, streams: int, *, static: bool) -> tu
     from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
 
     per_stream = cache.capacity
-    capacity = -(-(streams * per_stream + 1) // BLOCK) * BLOCK  # room for every stream and the scratch token
-    memory = KVMemory.for_transformer(engine.tf, capacity, zeroed=static)
+    blocks = -(-per_stream // BLOCK)  # static: each extent whole key blocks, the scratch token one more
+    capacity = (streams * blocks + 1) * BLOCK if static else -(-(streams * per_stream + 1) // BLOCK) * BLOCK
+    memory = KVMemory.for_transformer(engine.tf, capacity, zeroed=static, align=BLOCK if static else 1)
     runner = ModelRunner(engine.tf, memory, max_batch=streams, static=static,
                          cuda_graphs=static and engine.device.type == "cuda")
     runner.warm_up()

@@ -11,7 +11,10 @@ mkdir -p "$out"
 tok=.gpu/tok; [ -d "$tok" ] || tok=data/models/SmolLM2-135M-Instruct
 export PYTHONUNBUFFERED=1 KVFUSE_TEST_MODEL_CACHE=${KVFUSE_TEST_MODEL_CACHE:-/tmp/kvfuse-gpu-mc}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no CUDA device"; \
-  $py -c "import sys, torch; print(sys.version.split()[0], torch.__version__)"; } | tee "$out/device.txt"
+  $py -c "import sys, torch, transformers; print('found python', sys.version.split()[0], 'torch', torch.__version__, \
+    'transformers', transformers.__version__)"; echo "pinned $(grep -E '^(torch|transformers)==' requirements.txt | tr '\n' ' ')"; \
+  $py -c "from kvfuse.fusion.engine import static_support as s; m = s.missing(); \
+    print('static decode path:', 'lacks ' + ', '.join(m) if m else 'available')"; } | tee "$out/device.txt"
 TOK=$tok $py - <<'PY'
 import os, shutil, torch
 from pathlib import Path

@@ -5,7 +5,8 @@ requirement is carried at its pin (the image's CUDA torch and numpy excepted: th
 image); then each carried wheel's dependencies (its Requires-Dist, markers evaluated for the image's
 Python on Linux x86_64), recursively: a dependency the image holds stays the image's when its version
 there satisfies the requirement (or is not known), else the version it needs is carried too.
-Writes the wheels into OUT and OUT/CARRIED.txt (what was carried and why, what the image supplies).
+Writes the wheels into OUT and OUT/CARRIED.txt (the image's python, torch and transformers beside the
+pins, what was carried and why, what the image supplies).
 
     python studies/gpu/carry.py OUT --python 3.12 --image studies/gpu/image-packages.txt -r REQS...
 """
@@ -90,6 +91,21 @@ def resolve(pins: list[Requirement], image: dict[str, Version | None], python: s
     return notes
 
 
+REPORTED = ("torch", "transformers")  # beside python: what the static decode path depends on
+
+
+def versions(pins: list[Requirement], image: dict[str, Version | None], python: str) -> list[str]:
+    """What the image holds of python, torch and transformers beside the project's pins, and which of the
+    two a run there uses (kvfuse/fusion/engine/static_support.py refuses a torch its static path cannot use)."""
+    pinned = {canonicalize_name(r.name): str(r.specifier) for r in pins}
+    out = [f"version  python  image {python}  project >=3.11 (Dockerfile 3.11)  runs the image's"]
+    for name in REPORTED:
+        have = image.get(name)
+        uses = "the image's (CUDA-coupled)" if name in FROM_IMAGE else "the carried pin"
+        out.append(f"version  {name}  image {have or 'unknown'}  pinned {pinned.get(name, '-')}  runs {uses}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -104,7 +120,8 @@ def main() -> int:
     pins = [p for p in pins if canonicalize_name(p.name) not in skip]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    notes = resolve(pins, read_image(Path(args.image)), args.python, out)
+    image = read_image(Path(args.image))
+    notes = versions(pins, image, args.python) + resolve(pins, image, args.python, out)
     (out / "CARRIED.txt").write_text("\n".join(notes) + "\n")
     print("\n".join(notes))
     return 0

@@ -101,6 +101,26 @@ def test_speed_fast_subset(model_env, tmp_path: Path):
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_speed_runs_whole_over_every_method(model_env, tmp_path: Path):
+    """`kvfuse bench speed` as shipped (every registered method, cold reads included) at its smallest
+    setting, so a method the bench cannot run fails here. kvlink, with the artifact the package ships, adds
+    its K link rows (config's link_tokens) after each chunk to the fused cache."""
+    from kvfuse.config import FusionSettings
+    from kvfuse.fusion import available_methods
+
+    out = tmp_path / "speed.json"
+    rc = main(["bench", "speed", "--contexts", "256", "--doc-tokens", "128", "--repeats", "1",
+               "--max-tokens", "2", "--json", str(out)])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"vanilla", *available_methods()}
+    for r in rows.values():
+        assert r["ttft_s_median"] > 0 and r["ttft_cold_s_median"] > 0
+    k = FusionSettings().link_tokens
+    links = rows["kvlink"]["fused_cache_tokens"] - rows["vanilla"]["fused_cache_tokens"]
+    assert links > 0 and links % k == 0
+
+
 def test_speed_reports_samkv_loaded_share_and_cache_size(model_env, tmp_path: Path):
     """samkv reads only its blocks from the cold store: a share below anchor's whole reads, a smaller cache."""
     out = tmp_path / "speed.json"

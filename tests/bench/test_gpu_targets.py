@@ -28,6 +28,8 @@ def test_the_prepared_gpu_run_runs_on_the_cpu(tmp_path: Path) -> None:
     payload = json.loads((out / "gpu.json").read_text())
     assert payload["partial"] is False and payload["machine"]["device"] == "cpu"
     assert [s["streams"] for s in payload["streams"]] == [1, 4]
+    one = payload["streams"][0]["tokens_per_s"]  # timed warm: b streams give at most b x one stream's
+    assert all(s["tokens_per_s"] <= s["streams"] * one for s in payload["streams"])
     assert {s["path"] for s in payload["streams"]} == {"eager"}  # the engine core's runner, as the worker decodes
     assert json.loads((out / "store-threads.json").read_text())
     assert "| streams |" in run.stdout and "skipped" in run.stdout  # the CUDA tests skip here

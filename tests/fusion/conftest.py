@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from fusion_helpers import Prompt, make_prompt
@@ -42,3 +44,15 @@ def prompts(engine: FusionEngine, essays) -> list[Prompt]:
         make_prompt(engine, list(texts.values())[3], "Who is the essay about?", [30]),
         make_prompt(engine, list(texts.values())[7], "What is the main point?", [90, 20, 41, 12]),
     ]
+
+
+@pytest.fixture(scope="session")
+def inductor_cache():
+    """One inductor compile cache for every test that compiles (tests/fusion/test_static_path.py), kept
+    between runs in .pytest_cache: only the first run on a machine pays for the compiles."""
+    path = Path(__file__).resolve().parents[2] / ".pytest_cache" / "inductor"
+    path.mkdir(parents=True, exist_ok=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(path))
+    yield path
+    mp.undo()

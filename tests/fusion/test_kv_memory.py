@@ -91,3 +91,40 @@ def test_shrink_gives_the_tail_back_and_a_standalone_cache_owns_its_memory() -> 
     assert mem.free_tokens == 28 and mem.allocate("b", 28).start == 12
     own = FusedCache(2, 1, 3, 7, torch.float32, "cpu")
     assert own.capacity == 7 and own.memory.capacity == 7 and own.memory.free_tokens == 0
+
+
+def test_a_zeroed_memory_clears_what_an_extent_gives_back() -> None:
+    """For kernels that read whole key blocks (the static decode path): a released extent, a shrunk tail
+    and the slots compaction moved a sequence out of hold zeros again, never what a sequence left."""
+    mem = KVMemory(2, 1, 3, 100, torch.float32, "cpu", zeroed=True)
+    assert not mem.k.any() and not mem.v.any()
+    for owner, size in (("a", 30), ("b", 20), ("c", 30)):
+        mem.allocate(owner, size)
+        fill(mem, owner, float("nan"))
+    mem.release("a")
+    assert not mem.k[:, :, :30].any() and not mem.v[:, :, :30].any()  # no NaN either: zeros
+    assert mem.k[:, :, 30:80].isnan().all()
+    mem.shrink("c", 10)
+    assert not mem.k[:, :, 60:80].any() and mem.k[:, :, 50:60].isnan().all()
+    mem.settle("b")
+    mem.compact()  # b slides from [30, 50) to [0, 20): [20, 50) is left behind
+    assert mem.extent_of("b").start == 0 and mem.k[:, :, :20].isnan().all() and mem.v[:, :, :20].isnan().all()
+    assert not mem.k[:, :, 20:50].any() and not mem.v[:, :, 20:50].any()
+    # not zeroed: released bytes stay as they were (nothing pays for clearing them)
+    plain = memory(10)
+    plain.allocate("a", 10)
+    fill(plain, "a", 3.0)
+    plain.release("a")
+    assert (plain.k == 3.0).all()
+
+
+def test_an_aligned_memory_gives_each_extent_whole_blocks() -> None:
+    mem = KVMemory(1, 1, 1, 64, torch.float32, "cpu", align=16)
+    a, b = mem.allocate("a", 1), mem.allocate("b", 17)
+    assert (a.start, a.tokens, b.start, b.tokens) == (0, 16, 16, 32)  # no block holds two sequences
+    assert mem.can_allocate(16) and not mem.can_allocate(17)
+    mem.shrink("b", 5)
+    assert b.tokens == 16 and mem.allocate("c", 30).start == 32
+    assert mem.free_tokens == 0 and FusedCache.in_memory(mem, a, 1).capacity == 1  # less than its extent
+    with pytest.raises(ValueError, match="whole number of 16-token blocks"):
+        KVMemory(1, 1, 1, 40, torch.float32, "cpu", align=16)

@@ -4,6 +4,11 @@ and reloaded artifact gives the same logits; the trainer's forward is the engine
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +19,13 @@ from fusion_helpers import Prompt
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import ChunkKV, FusionEngine, FusionOptions
 from kvfuse.fusion.methods.kvlink import KVLink, link_layout
-from kvfuse.fusion.methods.kvlink_artifact import KVLinkArtifactError, LinkArtifact, artifact_path, find
+from kvfuse.fusion.methods.kvlink_artifact import (
+    PACKAGED_DIR,
+    KVLinkArtifactError,
+    LinkArtifact,
+    artifact_path,
+    find,
+)
 from kvfuse.train.kvlink import Encoded, link_rows_forward
 
 
@@ -154,3 +165,35 @@ def test_the_training_forward_is_the_engines(engine: FusionEngine, prompt: Promp
     served = engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids[:-1],
                          FusionOptions(method="kvlink", link_tokens=k)).logits
     torch.testing.assert_close(train_logits, served, atol=2e-4, rtol=1e-4)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_package_ships_link_embeddings_for_the_default_model(engine: FusionEngine):
+    art = find(PACKAGED_DIR, engine.fingerprint)
+    assert art is not None and art.link_counts == [1, 5]
+    assert PACKAGED_DIR == Path(__import__("kvfuse").__file__).parent / "artifacts" / "kvlink"
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_finds_its_packaged_artifact(engine: FusionEngine, tmp_path: Path):
+    """Built as a wheel and installed elsewhere (as `pip install .` does in the image), the package still
+    finds the artifact it ships: PACKAGED_DIR is resolved through the installed package, not the source tree."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "kvfuse", src / "kvfuse", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+    wheel = next((tmp_path / "dist").glob("kvfuse-*.whl"))
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)  # a pure-Python wheel installs by unpacking
+    code = ("from kvfuse.fusion.methods import kvlink_artifact as k; import sys; "
+            "a = k.find(k.PACKAGED_DIR, sys.argv[1]); print(k.PACKAGED_DIR); print(a.link_counts)")
+    out = subprocess.run([sys.executable, "-c", code, engine.fingerprint], cwd=tmp_path, check=True,
+                         capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(site)})
+    where, counts = out.stdout.split("\n")[:2]
+    assert Path(where) == site / "kvfuse" / "artifacts" / "kvlink"
+    assert counts == "[1, 5]"

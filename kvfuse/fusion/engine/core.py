@@ -110,7 +110,7 @@ class EngineCore:
         capacity = limits.kv_budget_tokens
         if static:  # the static path's mask reads whole key blocks: a whole number of them, within the budget
             capacity = max(BLOCK, capacity // BLOCK * BLOCK)
-        self.memory = KVMemory.for_transformer(engine.tf, capacity, zeroed=static)
+        self.memory = KVMemory.for_transformer(engine.tf, capacity, zeroed=static, align=BLOCK if static else 1)
         self.runner = ModelRunner(engine.tf, self.memory, max_batch=limits.max_running, static=static,
                                   cuda_graphs=cuda_graphs)
         self.scheduler = Scheduler(limits, self.memory)

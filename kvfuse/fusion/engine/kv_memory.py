@@ -58,25 +58,32 @@ class Extent:
 class KVMemory:
     """K/V for `capacity` tokens, [L, Hkv, capacity, D] each, handed out as contiguous extents.
 
-    zeroed: fill the buffers with zeros (a kernel that reads whole key blocks and masks some, as the
-    static decode path does, must never meet NaNs in memory no sequence wrote); otherwise the pages are
-    committed only as sequences use them."""
+    zeroed: the buffers start as zeros and every token an extent gives back (released, shrunk away, or
+    left behind by compaction) is zeroed again; align: every extent starts and ends on a multiple of it.
+    Both are for a kernel that reads whole key blocks and masks some, as the static decode path does
+    (FlexAttention, 128-key blocks): a masked score still multiplies its value, and 0 x NaN is NaN, so a
+    block it reads must hold no NaN but its own sequence's. Aligned to the block, no block holds two
+    sequences; zeroed, none holds what a retired one left (docs/DESIGN.md, "Decoding"). Otherwise the
+    pages are committed only as sequences use them."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str, *, zeroed: bool = False) -> None:
+                 device: torch.device | str, *, zeroed: bool = False, align: int = 1) -> None:
+        if align < 1 or capacity % align:
+            raise ValueError(f"a capacity of {capacity} tokens is not a whole number of {align}-token blocks")
         shape = (num_layers, num_kv_heads, capacity, head_dim)
         make = torch.zeros if zeroed else torch.empty
         self.k = make(shape, dtype=dtype, device=device)
         self.v = make(shape, dtype=dtype, device=device)
         self.capacity = capacity
+        self.zeroed, self.align = zeroed, align
         self.extents: list[Extent] = []  # sorted by start
         self.moved_tokens = 0  # tokens copied by compaction since start
 
     @classmethod
-    def for_transformer(cls, tf: Any, capacity: int, *, zeroed: bool = False) -> KVMemory:
+    def for_transformer(cls, tf: Any, capacity: int, *, zeroed: bool = False, align: int = 1) -> KVMemory:
         """Memory shaped for `tf` (kvfuse.fusion.model.transformer.Transformer), in its dtype and device."""
         return cls(tf.num_layers, tf.num_kv_heads, tf.head_dim, capacity, tf.dtype, tf.embed_tokens.weight.device,
-                   zeroed=zeroed)
+                   zeroed=zeroed, align=align)
 
     # -- accounting -------------------------------------------------------------------------------------
     @property
@@ -108,13 +115,15 @@ class KVMemory:
     # -- extents -----------------------------------------------------------------------------------------
     def can_allocate(self, tokens: int) -> bool:
         """Whether `allocate(tokens)` would succeed now (compacting if it must)."""
+        tokens = self._aligned(tokens)
         return self._hole(tokens) is not None or tokens <= self._compactable_room()
 
     def allocate(self, owner: Hashable, tokens: int) -> Extent:
-        """An extent of `tokens` for `owner` (first fit; settled extents slide down when only compaction
-        makes room). Raises MemoryFull when none can be had."""
+        """An extent of `tokens` (rounded up to `align`) for `owner` (first fit; settled extents slide down
+        when only compaction makes room). Raises MemoryFull when none can be had."""
         if tokens < 1:
             raise ValueError(f"an extent needs at least one token, got {tokens}")
+        tokens = self._aligned(tokens)
         if self.extent_of(owner) is not None:
             raise ValueError(f"{owner!r} already holds an extent")
         start = self._hole(tokens)
@@ -129,14 +138,28 @@ class KVMemory:
         return extent
 
     def release(self, owner: Hashable) -> None:
-        """Free `owner`'s extent (a no-op when it holds none)."""
-        self.extents = [e for e in self.extents if e.owner != owner]
+        """Free `owner`'s extent (a no-op when it holds none); zeroed, its tokens are cleared."""
+        extent = self.extent_of(owner)
+        if extent is not None:
+            self.extents.remove(extent)
+            self._clear(extent.start, extent.stop)
 
     def shrink(self, owner: Hashable, tokens: int) -> None:
         """Give back the tail of `owner`'s extent past `tokens`."""
         extent = self.extent_of(owner)
+        tokens = self._aligned(tokens) if tokens > 0 else tokens
         if extent is not None and 0 < tokens < extent.tokens:
+            self._clear(extent.start + tokens, extent.stop)
             extent.tokens = tokens
+
+    def _aligned(self, tokens: int) -> int:
+        return -(-tokens // self.align) * self.align
+
+    def _clear(self, start: int, stop: int) -> None:
+        """Zero tokens [start, stop) of a zeroed memory: no kernel reading whole blocks meets what they held."""
+        if self.zeroed and stop > start:
+            self.k[:, :, start:stop].zero_()
+            self.v[:, :, start:stop].zero_()
 
     def settle(self, owner: Hashable) -> None:
         """`owner`'s prefill is complete: compaction may move its extent from now on."""
@@ -176,6 +199,7 @@ class KVMemory:
                     src_k, src_v = src_k.clone(), src_v.clone()
                 self.k[:, :, at : at + n].copy_(src_k)
                 self.v[:, :, at : at + n].copy_(src_v)
+                self._clear(max(at + n, e.start), e.start + n)  # what the move left behind
                 self.moved_tokens += n
                 e.start = at
             at = max(at, e.stop)

@@ -10,7 +10,8 @@ Two ways to run the step:
 - eager (the default, and the only way for caches outside the runner's memory): per layer one write
   of the batch's K/V, then one attention call per sequence over a view of its extent (each row reads
   exactly its own keys; a sliding-window layer the last `window` of them);
-- static (CUDA graphs, caches in `memory`): the step as a pure function of fixed-shape tensors -- the
+- static (CUDA graphs, caches in `memory`; what it needs of torch and what only CUDA runs:
+  static_support.py): the step as a pure function of fixed-shape tensors -- the
   token ids, positions, write slots and each row's key range, padded to a batch bucket (powers of two
   up to `max_batch`) -- with FlexAttention over the whole memory and a block mask built from those
   ranges, so each row reads only the key blocks of its own extent. The memory never moves or grows, so
@@ -32,6 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvfuse.fusion.engine import static_support
 from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
 from kvfuse.fusion.errors import FusionError
 
@@ -70,6 +72,7 @@ class ModelRunner:
         self._scratch = None
         self.warmup_s = 0.0
         if self.static:
+            static_support.require()  # refuse a torch without what the static step calls, saying so
             self._scratch = memory.allocate(("runner", id(self)), 1)
             # inductor: FlexAttention's fused kernel (Triton on CUDA). None runs the same function uncompiled,
             # through FlexAttention's reference implementation (every key's score materialised), and

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import torch
 
 FORMAT = "kvfuse-kvlink/1"
-PACKAGED_DIR = Path(__file__).resolve().parent.parent / "artifacts" / "kvlink"
+# The artifacts shipped with the package (pyproject's package-data, kvfuse/artifacts/kvlink), found through
+# the installed package itself, so a wheel, an editable install and the image all resolve the same folder.
+PACKAGED_DIR = Path(str(resources.files("kvfuse") / "artifacts" / "kvlink"))
 TRAIN_COMMAND = "kvfuse train kvlink"
 
 
