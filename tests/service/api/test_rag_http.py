@@ -244,7 +244,12 @@ def test_invalid_parameters_are_bad_requests_for_the_official_client(holder: Hol
         ({"temperature": 9}, "invalid_value", "temperature"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "unsupported_parameter",
          "tools"),
-        ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
+        ({"response_format": {"type": "xml"}}, "invalid_value", "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "invalid_value", "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}, "invalid_value",
+         "response_format.json_schema.name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "thing"}}}},
+         "invalid_json_schema", "response_format.json_schema.schema"),
         ({"top_logprobs": 2}, "invalid_value", "top_logprobs"),
         ({"max_tokens": 1024}, "context_length_exceeded", "messages"),
         ({"messages": [{"role": "user", "content": "word " * 3000}]}, "context_length_exceeded", "messages"),
@@ -259,6 +264,40 @@ def test_invalid_parameters_are_bad_requests_for_the_official_client(holder: Hol
     assert ok.choices[0].message.content is not None
     with pytest.raises(openai.NotFoundError):
         oa.chat.completions.create(model="gpt-9", messages=user, max_tokens=1)
+
+
+def test_structured_answers_parse_and_validate_through_the_clients_response_format(holder: Holder) -> None:
+    """response_format through the official client: a pydantic model (`parse`, as LangChain's
+    with_structured_output sends it: a strict json_schema), json_object, and a bad schema's 400 naming it."""
+    import openai
+    import pydantic
+
+    class Finding(pydantic.BaseModel):
+        topic: str = pydantic.Field(max_length=40)
+        items: list[str] = pydantic.Field(max_length=3)
+        certain: bool
+
+    oa = _openai(holder)
+    user = [{"role": "user", "content": QUESTION + " Answer in JSON."}]
+    for stream in (False, True):
+        if stream:
+            with oa.chat.completions.stream(model="kvfuse", messages=user, max_tokens=96, response_format=Finding) as s:
+                done = s.get_final_completion()
+        else:
+            done = oa.chat.completions.parse(model="kvfuse", messages=user, max_tokens=96, response_format=Finding)
+        found = done.choices[0].message.parsed
+        assert done.choices[0].finish_reason == "stop" and isinstance(found, Finding), done.choices[0].message.content
+        assert len(found.topic) <= 40 and len(found.items) <= 3
+    copy = [{"role": "user", "content": 'Reply with the JSON object {"answer": "a list"} and nothing else.'}]
+    resp = oa.chat.completions.create(model="kvfuse", messages=copy, max_tokens=48,
+                                      response_format={"type": "json_object"})
+    assert resp.choices[0].finish_reason == "stop", resp.choices[0].message.content
+    assert isinstance(json.loads(resp.choices[0].message.content), dict)
+    bad = {"type": "json_schema", "json_schema": {"name": "f", "strict": True,
+                                                  "schema": {"type": "string", "pattern": "(("}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=8, response_format=bad)
+    assert err.value.code == "invalid_json_schema" and "unclosed group" in err.value.message
 
 
 def test_logprobs_are_the_models_own_and_agree_between_json_and_stream(holder: Holder) -> None:
