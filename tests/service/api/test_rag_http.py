@@ -300,6 +300,40 @@ def test_structured_answers_parse_and_validate_through_the_clients_response_form
     assert err.value.code == "invalid_json_schema" and "unclosed group" in err.value.message
 
 
+def test_the_official_client_reaches_every_endpoint(holder: Holder) -> None:
+    """docs/usage.md, "The official openai client", line by line: models list and retrieve, chat (JSON and
+    streamed: the same greedy text, usage last), completions (chat's answer to the same question), embeddings
+    (the embedder's unit vectors, one per input), response_format, and n > 1 refused by name while one
+    choice per request is served."""
+    import openai
+
+    oa = _openai(holder)
+    ids = [m.id for m in oa.models.list().data]
+    assert [oa.models.retrieve(i).id for i in ids] == ids and "kvfuse" in ids
+    user = [{"role": "user", "content": QUESTION}]
+    chat = oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=6)
+    text = chat.choices[0].message.content
+    assert text.strip() and chat.choices[0].index == 0 and chat.usage.completion_tokens <= 6
+    chunks = list(oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=6, stream=True,
+                                             stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    done = oa.completions.create(model="kvfuse", prompt=QUESTION, max_tokens=6)
+    assert done.choices[0].text == text
+    emb = oa.embeddings.create(model=EMBEDDER, input=["a chunk", "another chunk"])
+    vectors = np.array([d.embedding for d in emb.data])
+    assert vectors.shape == (2, 384) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-4)
+    schema = {"type": "object", "properties": {"who": {"type": "string", "maxLength": 30}}, "required": ["who"],
+              "additionalProperties": False}
+    shaped = oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=32, response_format={
+        "type": "json_schema", "json_schema": {"name": "who", "schema": schema, "strict": True}})
+    value = json.loads(shaped.choices[0].message.content)
+    assert set(value) == {"who"} and isinstance(value["who"], str) and len(value["who"]) <= 30
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=2, n=2)
+    assert err.value.param == "n"
+
+
 def test_logprobs_are_the_models_own_and_agree_between_json_and_stream(holder: Holder) -> None:
     import math
 
