@@ -116,6 +116,16 @@ def test_answers_have_no_free_whitespace(tiny) -> None:
         assert gen.text == json.dumps(value, separators=(", ", ": ")), gen.text
 
 
+def test_the_grammar_tokenizer_is_made_once_per_tokenizer(tiny) -> None:
+    """The worker makes it at start (worker/core.py); every request's matcher then reuses it."""
+    from kvfuse.fusion.engine.grammar import RowGrammar, ll_tokenizer
+
+    made = ll_tokenizer(tiny.tokenizer, tiny.stop_token_ids)
+    assert ll_tokenizer(tiny.tokenizer, tiny.stop_token_ids) is made
+    assert RowGrammar(json_grammar(PERSON), tiny.tokenizer, tiny.stop_token_ids)._lltok is made
+    assert made.vocab_size == len(tiny.tokenizer)
+
+
 @pytest.mark.parametrize("schema, problem", [
     ({"type": "thing"}, "thing"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "missing"),

@@ -47,8 +47,10 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
     return grammar
 
 
-def _ll_tokenizer(tokenizer: Any, stop_ids: Iterable[int]) -> Any:
-    """llguidance's view of `tokenizer` (built once per tokenizer: it reads the whole vocabulary)."""
+def ll_tokenizer(tokenizer: Any, stop_ids: Iterable[int]) -> Any:
+    """llguidance's view of `tokenizer`, built once per tokenizer (it reads the whole vocabulary, which
+    takes a moment): the worker builds it at start, so the first structured request does not hold up
+    the batch's step while it is made."""
     import llguidance.hf
 
     eos = sorted(stop_ids)
@@ -66,7 +68,7 @@ class RowGrammar:
         import llguidance
 
         self.stop_ids = sorted(stop_ids)
-        self._lltok = _ll_tokenizer(tokenizer, self.stop_ids)
+        self._lltok = ll_tokenizer(tokenizer, self.stop_ids)
         self.matcher = llguidance.LLMatcher(self._lltok, grammar)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
