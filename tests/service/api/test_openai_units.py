@@ -158,3 +158,12 @@ def test_response_formats_give_the_grammar_of_their_json_or_none_for_text() -> N
         assert g["grammars"][0]["json_schema"]["properties"] == schema["properties"]
     g = json.loads(response_grammar({"type": "json_object"}))
     assert g["grammars"][0]["json_schema"]["type"] == "object"
+
+
+def test_response_format_on_the_legacy_completions_is_refused_by_name() -> None:
+    from kvfuse.service.api.openai_completions import _prompt
+
+    body = validate(CompletionIn, {"model": "kvfuse", "prompt": "q", "response_format": {"type": "json_object"}})
+    err = _refused(_prompt, body)
+    assert (err.status, err.code, err.param) == (400, "unsupported_parameter", "response_format")
+    assert _prompt(validate(CompletionIn, {"model": "kvfuse", "prompt": "q"})) == "q"
