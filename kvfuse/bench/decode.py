@@ -10,7 +10,11 @@ runner (kvfuse/fusion/engine/runner.py) over one KV memory holding every stream'
 chosen on the device for the batch (`sampling.choose`) with one host copy, as the worker decodes:
 - `eager`: one attention call per stream over its own extent (the default off CUDA);
 - `static` (`--compile`): the static path, FlexAttention over the memory with a block mask per row,
-  compiled per batch bucket (on CUDA also captured as graphs); its compile is the runner's warm-up.
+  compiled per batch bucket (on CUDA also captured as graphs); its compile is the runner's warm-up;
+- `eager+schema` (`--schema`): the eager path with every row under a JSON schema's grammar (a
+  `response_format` answer: `SCHEMA`, a string field the answer stays in, so the grammar never ends within
+  the steps), its mask computed and applied per row and its matcher advanced, as the worker does
+  (kvfuse/fusion/engine/grammar.py); its ratio to `eager` at the same batch is the grammar's cost.
 
 The cache of every stream is one real prefill (vanilla) of `--context-tokens` seeded random tokens,
 copied. docs/results/decode/README.md.
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 WARMUP_STEPS = 2
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+          "additionalProperties": False}
 
 
 def weight_bytes(model: Any) -> int:
@@ -82,20 +88,24 @@ def engine_streams(engine: Any, cache: Any, streams: int, *, static: bool) -> tu
     return runner, caches
 
 
-def time_steps(runner: Any, caches: list, steps: int) -> list[float]:
+def time_steps(runner: Any, caches: list, steps: int, grammar: Any = None) -> list[float]:
     """Seconds per step of `steps` greedy steps of every cache (after the warm-up steps), the tokens chosen
-    on the device for the batch with one host copy, as the engine core's step does."""
+    on the device for the batch with one host copy, as the engine core's step does. `grammar`: a function
+    giving each row its own matcher (grammar.RowGrammar), advanced by the row's token each step."""
     import torch
 
     from kvfuse.fusion.engine import sampling
 
     tokens = [7 + i for i in range(len(caches))]
-    rows = [sampling.RowSampling(0.0, 1.0) for _ in caches]
+    rows = [sampling.RowSampling(0.0, 1.0, grammar=grammar() if grammar else None) for _ in caches]
     times = []
     with torch.inference_mode():
         for i in range(WARMUP_STEPS + steps):
             t = time.perf_counter()
             tokens = sampling.choose(runner.decode(caches, torch.tensor(tokens)), rows).tolist()
+            for row, token in zip(rows, tokens, strict=True):
+                if row.grammar is not None:
+                    row.grammar.advance(token)
             if i >= WARMUP_STEPS:
                 times.append(time.perf_counter() - t)
     return times
@@ -104,7 +114,13 @@ def time_steps(runner: Any, caches: list, steps: int) -> list[float]:
 def _time_path(engine: Any, cache: Any, path: str, streams: int, steps: int) -> list[float]:
     """Seconds per step of `steps` steps of `streams` copies of `cache` (after the warm-up steps)."""
     runner, caches = engine_streams(engine, cache, streams, static=path == "static")
-    return time_steps(runner, caches, steps)
+    grammar = None
+    if path == "eager+schema":
+        from kvfuse.fusion.engine.grammar import RowGrammar, json_grammar
+
+        text = json_grammar(SCHEMA)
+        grammar = lambda: RowGrammar(text, engine.tokenizer, engine.stop_token_ids)  # noqa: E731
+    return time_steps(runner, caches, steps, grammar)
 
 
 def run(args: Any) -> dict:
@@ -117,7 +133,7 @@ def run(args: Any) -> dict:
     nbytes = weight_bytes(engine.model)
     room = (WARMUP_STEPS + args.steps) + 8
     cache = _prefill(engine, args.context_tokens, room, args.seed).cache
-    paths = ["eager"] + (["static"] if args.compile else [])
+    paths = ["eager"] + (["static"] if args.compile else []) + (["eager+schema"] if args.schema else [])
     times: dict[tuple[str, int], list[float]] = {}
     rates = []
     for _ in range(args.repeats):
@@ -135,8 +151,11 @@ def run(args: Any) -> dict:
     for row in rows:
         one = next((r for r in rows if r["path"] == row["path"] and r["streams"] == 1), None)
         row["tok_s_vs_one_stream"] = round(row["tok_s"] / one["tok_s"], 3) if one else None
+        plain = next((r for r in rows if r["path"] == "eager" and r["streams"] == row["streams"]), None)
+        row["tok_s_vs_eager"] = round(row["tok_s"] / plain["tok_s"], 3) if plain else None
     return {"params": {"context_tokens": args.context_tokens, "streams": args.streams, "steps": args.steps,
-                       "repeats": args.repeats, "compile": args.compile, "seed": args.seed,
+                       "repeats": args.repeats, "compile": args.compile,
+                       "schema": args.schema, "seed": args.seed,
                        "model": settings.model.llm, "dtype": settings.model.dtype},
             "machine": machine_info(), "load_at_end": load_info(), "weight_bytes": nbytes,
             "memcpy_gbps": round(rate, 2), "memcpy_gbps_runs": [round(r, 2) for r in rates],
@@ -146,10 +165,11 @@ def run(args: Any) -> dict:
 def table(result: dict) -> str:
     lines = [f"weights {result['weight_bytes'] / 1e6:.0f} MB, memcpy {result['memcpy_gbps']} GB/s -> weight-read "
              f"bound {result['weight_read_bound_ms']} ms/step",
-             "| path | streams | step ms | tokens/s | step / bound | tokens/s vs 1 stream |", "|---|---|---|---|---|---|"]
+             "| path | streams | step ms | tokens/s | step / bound | tokens/s vs 1 stream | tokens/s vs eager |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['path']} | {r['streams']} | {r['step_ms']} | {r['tok_s']} | {r['step_vs_bound']} | "
-                     f"{r['tok_s_vs_one_stream']} |")
+                     f"{r['tok_s_vs_one_stream']} | {r.get('tok_s_vs_eager')} |")
     return "\n".join(lines)
 
 
@@ -178,6 +198,8 @@ def register(bsub: Any) -> None:
     p.add_argument("--steps", type=int, default=16, help="timed steps per path, stream count and repeat")
     p.add_argument("--repeats", type=int, default=3, help="rounds over every path (median of all steps)")
     p.add_argument("--compile", action="store_true", help="also time the static path (compiled FlexAttention)")
+    p.add_argument("--schema", action="store_true",
+                   help="also time the eager path with every row under a JSON schema (response_format)")
     p.add_argument("--seed", type=int, default=0, help="the prompt's random tokens")
     p.add_argument("--json", default="", help="result file (.md beside it); empty = print only")
     p.set_defaults(func=command, parser=p)

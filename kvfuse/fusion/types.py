@@ -131,6 +131,8 @@ class GenerationOptions:
     logit_bias: dict[int, float] = field(default_factory=dict)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # response_format: the answer's grammar, serialised (engine/grammar.py compiles it with the tokenizer)
+    grammar: str | None = None
 
 
 @dataclass

@@ -36,6 +36,10 @@ class Generation:
         bias: dict[int | str, float] = {t: b for t, b in options.logit_bias.items()}
         self.sampling = RowSampling.create(options.temperature, options.top_p, options.seed, torch.device(device),
                                            bias, options.presence_penalty, options.frequency_penalty)
+        if options.grammar is not None:  # response_format: a matcher of the request's own (engine/grammar.py)
+            from kvfuse.fusion.engine.grammar import RowGrammar
+
+            self.sampling.grammar = RowGrammar(options.grammar, tokenizer, stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(list(dict.fromkeys([*options.stop, *stop_strings])))
         self.token_ids: list[int] = []
@@ -67,6 +71,8 @@ class Generation:
         self.last_token = token
         if token in self.stop_token_ids:
             return self._finish("stop")
+        if self.sampling.grammar is not None:
+            self.sampling.grammar.advance(token)
         self.token_ids.append(token)
         if self.options.logprobs is not None:
             if logits is None:

@@ -16,15 +16,22 @@ greedy or sampled: `logit + bias[j] - frequency_penalty * c[j] - presence_penalt
 the times token j was chosen for this row so far (its output only, as vLLM counts; OpenAI's reference
 formula). The counts are kept on the row and updated by `choose` itself, so the decode loop needs no part
 in it and a row's adjustment is still its own alone. A bias of -100 bans a token in practice; here it is
-also excluded outright (logit -inf), so a banned token never appears. docs/DESIGN.md, "Decoding".
+also excluded outright (logit -inf), so a banned token never appears. A row under a grammar
+(`response_format`, grammar.py) has every token its grammar does not allow next excluded the same way,
+after its bias and penalties; the grammar's matcher is the row's own and is advanced by its Generation,
+which knows the chosen token on the host. docs/DESIGN.md, "Decoding".
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvfuse.fusion.engine.grammar import RowGrammar
 
 BAN_BIAS = -100.0  # OpenAI's floor: "should ban the token"
 
@@ -32,7 +39,8 @@ BAN_BIAS = -100.0  # OpenAI's floor: "should ban the token"
 @dataclass
 class RowSampling:
     """One request's sampling knobs. temperature <= 0: greedy (no generator). `logit_bias`: token id ->
-    bias in [-100, 100]; `counts`: [vocab] times each token was chosen, kept only when a penalty is set."""
+    bias in [-100, 100]; `counts`: [vocab] times each token was chosen, kept only when a penalty is set;
+    `grammar`: the row's matcher when its answer must follow one (grammar.py)."""
 
     temperature: float
     top_p: float
@@ -41,6 +49,7 @@ class RowSampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     counts: torch.Tensor | None = None
+    grammar: RowGrammar | None = None
     _bias: torch.Tensor | None = None  # logit_bias as a [vocab] row, built on the first choice
 
     @classmethod
@@ -69,7 +78,7 @@ class RowSampling:
 
     @property
     def adjusts(self) -> bool:
-        return bool(self.logit_bias) or self.penalized
+        return bool(self.logit_bias) or self.penalized or self.grammar is not None
 
     def adjust(self, row: torch.Tensor) -> torch.Tensor:
         """This row's logits [vocab] with its bias and penalties applied (a new float32 tensor)."""
@@ -87,6 +96,8 @@ class RowSampling:
             out = out + self._bias
         if self.penalized and self.counts is not None:
             out = out - self.frequency_penalty * self.counts - self.presence_penalty * (self.counts > 0).float()
+        if self.grammar is not None:
+            out = out.masked_fill(~self.grammar.mask(vocab, row.device), float("-inf"))
         return out
 
     def record(self, token: torch.Tensor, vocab: int) -> None:

@@ -5,7 +5,8 @@ as /v1/chat/completions, as JSON or streamed.
 `use_retrieval: false` (an extra body field) answers from the prompt alone, with no documents: LlamaIndex's
 completion mode sends a prompt that already holds its context. The prompt still goes into the model's
 chat template with the system prompt (`system_prompt` as in /v1/query): `echo` (the prompt's own tokens
-back) has no meaning there and is refused, as are `suffix` (no fill-in-the-middle) and `best_of` > 1.
+back) has no meaning there and is refused, as are `suffix` (no fill-in-the-middle), `best_of` > 1 and
+`response_format` (chat's; OpenAI's legacy endpoint has none).
 `logprobs: k` returns the legacy shape: each token's log-probability and its k best alternatives.
 docs/usage.md, "OpenAI-compatible endpoints".
 """
@@ -64,11 +65,13 @@ class _Sampling:
 def _prompt(body: CompletionIn) -> str:
     """The one prompt, after refusing what this endpoint does not do (400 naming the field)."""
     refused = [name for name, on in (("echo", body.echo), ("suffix", bool(body.suffix)),
-                                     ("best_of", (body.best_of or 1) > 1)) if on]
+                                     ("best_of", (body.best_of or 1) > 1),
+                                     ("response_format", (body.model_extra or {}).get("response_format") is not None))
+               if on]
     if refused:
         raise APIError(400, f"unsupported parameter(s): {', '.join(refused)}: the prompt is answered in the "
-                       "model's chat template (no echo of its tokens, no fill-in-the-middle suffix) and one "
-                       "completion is decoded (best_of 1)", code="unsupported_parameter", param=refused[0])
+                       "model's chat template (no echo of its tokens, no fill-in-the-middle suffix), one "
+                       "completion is decoded (best_of 1), and structured answers are chat's (response_format)", code="unsupported_parameter", param=refused[0])
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1:
         raise APIError(400, f"prompt holds {len(prompts)} prompts; one prompt per request is served",

@@ -19,6 +19,7 @@ from kvfuse.model_files import DEFAULT, DEFAULT_LLM_NAME
 from kvfuse.model_sources import model_id
 from kvfuse.service.api.openai_responses import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from kvfuse.service.api.openai_schemas import TEXT_PARTS
+from kvfuse.service.api.openai_structured import response_grammar
 from kvfuse.service.errors import APIError
 from kvfuse.service.rag.prompt_size import PROMPT_TOO_LONG
 from kvfuse.service.wire.protocol import ERR_CONTEXT_OVERFLOW, ERR_MAX_TOKENS
@@ -120,22 +121,20 @@ def check_content_parts(body: ChatIn) -> None:
 
 
 def check_request(body: ChatIn, names: list[str]) -> None:
-    """A chat request: 400 for parameters this service does not implement (named), 404 for a model it
-    does not serve."""
+    """A chat request: 400 for parameters this service does not implement (named) and for a
+    `response_format` it cannot follow (openai_structured.py), 404 for a model it does not serve."""
     extra = body.model_extra or {}
     refused = [k for k in UNSUPPORTED if extra.get(k) not in (None, [], {})]
-    fmt = extra.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        refused.append("response_format")
     if refused:
-        raise APIError(400, f"unsupported parameter(s): {', '.join(refused)}: this service answers in plain text "
-                       "from retrieved documents (no tool calls, no structured output)",
+        raise APIError(400, f"unsupported parameter(s): {', '.join(refused)}: this service answers from retrieved "
+                       "documents (no tool calls)",
                        code="unsupported_parameter", param=refused[0])
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
     check_sampling(body)
     check_content_parts(body)
     check_model(body.model, names, "chat completions")
+    body._grammar = response_grammar(body.response_format)
 
 
 def _routes(routes: list[Any]) -> list[tuple[str, set[str]]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from kvfuse.service.api.schemas import GenerationIn, RetrievalIn
 
@@ -58,6 +58,13 @@ class ChatIn(OpenAIGenerationIn, RetrievalIn):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's bounds (fusion/engine/logprobs.py MAX_TOP_LOGPROBS)
+    response_format: dict[str, Any] | None = None  # checked and compiled by openai_structured.response_grammar
+    _grammar: str | None = PrivateAttr(None)
+
+    @property
+    def response_grammar(self) -> str | None:
+        """The compiled grammar of `response_format` (set by the route), which the sampler follows."""
+        return self._grammar
 
 
 class CompletionIn(OpenAIGenerationIn, RetrievalIn):

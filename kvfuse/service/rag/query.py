@@ -248,6 +248,8 @@ class QueryService:
         adjust = {k: v for k in ("presence_penalty", "frequency_penalty") if (v := getattr(gen, k, None))}
         if bias := {int(t): b for t, b in (getattr(gen, "logit_bias", None) or {}).items() if b}:
             adjust["logit_bias"] = bias
+        if grammar := getattr(gen, "response_grammar", None):  # response_format (engine/grammar.py)
+            adjust["grammar"] = grammar
         return {"max_tokens": max_tokens, "temperature": g.temperature if gen.temperature is None else gen.temperature,
                 "top_p": g.top_p if gen.top_p is None else gen.top_p, "seed": gen.seed, "stop": stop,
                 "logprobs": logprobs, **adjust}

@@ -67,6 +67,9 @@ class WorkerCore:
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
         self.core = EngineCore.from_settings(self.engine, settings)
         self.warmup_s = self.core.warm_up()
+        from kvfuse.fusion.engine.grammar import ll_tokenizer
+
+        ll_tokenizer(self.engine.tokenizer, self.engine.stop_token_ids)  # response_format's, made once (grammar.py)
         self.shadow = ShadowChecks(settings.fidelity, self.engine)  # run only when the engine is idle
 
     @property

@@ -43,10 +43,10 @@ ENDS_SLICE = True  # a decode step is a slice of its own
 
 def _plain_greedy(opts: Any) -> bool:
     """Whether the answer was the argmax of the model's own logits, so the full prefill's greedy answer is
-    its reference. With logit_bias or penalties it is not (engine/sampling.py): the reference would have
+    its reference. With logit_bias, penalties or a grammar (response_format) it is not (engine/sampling.py): the reference would have
     to be decoded under the same adjustment, which is not done; the KL, of the model's own distributions,
     still is measured."""
-    adjusted = opts.logit_bias or opts.presence_penalty or opts.frequency_penalty
+    adjusted = opts.logit_bias or opts.presence_penalty or opts.frequency_penalty or opts.grammar
     return opts.temperature == 0.0 and not adjusted
 
 

@@ -15,6 +15,7 @@ from kvfuse.service.api.openai_conventions import (
 )
 from kvfuse.service.api.openai_embeddings import input_texts, token_encoding
 from kvfuse.service.api.openai_schemas import ChatIn, CompletionIn, EmbeddingsIn
+from kvfuse.service.api.openai_structured import response_grammar
 from kvfuse.service.api.schemas import QueryIn, validate
 from kvfuse.service.errors import APIError
 
@@ -126,3 +127,43 @@ def test_an_unknown_v1_path_lists_the_endpoints_served() -> None:
                      "GET /v1/models/{model_id}", "POST /v1/query"):
         assert endpoint in body["message"]
     assert client.get("/nothing").json()["error"]["message"] == "Not Found"  # outside /v1/: as before
+
+
+@pytest.mark.parametrize(("fmt", "code", "param", "words"), [
+    ({"type": "yaml"}, "invalid_value", "response_format.type", "'yaml'"),
+    ("json", "invalid_value", "response_format.type", "'json'"),
+    ({"type": "json_schema"}, "invalid_value", "response_format.json_schema", "json_schema object"),
+    ({"type": "json_schema", "json_schema": {"name": "", "schema": {}}}, "invalid_value",
+     "response_format.json_schema.name", "''"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "invalid_value",
+     "response_format.json_schema.schema", "schema object"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": "one"}}},
+     "invalid_json_schema", "response_format.json_schema.schema", "minimum"),
+])
+def test_a_response_format_that_cannot_be_followed_is_refused_naming_its_field(fmt, code, param, words) -> None:
+    err = _refused(response_grammar, fmt)
+    assert (err.status, err.code, err.param) == (400, code, param) and words in err.message
+
+
+def test_response_formats_give_the_grammar_of_their_json_or_none_for_text() -> None:
+    """text: no grammar; json_object: any object; json_schema: the schema itself (strict or not), as
+    llguidance's serialised grammar naming it."""
+    import json
+
+    assert response_grammar(None) is None and response_grammar({"type": "text"}) is None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for strict in (True, False):
+        g = json.loads(response_grammar({"type": "json_schema",
+                                         "json_schema": {"name": "n", "schema": schema, "strict": strict}}))
+        assert g["grammars"][0]["json_schema"]["properties"] == schema["properties"]
+    g = json.loads(response_grammar({"type": "json_object"}))
+    assert g["grammars"][0]["json_schema"]["type"] == "object"
+
+
+def test_response_format_on_the_legacy_completions_is_refused_by_name() -> None:
+    from kvfuse.service.api.openai_completions import _prompt
+
+    body = validate(CompletionIn, {"model": "kvfuse", "prompt": "q", "response_format": {"type": "json_object"}})
+    err = _refused(_prompt, body)
+    assert (err.status, err.code, err.param) == (400, "unsupported_parameter", "response_format")
+    assert _prompt(validate(CompletionIn, {"model": "kvfuse", "prompt": "q"})) == "q"

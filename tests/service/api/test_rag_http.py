@@ -244,7 +244,12 @@ def test_invalid_parameters_are_bad_requests_for_the_official_client(holder: Hol
         ({"temperature": 9}, "invalid_value", "temperature"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "unsupported_parameter",
          "tools"),
-        ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
+        ({"response_format": {"type": "xml"}}, "invalid_value", "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "invalid_value", "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}, "invalid_value",
+         "response_format.json_schema.name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "thing"}}}},
+         "invalid_json_schema", "response_format.json_schema.schema"),
         ({"top_logprobs": 2}, "invalid_value", "top_logprobs"),
         ({"max_tokens": 1024}, "context_length_exceeded", "messages"),
         ({"messages": [{"role": "user", "content": "word " * 3000}]}, "context_length_exceeded", "messages"),
@@ -259,6 +264,74 @@ def test_invalid_parameters_are_bad_requests_for_the_official_client(holder: Hol
     assert ok.choices[0].message.content is not None
     with pytest.raises(openai.NotFoundError):
         oa.chat.completions.create(model="gpt-9", messages=user, max_tokens=1)
+
+
+def test_structured_answers_parse_and_validate_through_the_clients_response_format(holder: Holder) -> None:
+    """response_format through the official client: a pydantic model (`parse`, as LangChain's
+    with_structured_output sends it: a strict json_schema), json_object, and a bad schema's 400 naming it."""
+    import openai
+    import pydantic
+
+    class Finding(pydantic.BaseModel):
+        topic: str = pydantic.Field(max_length=40)
+        items: list[str] = pydantic.Field(max_length=3)
+        certain: bool
+
+    oa = _openai(holder)
+    user = [{"role": "user", "content": QUESTION + " Answer in JSON."}]
+    for stream in (False, True):
+        if stream:
+            with oa.chat.completions.stream(model="kvfuse", messages=user, max_tokens=96, response_format=Finding) as s:
+                done = s.get_final_completion()
+        else:
+            done = oa.chat.completions.parse(model="kvfuse", messages=user, max_tokens=96, response_format=Finding)
+        found = done.choices[0].message.parsed
+        assert done.choices[0].finish_reason == "stop" and isinstance(found, Finding), done.choices[0].message.content
+        assert len(found.topic) <= 40 and len(found.items) <= 3
+    copy = [{"role": "user", "content": 'Reply with the JSON object {"answer": "a list"} and nothing else.'}]
+    resp = oa.chat.completions.create(model="kvfuse", messages=copy, max_tokens=48,
+                                      response_format={"type": "json_object"})
+    assert resp.choices[0].finish_reason == "stop", resp.choices[0].message.content
+    assert isinstance(json.loads(resp.choices[0].message.content), dict)
+    bad = {"type": "json_schema", "json_schema": {"name": "f", "strict": True,
+                                                  "schema": {"type": "string", "pattern": "(("}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=8, response_format=bad)
+    assert err.value.code == "invalid_json_schema" and "unclosed group" in err.value.message
+
+
+def test_the_official_client_reaches_every_endpoint(holder: Holder) -> None:
+    """docs/usage.md, "The official openai client", line by line: models list and retrieve, chat (JSON and
+    streamed: the same greedy text, usage last), completions (chat's answer to the same question), embeddings
+    (the embedder's unit vectors, one per input), response_format, and n > 1 refused by name while one
+    choice per request is served."""
+    import openai
+
+    oa = _openai(holder)
+    ids = [m.id for m in oa.models.list().data]
+    assert [oa.models.retrieve(i).id for i in ids] == ids and "kvfuse" in ids
+    user = [{"role": "user", "content": QUESTION}]
+    chat = oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=6)
+    text = chat.choices[0].message.content
+    assert text.strip() and chat.choices[0].index == 0 and chat.usage.completion_tokens <= 6
+    chunks = list(oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=6, stream=True,
+                                             stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    done = oa.completions.create(model="kvfuse", prompt=QUESTION, max_tokens=6)
+    assert done.choices[0].text == text
+    emb = oa.embeddings.create(model=EMBEDDER, input=["a chunk", "another chunk"])
+    vectors = np.array([d.embedding for d in emb.data])
+    assert vectors.shape == (2, 384) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-4)
+    schema = {"type": "object", "properties": {"who": {"type": "string", "maxLength": 30}}, "required": ["who"],
+              "additionalProperties": False}
+    shaped = oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=32, response_format={
+        "type": "json_schema", "json_schema": {"name": "who", "schema": schema, "strict": True}})
+    value = json.loads(shaped.choices[0].message.content)
+    assert set(value) == {"who"} and isinstance(value["who"], str) and len(value["who"]) <= 30
+    with pytest.raises(openai.BadRequestError) as err:
+        oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=2, n=2)
+    assert err.value.param == "n"
 
 
 def test_logprobs_are_the_models_own_and_agree_between_json_and_stream(holder: Holder) -> None:

@@ -1,6 +1,6 @@
 """Which shadow checks compare answers (worker/shadow.py): only an answer that was the argmax of the
 model's own logits has the full prefill's greedy answer as its reference; a sampled one, or one adjusted
-by a logit_bias or a penalty (engine/sampling.py), is checked for its KL alone."""
+by a logit_bias, a penalty or a grammar (engine/sampling.py), is checked for its KL alone."""
 
 from __future__ import annotations
 
@@ -14,3 +14,5 @@ def test_only_unadjusted_greedy_answers_are_compared_with_the_full_prefills() ->
     assert not _plain_greedy(GenerationOptions(temperature=0.0, logit_bias={504: -100.0}))
     assert not _plain_greedy(GenerationOptions(temperature=0.0, presence_penalty=0.5))
     assert not _plain_greedy(GenerationOptions(temperature=0.0, frequency_penalty=-1.0))
+    # a response_format grammar masks the model's choice too
+    assert not _plain_greedy(GenerationOptions(temperature=0.0, grammar='{"grammars": []}'))
