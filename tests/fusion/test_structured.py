@@ -82,10 +82,10 @@ def _batch_and_solo(engine, questions: list[str], rows) -> tuple[list, list]:
     for i, ((prefix, chunks, q, fusion), row) in enumerate(zip(reqs, rows, strict=True)):
         kv_tokens = len(prefix) + sum(len(c) for c in chunks) + len(q) + MAX_TOKENS
         core.add(Sequence(i, prefix.token_ids, q, fusion, _options(*row), kv_tokens=kv_tokens,
-                          prefill_tokens=len(q), prefix=prefix, chunks=chunks), i)
+                          prefill_tokens=len(q), prefix=prefix, chunks=chunks))
     out: list = []
     while core.has_work:
-        core.step(out.append)
+        out.extend(core.step())
     assert max(o.batch for o in out if isinstance(o, E.Stepped)) == len(rows)  # they decoded together
     done = {o.job_id: o.seq.gen for o in out if isinstance(o, E.Finished)}
     return [done[i] for i in range(len(rows))], solo
