@@ -7,6 +7,8 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 DEPLOY_PYTEST_ARGS ?= -q -rA
+# The packages `make lint` type-checks (strict ones are named in pyproject's [tool.mypy] overrides).
+TYPED  := kvfuse/store
 
 .PHONY: setup serve test test-fast test-deploy lint bench clean
 
@@ -38,6 +40,7 @@ test-deploy: setup
 
 lint: setup
 	$(BIN)/ruff check kvfuse tests
+	$(BIN)/mypy $(TYPED)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
