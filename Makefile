@@ -43,4 +43,4 @@ lint: setup
 	$(BIN)/mypy $(TYPED)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
