@@ -7,6 +7,8 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 DEPLOY_PYTEST_ARGS ?= -q -rA
+# The packages `make lint` type-checks (strict ones are named in pyproject's [tool.mypy] overrides).
+TYPED  := kvfuse/store kvfuse/fusion/engine
 
 .PHONY: setup serve test test-fast test-deploy lint bench clean
 
@@ -38,7 +40,7 @@ test-deploy: setup
 
 lint: setup
 	$(BIN)/ruff check kvfuse tests
-	$(BIN)/mypy
+	$(BIN)/mypy $(TYPED)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

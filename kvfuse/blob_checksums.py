@@ -24,7 +24,7 @@ class CorruptBlobError(Exception):
     The caller rebuilds the chunk's KV from the stored text."""
 
 
-def checksum(*parts: memoryview | bytes) -> str:
+def checksum(*parts: memoryview | bytes | bytearray) -> str:
     # CRC32 (zlib) rather than a cryptographic hash: several times faster, and only bit rot is guarded against.
     crc = 0
     for p in parts:
@@ -34,7 +34,7 @@ def checksum(*parts: memoryview | bytes) -> str:
 
 def bytes_view(t: Tensor) -> memoryview:
     # uint8 view -> numpy works for bfloat16 too (numpy has no bfloat16); no copy.
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy().data)
 
 
 def block_checksum(k: Any, v: Any, start: int, stop: int) -> str:
@@ -53,7 +53,7 @@ def check(stored: str, computed: str) -> None:
         raise CorruptBlobError(f"blob checksum mismatch: stored {stored}, computed {computed}")
 
 
-def copy_payload(src: memoryview, expected: str | None, into=None) -> bytearray:
+def copy_payload(src: memoryview, expected: str | None, into: np.ndarray | None = None) -> bytearray | memoryview:
     """Copy with plain memcpy (numpy's, single-threaded: a torch clone runs on the intra-op pool, which is
     slower on a busy host). With `expected` (a checksum), each block is checksummed right after it is
     copied, while still in cache, rather than in a second pass over the bytes. `into`: a writable buffer
@@ -61,7 +61,7 @@ def copy_payload(src: memoryview, expected: str | None, into=None) -> bytearray:
 
     Both the copy (numpy) and the CRC (zlib, on buffers over a few KB) release the GIL, so blobs read on
     several threads (kvfuse.store.parallel_reads) copy and check in parallel."""
-    dst = bytearray(src.nbytes) if into is None else memoryview(into).cast("B")
+    dst = bytearray(src.nbytes) if into is None else into.data.cast("B")
     d, s = np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
     if expected is None:
         np.copyto(d, s)

@@ -39,7 +39,8 @@ def torch_dtype(dtype: str) -> torch.dtype:
         raise ValueError(f"{dtype!r} is not a float KV format; expected one of {sorted(FLOAT_CODES)}")
     import torch
 
-    return getattr(torch, dtype)
+    dt: torch.dtype = getattr(torch, dtype)
+    return dt
 
 
 def token_hash(token_ids: Sequence[int]) -> str:

@@ -25,7 +25,9 @@ where it is used (`QTensor.layer`, `kvfuse.fusion.types.ChunkKV.layer_kv`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -160,7 +162,7 @@ class QTensor:
     def is_pinned(self) -> bool:
         return all(p.is_pinned() for p in self.parts())
 
-    def _map(self, fn) -> QTensor:
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> QTensor:
         return replace(self, data=fn(self.data), scale=fn(self.scale),
                        zero=None if self.zero is None else fn(self.zero))
 
@@ -309,7 +311,7 @@ def encode_kv(k: Tensor, v: Tensor, fmt: str) -> tuple[Tensor | QTensor, Tensor 
     if fmt in DTYPES:
         dt = DTYPES[fmt][0]
         return (k.detach().to(device="cpu", dtype=dt).contiguous(), v.detach().to(device="cpu", dtype=dt).contiguous())
-    return tuple(quantize(x.detach(), fmt, side).to("cpu").contiguous() for side, x in enumerate((k, v)))
+    return (quantize(k.detach(), fmt, 0).to("cpu").contiguous(), quantize(v.detach(), fmt, 1).to("cpu").contiguous())
 
 
 def named_parts(k: Tensor | QTensor, v: Tensor | QTensor) -> dict[str, Tensor]:
@@ -329,8 +331,9 @@ def from_parts(fmt: str, parts: dict[str, Tensor], head_dim: int) -> tuple[Tenso
     """k and v from the tensors `named_parts` gave (views stay views)."""
     if fmt in DTYPES:
         return parts["k"], parts["v"]
-    return tuple(QTensor(fmt, side, parts[name], parts[f"{name}.scale"], parts.get(f"{name}.zero"), head_dim)
-                 for side, name in enumerate("kv"))
+    k, v = (QTensor(fmt, side, parts[name], parts[f"{name}.scale"], parts.get(f"{name}.zero"), head_dim)
+            for side, name in enumerate("kv"))
+    return k, v
 
 
 def token_slice(x: Tensor | QTensor, start: int, stop: int) -> Tensor | QTensor:
@@ -346,11 +349,12 @@ def cat_tokens(pieces: list[Tensor | QTensor], like: Tensor | QTensor) -> Tensor
     if not pieces:
         return token_slice(like, 0, 0)
     if not isinstance(like, QTensor):
-        return torch.cat(pieces, dim=2)
-    first = pieces[0]
-    zero = None if first.zero is None else torch.cat([p.zero for p in pieces], dim=-2)
-    return replace(first, data=torch.cat([p.data for p in pieces], dim=-2),
-                   scale=torch.cat([p.scale for p in pieces], dim=-2), zero=zero)
+        return torch.cat(cast(list[Tensor], pieces), dim=2)
+    qs = cast(list[QTensor], pieces)  # the pieces of one chunk are all of `like`'s kind
+    first = qs[0]
+    zero = None if first.zero is None else torch.cat([p.zero for p in qs if p.zero is not None], dim=-2)
+    return replace(first, data=torch.cat([p.data for p in qs], dim=-2),
+                   scale=torch.cat([p.scale for p in qs], dim=-2), zero=zero)
 
 
 def dequantize(x: Tensor | QTensor, dtype: torch.dtype | None = None) -> Tensor:

@@ -29,6 +29,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -55,6 +56,15 @@ from kvfuse.chunk_keys import (  # noqa: F401 - the keys are part of this module
     torch_dtype,
 )
 from kvfuse.kv_formats import DTYPES, QTensor  # noqa: F401 - DTYPES: part of the interface
+
+__all__ = [  # this module's interface, its re-exports from the modules it is built of included
+    "ARTIFACT_CODES", "ARTIFACT_DTYPES", "ARTIFACT_PREFIX", "BLOCK_TOKENS", "ChunkEntry",
+    "CorruptBlobError", "DTYPES", "FORMATS", "FORMAT_NAME", "FORMAT_VERSION", "KEY_VERSION", "KV",
+    "KVHeader", "POSITION_ROPE0", "QTensor", "READABLE_VERSIONS", "artifact_bytes", "artifact_order",
+    "check_format", "chunk_key", "chunk_key_from_hash", "context_hash", "decode", "encode", "pack",
+    "prepare_artifacts", "read_artifacts", "read_blocks", "read_header", "reencode", "token_hash",
+    "torch_dtype", "verify_blob",
+]
 
 KV = Tensor | QTensor  # a chunk's k or v as decoded: a float tensor, or codes and scales
 
@@ -116,6 +126,15 @@ class KVHeader:
         return chunk_key_from_hash(self.model_fingerprint, self.dtype, self.token_hash, self.context_hash)
 
 
+class ChunkEntry(NamedTuple):
+    """A decoded chunk: what `decode` and `read_blocks` give and what every store tier hands out
+    (kvfuse/store/chunk_store.py). A named tuple, so `k, v, header = entry` still reads it whole."""
+
+    k: KV
+    v: KV
+    header: KVHeader
+
+
 def encode(k: Tensor, v: Tensor, *, model_fingerprint: str, token_ids: Sequence[int], dtype: str,
            artifacts: dict[str, Tensor] | None = None, context_ids: Sequence[int] = ()) -> bytes:
     """Serialize one chunk's floating KV in the KV format `dtype` (cast, or quantized) as a version-2
@@ -140,7 +159,7 @@ def _encode(k: Tensor, v: Tensor, dtype: str, model_fingerprint: str, token_hash
     num_layers, num_kv_heads, num_tokens, head_dim = (int(x) for x in k.shape)
     if num_tokens == 0:
         raise ValueError("a chunk's KV needs at least one token")
-    k, v = kv_formats.encode_kv(k, v, dtype)
+    kq, vq = kv_formats.encode_kv(k, v, dtype)
     arts = prepare_artifacts(artifacts)
     header = KVHeader(
         format_version=FORMAT_VERSION,
@@ -152,15 +171,15 @@ def _encode(k: Tensor, v: Tensor, dtype: str, model_fingerprint: str, token_hash
         num_tokens=num_tokens,
         token_hash=token_hash_hex,
         position=POSITION_ROPE0,
-        checksum=checksum(*_payload_views(k, v)),
+        checksum=checksum(*_payload_views(kq, vq)),
         block_tokens=BLOCK_TOKENS,
-        block_checksums=tuple(block_checksum(k, v, a, min(a + BLOCK_TOKENS, num_tokens))
+        block_checksums=tuple(block_checksum(kq, vq, a, min(a + BLOCK_TOKENS, num_tokens))
                               for a in range(0, num_tokens, BLOCK_TOKENS)),
         artifacts_checksum=checksum(*artifact_bytes(arts)) if arts else "",
         artifacts=arts,
         context_hash=context_hash_hex,
     )
-    return pack(k, v, header)
+    return pack(kq, vq, header)
 
 
 def _payload_views(k: KV, v: KV) -> list[memoryview]:
@@ -200,24 +219,24 @@ def pack(k: KV, v: KV, header: KVHeader) -> bytes:
         meta["artifacts_checksum"] = header.artifacts_checksum
     if header.context_hash:  # absent for a chunk computed alone: those blobs are byte for byte as before
         meta["context_hash"] = header.context_hash
-    table: dict = {"__metadata__": meta}
-    views, off = [], 0
+    table: dict[str, Any] = {"__metadata__": meta}
+    views: list[memoryview] = []
+    off = 0
     for name, code, shape in specs:
         mv = bytes_view(parts[name].contiguous())
         table[name] = {"dtype": code, "shape": list(shape), "data_offsets": [off, off + mv.nbytes]}
         views.append(mv)
         off += mv.nbytes
-    parts = views
-    arts = header.artifacts if header.format_version >= 2 else None
-    for name in artifact_order(arts or {}):
+    arts = (header.artifacts or {}) if header.format_version >= 2 else {}
+    for name in artifact_order(arts):
         mv = bytes_view(arts[name])
         table[ARTIFACT_PREFIX + name] = {"dtype": ARTIFACT_DTYPES[arts[name].dtype], "shape": list(arts[name].shape),
                                          "data_offsets": [off, off + mv.nbytes]}
-        parts.append(mv)
+        views.append(mv)
         off += mv.nbytes
     hjson = json.dumps(table, separators=(",", ":")).encode()
     hjson += b" " * (-len(hjson) % 8)  # pad so the payload (and every tensor) starts 8-byte aligned
-    return b"".join((len(hjson).to_bytes(8, "little"), hjson, *parts))
+    return b"".join((len(hjson).to_bytes(8, "little"), hjson, *views))
 
 
 _ArtSpec = tuple[str, torch.dtype, list[int], int, int]  # name, dtype, shape, start, stop (payload offsets)
@@ -282,8 +301,8 @@ def _parse(mv: memoryview) -> tuple[KVHeader, int, list[_ArtSpec]]:
     if len(h.block_checksums) != nblocks:
         raise CorruptBlobError(f"blob has {len(h.block_checksums)} block checksums for {nblocks} blocks")
     end = h.payload_bytes
-    for name, dt, shape, start, stop in sorted(specs, key=lambda x: x[3]):
-        size = torch.empty((), dtype=dt).element_size() * (int(torch.tensor(shape).prod()) if shape else 1)
+    for name, dt, art_shape, start, stop in sorted(specs, key=lambda x: x[3]):
+        size = torch.empty((), dtype=dt).element_size() * (int(torch.tensor(art_shape).prod()) if art_shape else 1)
         if start != end or stop - start != size or (start - h.payload_bytes) % torch.empty((), dtype=dt).element_size():
             raise CorruptBlobError(f"artifact {name!r} at {start}..{stop} does not follow the payload at {end}")
         end = stop
@@ -327,7 +346,7 @@ def _kv_views(h: KVHeader, base: memoryview | Tensor, start: int) -> tuple[KV, K
 
 def decode(
     buf: bytes | bytearray | memoryview, *, verify: bool = True, copy: bool = False, pin: bool = False
-) -> tuple[KV, KV, KVHeader]:
+) -> ChunkEntry:
     """(k, v, header): float tensors, or QTensors for a quantized format. Without `copy`, the tensors are
     views of `buf` (no copy): treat them as read-only and keep `buf` valid while they are used (an LMDB
     buffer dies with its transaction). With `copy`, the payload is copied once, in one memcpy, into memory
@@ -340,13 +359,13 @@ def decode(
         owned = torch.empty(h.payload_bytes, dtype=torch.uint8, pin_memory=True)
         copy_payload(mv[start : start + h.payload_bytes], h.checksum if verify else None, into=owned.numpy())
         k, v = _kv_views(h, owned, 0)
-        return k, v, replace(h, artifacts=arts) if arts else h
+        return ChunkEntry(k, v, replace(h, artifacts=arts) if arts else h)
     if copy:
         mv, start = memoryview(copy_payload(mv[start : start + h.payload_bytes], h.checksum if verify else None)), 0
     elif verify:
         check(h.checksum, checksum(mv[start : start + h.payload_bytes]))
     k, v = _kv_views(h, mv, start)
-    return k, v, replace(h, artifacts=arts) if arts else h
+    return ChunkEntry(k, v, replace(h, artifacts=arts) if arts else h)
 
 
 def _artifacts(mv: memoryview, start: int, h: KVHeader, specs: list[_ArtSpec], verify: bool) -> dict[str, Tensor]:
@@ -370,7 +389,7 @@ def read_artifacts(buf: bytes | bytearray | memoryview, *, verify: bool = True) 
 
 
 def read_blocks(buf: bytes | bytearray | memoryview, blocks: Sequence[int], *, verify: bool = True
-                ) -> tuple[KV, KV, KVHeader]:
+                ) -> ChunkEntry:
     """(k, v, header) of the tokens of `blocks` (sorted block indices of `header.block_tokens` tokens), in
     block order: [L, Hkv, m, D] tensors (or QTensors) that own their memory. Only those blocks' bytes are
     copied and, with `verify`, checked against their block checksums. Version 1 blobs have no blocks:
@@ -390,4 +409,4 @@ def read_blocks(buf: bytes | bytearray | memoryview, blocks: Sequence[int], *, v
             check(h.block_checksums[b], block_checksum(kb, vb, 0, stop - b * t))
         ks.append(kb)
         vs.append(vb)
-    return kv_formats.cat_tokens(ks, k), kv_formats.cat_tokens(vs, v), h
+    return ChunkEntry(kv_formats.cat_tokens(ks, k), kv_formats.cat_tokens(vs, v), h)

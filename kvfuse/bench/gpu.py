@@ -171,12 +171,13 @@ class Bench:
         """The chunks as the store's device tier hands them out: put in a HotTier on the engine's device
         (the stored dtype, in device memory) and read back."""
         from kvfuse.fusion import ChunkKV
+        from kvfuse.kvblob import ChunkEntry
         from kvfuse.store.hot_tier import HotTier
 
         tier = HotTier(1 << 62, device=str(self.engine.device), name="device")
         out = []
         for i, c in enumerate(chunks):
-            tier.put(str(i), (c.k, c.v, None))
+            tier.put(str(i), ChunkEntry(c.k, c.v, None))  # no header: this entry is never packed
             k, v, _ = tier.get(str(i))
             out.append(ChunkKV(c.token_ids, k, v))
         return out

@@ -140,7 +140,7 @@ def config_path() -> Path | None:
     return REPO_CONFIG if REPO_CONFIG.is_file() else None
 
 
-def _error_line(loc: tuple | list, msg: str, value: Any) -> str:
+def _error_line(loc: tuple[int | str, ...] | list[int | str], msg: str, value: Any) -> str:
     key = ".".join(str(p) for p in loc)
     env = "KVFUSE_" + "__".join(str(p) for p in loc).upper()
     return f"  {key} (env {env}): {msg} (got {value!r})"

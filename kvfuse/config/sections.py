@@ -194,8 +194,9 @@ class RetrieverSettings(RetrievalRequestSettings):
 
 
 class FusionRequestSettings(Section):
-    """The fusion knobs a request may set, declared once: `kvfuse.fusion.FusionOptions` and the HTTP
-    request's `fusion` object are derived from these fields (names, defaults, bounds)."""
+    """The fusion knobs a request may set, declared once: the HTTP request's `fusion` object is derived
+    from these fields (names, defaults, bounds), and `kvfuse.fusion.FusionOptions` types the same names
+    with these defaults (tests/fusion/test_fusion_options.py keeps them in step)."""
 
     method: FusionMethodName = Field("anchor", description=(
         "default method when a request names none (docs/methods/anchor.md)"))

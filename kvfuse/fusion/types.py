@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
-from kvfuse.config import FusionRequestSettings, GenerationSettings
+from kvfuse.config import FusionMethodName, FusionRequestSettings, GenerationSettings
 from kvfuse.kv_formats import QTensor, dequantize
 
 _GEN_DEFAULTS = GenerationSettings()
@@ -102,15 +102,29 @@ class ChunkKV:
         return len(self.token_ids)
 
 
-# Per-request fusion knobs: a dataclass with the fields and defaults of config's FusionRequestSettings
-# (declared there once, with their bounds; the HTTP request's `fusion` object derives from it too).
-# Engine knobs (precompute batch size, attention blocks) are not in it: they are config-only.
-FusionOptions = make_dataclass(
-    "FusionOptions",
-    [(name, f.annotation, field(default=f.default)) for name, f in FusionRequestSettings.model_fields.items()],
-    namespace={"__doc__": "Per-request fusion knobs; defaults come from config.fusion (FusionRequestSettings)."},
-)
-FusionOptions.__module__ = __name__  # where pickle finds it
+_FUSION_DEFAULTS = FusionRequestSettings()
+
+
+@dataclass
+class FusionOptions:
+    """Per-request fusion knobs, typed. Their names, bounds, descriptions and defaults are declared once, in
+    config's FusionRequestSettings (docs/configuration.md, `fusion`); the HTTP request's `fusion` object
+    (api/schemas.py FusionIn) derives from it, and the wire carries them as a dict of these names
+    (wire/protocol.py QueryJob.fusion). tests/fusion/test_fusion_options.py holds the three together.
+    Engine knobs (precompute batch size, attention blocks) are not here: they are config-only."""
+
+    method: FusionMethodName = _FUSION_DEFAULTS.method
+    recompute_ratio: float = _FUSION_DEFAULTS.recompute_ratio
+    check_layer: int = _FUSION_DEFAULTS.check_layer
+    smooth_window: int = _FUSION_DEFAULTS.smooth_window
+    edge_tokens: int = _FUSION_DEFAULTS.edge_tokens
+    edge_tokens_end: int = _FUSION_DEFAULTS.edge_tokens_end
+    anchor_tokens: int = _FUSION_DEFAULTS.anchor_tokens
+    evict_capacity: int = _FUSION_DEFAULTS.evict_capacity
+    samkv_update: Literal["fusion", "overwrite"] = _FUSION_DEFAULTS.samkv_update
+    samkv_min_p: float = _FUSION_DEFAULTS.samkv_min_p
+    samkv_cross_cut: bool = _FUSION_DEFAULTS.samkv_cross_cut
+    link_tokens: int = _FUSION_DEFAULTS.link_tokens
 
 
 def request_knobs(fusion_settings: FusionRequestSettings) -> dict:

@@ -23,11 +23,11 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import lmdb
 
-from kvfuse.store.errors import DocumentNotFoundError, IndexUnavailableError, StoreError
+from kvfuse.store.errors import DocumentNotFoundError, IndexUnavailableError, StoreError, StoreReadOnlyError
 from kvfuse.store.index import DocumentIndex, IndexMirror, IndexSnapshot, doctime_key
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.lmdb_tier import LmdbTier
@@ -113,7 +113,7 @@ class DocumentCatalog:
 
         self._mirror_write(self.env.write(fn))
 
-    def set_status(self, doc_id: str, status: str, *, error: str | None = None, **fields: object) -> None:
+    def set_status(self, doc_id: str, status: str, *, error: str | None = None, **fields: Any) -> None:
         """Update a document's status (error is cleared unless given) and any other record fields,
         e.g. chunk_keys=..., chunk_tokens=..., tokens=..., kv_bytes=... Raises DocumentNotFoundError."""
         unknown = set(fields) - _UPDATABLE
@@ -284,6 +284,8 @@ class DocumentCatalog:
 
     def rewrite_refs(self, txn: lmdb.Transaction, refs: Iterable[tuple[str, str]]) -> None:
         """Replace every reference with `refs` (chunk key, doc id)."""
+        if self._refs is None:  # only an older store opened read-only lacks it, and that one is not written
+            raise StoreReadOnlyError("this store has no reference table to rewrite")
         txn.drop(self._refs, delete=False)
         for key, doc_id in sorted(refs):
             txn.put(key.encode(), doc_id.encode(), db=self._refs, dupdata=True)
@@ -316,7 +318,7 @@ class DocumentCatalog:
             return False
 
     # --- the mirror (a Redis index) kept in step
-    def rebuild_index(self) -> dict:
+    def rebuild_index(self) -> dict[str, int | str]:
         """Replace the mirror with the LMDB records (nothing to do when embedded); returns counts."""
         with self._mirror_lock:
             with self.env.read() as txn:

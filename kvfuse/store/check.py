@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import lmdb
 
@@ -57,7 +58,7 @@ class CheckReport:
             + bool(self.kv_bytes_drift) + len(self.index_drift) + len(self.object_missing) + len(self.object_orphans)
         )
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"problems": self.problems}
 
 

@@ -14,7 +14,7 @@ below the caches, and only clears the caches' copies: a freshly computed chunk i
 be read, and the hot tier is kept for what queries read. A miss in every tier is the caller's to rebuild
 from the chunk's token ids.
 
-Every tier deals in the same value, the decoded chunk `(k, v, header)`: tiers that keep bytes pack it
+Every tier deals in the same value, the decoded chunk `kvblob.ChunkEntry` (k, v, header): tiers that keep bytes pack it
 (kvfuse.kvblob.pack) and decode what they read. Keys are content-addressed, so a copy in any tier is as
 good as any other; tiers that keep bytes verify what they read and raise CorruptBlobError on damage.
 """
@@ -29,20 +29,19 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvfuse.kv_formats import cat_tokens, token_slice
-from kvfuse.kvblob import BLOCK_TOKENS, KV, KVHeader
+from kvfuse.kvblob import BLOCK_TOKENS, ChunkEntry, KVHeader
 
 log = logging.getLogger(__name__)
-Entry = tuple[KV, KV, KVHeader]  # k and v: float tensors, or a quantized format's (kvfuse.kv_formats.QTensor)
 
 
-def slice_blocks(entry: Entry, blocks: list[int]) -> Entry:
+def slice_blocks(entry: ChunkEntry, blocks: list[int]) -> ChunkEntry:
     """The tokens of `blocks` (sorted indices of the header's blocks) of a decoded chunk, copied (a quantized
     chunk's scales with them: kvfuse.kv_formats.token_slice)."""
     k, v, header = entry
     t = header.block_tokens or BLOCK_TOKENS
     spans = [(b * t, min((b + 1) * t, header.num_tokens)) for b in blocks]
-    return (cat_tokens([token_slice(k, a, z) for a, z in spans], k),
-            cat_tokens([token_slice(v, a, z) for a, z in spans], v), header)
+    return ChunkEntry(cat_tokens([token_slice(k, a, z) for a, z in spans], k),
+                      cat_tokens([token_slice(v, a, z) for a, z in spans], v), header)
 
 
 class ChunkStore(ABC):
@@ -56,11 +55,11 @@ class ChunkStore(ABC):
         """Whether `get` would find the chunk (a probe: no counters move, nothing is read)."""
 
     @abstractmethod
-    def get(self, key: str) -> Entry | None:
+    def get(self, key: str) -> ChunkEntry | None:
         """The chunk, or None on a miss; raises CorruptBlobError for a damaged copy."""
 
     @abstractmethod
-    def put(self, key: str, entry: Entry) -> bool:
+    def put(self, key: str, entry: ChunkEntry) -> bool:
         """Keep the chunk under its content key; False when it was not added (already there, too big)."""
 
     @abstractmethod
@@ -69,17 +68,17 @@ class ChunkStore(ABC):
 
     # Block reads (docs/methods/samkv.md, "Sparse loading"). The defaults read the whole chunk; a tier that
     # keeps bytes overrides them to read only what is asked for.
-    def get_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
+    def get_blocks(self, key: str, blocks: list[int]) -> tuple[ChunkEntry, int] | None:
         """((k, v, header) of the tokens of `blocks` only, bytes read from this tier), or None on a miss."""
         entry = self.get(key)
         if entry is None:
             return None
-        return slice_blocks(entry, blocks), entry[0].nbytes + entry[1].nbytes
+        return slice_blocks(entry, blocks), entry.k.nbytes + entry.v.nbytes
 
     def get_artifacts(self, key: str) -> KVHeader | None:
         """The chunk's header with its artifacts (None in it for a version-1 blob), or None on a miss."""
         entry = self.get(key)
-        return None if entry is None else entry[2]
+        return None if entry is None else entry.header
 
     def size(self, key: str) -> int | None:
         """The bytes this tier keeps for the chunk, in the format it was stored in (None: not here, or not
@@ -92,9 +91,9 @@ class ChunkStore(ABC):
         return None
 
 
-def entry_bytes(entry: Entry) -> int:
+def entry_bytes(entry: ChunkEntry) -> int:
     """The bytes a decoded chunk holds (a quantized one's codes and scales)."""
-    return entry[0].nbytes + entry[1].nbytes
+    return entry.k.nbytes + entry.v.nbytes
 
 
 class TieredStore(ChunkStore):
@@ -131,7 +130,7 @@ class TieredStore(ChunkStore):
                 return t.name, t.size(key)
         return None, None
 
-    def get(self, key: str) -> Entry | None:
+    def get(self, key: str) -> ChunkEntry | None:
         for i, tier in enumerate(self.tiers):
             t0 = time.perf_counter()
             entry = tier.get(key)
@@ -150,7 +149,7 @@ class TieredStore(ChunkStore):
             self.hits["miss"] += 1
         return None
 
-    def _write_back(self, tier: ChunkStore, key: str, entry: Entry) -> None:
+    def _write_back(self, tier: ChunkStore, key: str, entry: ChunkEntry) -> None:
         def put() -> None:
             try:
                 tier.put(key, entry)
@@ -176,7 +175,7 @@ class TieredStore(ChunkStore):
         if writer is not None:
             writer.shutdown(wait=True)
 
-    def get_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
+    def get_blocks(self, key: str, blocks: list[int]) -> tuple[ChunkEntry, int] | None:
         """Blocks from the first tier that has the chunk; a partial read is not written back up."""
         for tier in self.tiers:
             got = tier.get_blocks(key, blocks)
@@ -191,7 +190,7 @@ class TieredStore(ChunkStore):
                 return header
         return None
 
-    def put(self, key: str, entry: Entry) -> bool:
+    def put(self, key: str, entry: ChunkEntry) -> bool:
         added = [store.put(key, entry) for store in self.stores]
         for cache in self.caches:
             cache.remove(key)

@@ -5,9 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from kvfuse.store import KVStore
+    from kvfuse.store.check import CheckReport
+    from kvfuse.store.convert import ConvertReport
+
+T = TypeVar("T")
+R = TypeVar("R", bound="_Report")
 
 
-def _on_store(run, *, readonly: bool = False):
+class _Report(Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def _on_store(run: Callable[[KVStore], T], *, readonly: bool = False) -> T | None:
     """`run(store)` on the configured store; None once the error is printed when the store cannot be used."""
     from kvfuse.config import get_settings
     from kvfuse.store import KVStore, StoreError
@@ -20,7 +34,7 @@ def _on_store(run, *, readonly: bool = False):
         return None
 
 
-def _print_report(rep, as_json: bool, as_text) -> None:
+def _print_report(rep: R, as_json: bool, as_text: Callable[[R], None]) -> None:
     if as_json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -45,7 +59,7 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if (not rep.problems or args.repair) else 1
 
 
-def _print_check(rep, repaired: bool) -> None:
+def _print_check(rep: CheckReport, repaired: bool) -> None:
     objects = f", {rep.objects} objects in the object store" if rep.objects else ""
     print(f"{rep.documents} documents, {rep.chunks} chunk blobs{objects}")
     if rep.evicted:  # not a problem: rebuilt from their tokens or read from a lower tier when queried
@@ -85,7 +99,7 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_convert(rep, configured: str) -> None:
+def _print_convert(rep: ConvertReport, configured: str) -> None:
     ratio = f" ({rep.bytes_after / rep.bytes_before:.3f}x the bytes)" if rep.bytes_before else ""
     print(f"converted {rep.converted} chunk blobs to {rep.kv_dtype}{ratio} in {rep.seconds:.1f} s; "
           f"{rep.remaining} left (run it again to go on)")
@@ -97,7 +111,7 @@ def _print_convert(rep, configured: str) -> None:
               f"{rep.kv_dtype} too. Chunks in either format are read.")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add this package's subcommands; import nothing heavy here."""
     store = sub.add_parser("store", help="KV store maintenance")
     ssub = store.add_subparsers(dest="store_command", metavar="ACTION", required=True)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any
 
 import lmdb
 
@@ -51,7 +53,7 @@ class ConvertReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (key, why)
     seconds: float = 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -100,7 +102,7 @@ def convert_store(store: KVStore, kv_dtype: str, *, batch: int = 16, limit: int 
             else:
                 converted.append(got)
         seen += take
-        moved, skipped = store.env.write(lambda txn, c=converted: _swap(store, txn, c))
+        moved, skipped = store.env.write(partial(_swap, store, batch=converted))
         store.chunks.evict([c.old for c in moved])
         if store.objects is not None:
             store.objects.retry_pending()  # what an outage leaves pending is retried in the background
@@ -154,7 +156,7 @@ def _swap(store: KVStore, txn: lmdb.Transaction, batch: list[_Converted]
             skipped.append((c.old, "deleted meanwhile"))
             continue
         blobs.write(txn, c.new, c.blob, c.tokens)
-        kvblob.verify_blob(txn.get(c.new.encode(), db=store.env.db("chunks")))  # what was written reads back
+        kvblob.verify_blob(txn.get(c.new.encode(), db=store.env.db("chunks")) or b"")  # what was written reads back
         for owner in owners:
             txn.put(c.new.encode(), owner, db=refs, dupdata=True)
             txn.delete(c.old.encode(), owner, db=refs)

@@ -138,15 +138,17 @@ class LRU(EvictionPolicy):
         return None
 
 
+Score = tuple[float, ...]  # a heap key: the entry with the smallest score is evicted first
+
 class _ScoreHeap(EvictionPolicy):
     """A min-heap of scores with lazy deletion: an entry is live while its score is the key's current one."""
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
-        self._score: dict[str, tuple] = {}
-        self._heap: list[tuple[tuple, str]] = []
+        self._score: dict[str, Score] = {}
+        self._heap: list[tuple[Score, str]] = []
 
-    def _set(self, key: str, score: tuple) -> None:
+    def _set(self, key: str, score: Score) -> None:
         self._score[key] = score
         heapq.heappush(self._heap, (score, key))
 
@@ -174,7 +176,7 @@ class _ScoreHeap(EvictionPolicy):
             heapq.heapify(self._heap)
         return found
 
-    def _taken(self, key: str, score: tuple) -> None:  # noqa: B027 - the cost-aware policy ages on it
+    def _taken(self, key: str, score: Score) -> None:  # noqa: B027 - the cost-aware policy ages on it
         pass
 
 
@@ -202,7 +204,7 @@ class LFU(_ScoreHeap):
         super()._remove(key, nbytes)
         del self._reads[key]
 
-    def _taken(self, key: str, score: tuple) -> None:
+    def _taken(self, key: str, score: Score) -> None:
         del self._reads[key]
 
 
@@ -240,7 +242,7 @@ class CostAware(_ScoreHeap):
         super()._remove(key, nbytes)
         del self._reads[key], self._cost[key]
 
-    def _taken(self, key: str, score: tuple) -> None:
+    def _taken(self, key: str, score: Score) -> None:
         self.clock = max(self.clock, score[0])
         del self._reads[key], self._cost[key]
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from kvfuse.store.chunk_store import ChunkStore, Entry, slice_blocks
+from kvfuse.kvblob import ChunkEntry
+from kvfuse.store.chunk_store import ChunkStore, slice_blocks
 
 
 class HotTier(ChunkStore):
@@ -24,12 +25,12 @@ class HotTier(ChunkStore):
         self.budget_bytes = budget_bytes
         self.device = device
         self.name = name
-        self._items: OrderedDict[str, tuple[Entry, int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[ChunkEntry, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.evictions = 0
 
-    def get(self, key: str) -> Entry | None:
+    def get(self, key: str) -> ChunkEntry | None:
         with self._lock:
             item = self._items.get(key)
             if item is None:
@@ -39,7 +40,7 @@ class HotTier(ChunkStore):
             self.hits += 1
             return item[0]
 
-    def get_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
+    def get_blocks(self, key: str, blocks: list[int]) -> tuple[ChunkEntry, int] | None:
         """The blocks sliced out of the decoded chunk: nothing is read from storage (0 bytes)."""
         entry = self.get(key)
         return None if entry is None else (slice_blocks(entry, blocks), 0)
@@ -53,14 +54,14 @@ class HotTier(ChunkStore):
             item = self._items.get(key)
             return None if item is None else item[1]
 
-    def put(self, key: str, entry: Entry) -> bool:
+    def put(self, key: str, entry: ChunkEntry) -> bool:
         """Keep `entry`; False when it alone exceeds the budget (then it is not kept)."""
-        size = entry[0].nbytes + entry[1].nbytes
+        size = entry.k.nbytes + entry.v.nbytes
         if size > self.budget_bytes:
             return False
         if self.device is not None:  # from page-locked memory the copy is asynchronous: ordered on the stream
             k, v, header = entry
-            entry = (k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True), header)
+            entry = ChunkEntry(k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True), header)
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
@@ -85,7 +86,7 @@ class HotTier(ChunkStore):
             self._items.clear()
             self._bytes = 0
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         with self._lock:
             n = self.name
             return {

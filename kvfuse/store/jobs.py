@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 import lmdb
 
@@ -43,7 +44,7 @@ class JobRecord:
     document_id: str
     status: str = "pending"  # pending | processing | indexing | ready | failed | cancelled
     error: str | None = None
-    metadata: dict = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
     collection: str = DEFAULT_COLLECTION
     text: str = ""  # kept until the job finishes: a restart runs the job again from it
     created_at: float = 0.0

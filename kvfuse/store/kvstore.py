@@ -16,13 +16,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
+import lmdb
 from torch import Tensor
 
 from kvfuse import kvblob
 from kvfuse.config import Settings
+from kvfuse.kvblob import ChunkEntry
 from kvfuse.store.catalog import DocumentCatalog
-from kvfuse.store.chunk_store import ChunkStore, Entry, TieredStore
+from kvfuse.store.chunk_store import ChunkStore, TieredStore
 from kvfuse.store.hot_tier import HotTier
 from kvfuse.store.index import DocumentIndex, EmbeddedIndex
 from kvfuse.store.jobs import JobStore
@@ -59,6 +62,7 @@ class KVStore:
         # (object_tier.py), before rebuilding a chunk. A fleet's API reads no chunk: its object tier only
         # deletes the objects no document uses.
         caches = (self.hot,) if self.device_tier is None else (self.device_tier, self.hot)
+        self.caches: tuple[HotTier, ...] = caches  # the TieredStore's caches, by their own class
         lower = [t for t in (shared, objects) if t is not None] if keep_blobs else []
         self.chunks = TieredStore(*caches, self.blobs, *lower, caches=len(caches))
         self.catalog = DocumentCatalog(
@@ -116,7 +120,7 @@ class KVStore:
         self.chunks.close()
         if self.objects is not None:
             self.objects.close()
-        for cache in self.chunks.caches:
+        for cache in self.caches:
             cache.clear()
         self.catalog.close()
         self.env.close()
@@ -151,7 +155,7 @@ class KVStore:
             if kvblob.read_header(blob).key != key:
                 raise ValueError(f"blob belongs under key {kvblob.read_header(blob).key}, not {key}")
 
-        def fn(txn: object) -> list[str]:
+        def fn(txn: lmdb.Transaction) -> list[str]:
             return [key for key, blob in rows if self.catalog.referenced(txn, key)
                     and self.blobs.write(txn, key, blob, kvblob.read_header(blob).num_tokens)]
 
@@ -183,16 +187,16 @@ class KVStore:
         self.catalog.chunk_stored(key)
         return True
 
-    def load_chunk(self, key: str) -> Entry | None:
+    def load_chunk(self, key: str) -> ChunkEntry | None:
         """(k, v, header) from the first tier that has it (kvfuse.store.chunk_store); None = miss. Raises
         CorruptBlobError (rebuild it from the chunk's token ids)."""
         return self.chunks.get(key)
 
-    def load_chunks(self, keys: Sequence[str]) -> list[Entry | None | kvblob.CorruptBlobError]:
+    def load_chunks(self, keys: Sequence[str]) -> list[ChunkEntry | None | kvblob.CorruptBlobError]:
         """`load_chunk` of every key, read on `store.read_threads` threads (the copy out of the memory map
         and its checksum release the GIL, so reads from LMDB overlap): per key its entry, None (a miss)
         or the CorruptBlobError its read raised, in order."""
-        def read(key: str) -> Entry | None | kvblob.CorruptBlobError:
+        def read(key: str) -> ChunkEntry | None | kvblob.CorruptBlobError:
             try:
                 return self.chunks.get(key)
             except kvblob.CorruptBlobError as err:
@@ -233,7 +237,7 @@ class KVStore:
         if fingerprint != self.model_fingerprint():
             self.env.write(lambda txn: txn.put(b"model_fingerprint", fingerprint.encode(), db=self.env.db("meta")))
 
-    def load_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
+    def load_blocks(self, key: str, blocks: list[int]) -> tuple[ChunkEntry, int] | None:
         """((k, v, header) of the tokens of `blocks` only, bytes read from storage); None = miss. Raises
         CorruptBlobError."""
         return self.chunks.get_blocks(key, blocks)
@@ -246,7 +250,7 @@ class KVStore:
     def put_document(self, doc: DocumentRecord, text: str | None = None) -> None:
         self.catalog.put_document(doc, text)
 
-    def set_status(self, doc_id: str, status: str, *, error: str | None = None, **fields: object) -> None:
+    def set_status(self, doc_id: str, status: str, *, error: str | None = None, **fields: Any) -> None:
         self.catalog.set_status(doc_id, status, error=error, **fields)
 
     def get_document(self, doc_id: str) -> DocumentRecord | None:
@@ -262,20 +266,20 @@ class KVStore:
     def delete_document(self, doc_id: str) -> bool:
         return self.catalog.delete_document(doc_id)
 
-    def rebuild_index(self) -> dict:
+    def rebuild_index(self) -> dict[str, int | str]:
         return self.catalog.rebuild_index()
 
     def tier_levels(self) -> dict[str, int]:
         """Per tier, the bytes it holds and its evictions so far (`bytes:<tier>`, `evictions:<tier>`; the
         kvfuse_kv_tier_bytes / _evictions_total metrics). The shared tier's are the whole fleet's."""
         out: dict[str, int] = {}
-        for cache in self.chunks.caches:
+        for cache in self.caches:
             st = cache.stats()
             out[f"bytes:{cache.name}"], out[f"evictions:{cache.name}"] = st[f"{cache.name}_bytes"], st[f"{cache.name}_evictions"]
         with self.env.read() as txn:
             out["bytes:lmdb"] = self.blobs.kv_bytes(txn)
         out["evictions:lmdb"] = self.blobs.budget.evictions if self.blobs.budget is not None else 0
-        if self.shared is not None and hasattr(self.shared, "used_bytes"):
+        if self.shared is not None and hasattr(self.shared, "used_bytes") and hasattr(self.shared, "evictions"):
             try:
                 out[f"bytes:{self.shared.name}"] = self.shared.used_bytes()
                 out[f"evictions:{self.shared.name}"] = self.shared.evictions()
@@ -284,17 +288,18 @@ class KVStore:
         return out
 
     # --- housekeeping
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int | str]:
         with self.env.read() as txn:
-            out = {
+            out: dict[str, int | str] = {
                 "documents": self.catalog.count(txn),
                 "chunks": self.blobs.count(txn),
                 "kv_bytes": self.blobs.kv_bytes(txn),
             }
         if self.blobs.budget is not None:
             out |= self.blobs.budget.stats()
-        out |= {"index": self.catalog.index.kind} | self.env.sizes()
-        for cache in self.chunks.caches:
+        out |= {"index": self.catalog.index.kind}
+        out |= self.env.sizes()
+        for cache in self.caches:
             out |= cache.stats()
         if self.objects is not None:
             out |= self.objects.stats()

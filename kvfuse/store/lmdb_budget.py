@@ -96,7 +96,7 @@ class LmdbBudget:
                     if self._pins[k] <= 0:
                         del self._pins[k]
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int | str]:
         with self._lock:
             return {"lmdb_budget_bytes": self.budget_bytes, "lmdb_evictions": self.evictions,
                     "lmdb_evicted_bytes": self.evicted_bytes, "lmdb_policy": self.policy.name}

@@ -29,6 +29,7 @@ from dataclasses import replace
 import lmdb
 
 from kvfuse.kvblob import (
+    ChunkEntry,
     CorruptBlobError,
     KVHeader,
     decode,
@@ -38,7 +39,7 @@ from kvfuse.kvblob import (
     read_header,
     verify_blob,
 )
-from kvfuse.store.chunk_store import ChunkStore, Entry, slice_blocks
+from kvfuse.store.chunk_store import ChunkStore, slice_blocks
 from kvfuse.store.lmdb_budget import LmdbBudget
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.records import ChunkInfo
@@ -78,13 +79,13 @@ class LmdbTier(ChunkStore):
         with self.env.read() as txn:
             return self.stored(txn, key)
 
-    def get(self, key: str) -> Entry | None:
+    def get(self, key: str) -> ChunkEntry | None:
         with self.env.read() as txn:
             buf = txn.get(key.encode(), db=self._blobs)
             if buf is None:
                 return None
             entry = decode(buf, verify=self._verify, copy=True, pin=self._pin)  # the one copy, before the txn ends
-        check_key(key, entry[2].key)
+        check_key(key, entry.header.key)
         if self.budget is not None:
             self.budget.accessed(key)
         return entry
@@ -106,7 +107,7 @@ class LmdbTier(ChunkStore):
             entry = self.get(bytes(first).decode())
         except CorruptBlobError:
             return None
-        return (None if entry is None else (entry[0].nbytes + entry[1].nbytes, time.perf_counter() - t0))
+        return (None if entry is None else (entry.k.nbytes + entry.v.nbytes, time.perf_counter() - t0))
 
     def fingerprint(self, key: str) -> str | None:
         """The model fingerprint in the blob's header, read without its payload (None: absent or unreadable)."""
@@ -119,7 +120,7 @@ class LmdbTier(ChunkStore):
             except CorruptBlobError:
                 return None
 
-    def get_blocks(self, key: str, blocks: list[int]) -> tuple[Entry, int] | None:
+    def get_blocks(self, key: str, blocks: list[int]) -> tuple[ChunkEntry, int] | None:
         """Copy only the blocks' bytes out of the memory map (each block checked against its checksum); a
         version-1 blob has no blocks, so it is read whole and sliced."""
         with self.env.read() as txn:
@@ -129,11 +130,11 @@ class LmdbTier(ChunkStore):
             header = read_header(buf)
             if header.block_tokens:
                 entry = read_blocks(buf, blocks, verify=self._verify)
-                nbytes = entry[0].nbytes + entry[1].nbytes
+                nbytes = entry.k.nbytes + entry.v.nbytes
             else:
                 full = decode(buf, verify=self._verify, copy=True)
                 entry, nbytes = slice_blocks(full, blocks), header.payload_bytes
-        check_key(key, entry[2].key)
+        check_key(key, entry.header.key)
         if self.budget is not None:
             self.budget.accessed(key)
         return entry, nbytes
@@ -147,7 +148,7 @@ class LmdbTier(ChunkStore):
         check_key(key, header.key)
         return header
 
-    def put(self, key: str, entry: Entry) -> bool:
+    def put(self, key: str, entry: ChunkEntry) -> bool:
         """Store the chunk; False if a valid copy is already there (a corrupt one is replaced)."""
         k, v, header = entry
         if header.key != key:
@@ -273,7 +274,7 @@ class LmdbTier(ChunkStore):
         found = [self.info(txn, k) for k in dict.fromkeys(keys)]
         return [i for i in found if i is not None and (i.evicted_at or self.stored(txn, i.key))]
 
-    def scan(self, txn: lmdb.Transaction) -> Iterator[tuple[str, memoryview]]:
+    def scan(self, txn: lmdb.Transaction) -> Iterator[tuple[str, bytes | memoryview]]:
         """(key, blob) of every stored chunk; the blobs are views valid inside the transaction only."""
         for kb, blob in txn.cursor(db=self._blobs):
             yield bytes(kb).decode(), blob

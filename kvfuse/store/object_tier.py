@@ -34,8 +34,8 @@ from collections.abc import Callable
 
 import lmdb
 
-from kvfuse.kvblob import CorruptBlobError, decode, pack
-from kvfuse.store.chunk_store import ChunkStore, Entry
+from kvfuse.kvblob import ChunkEntry, CorruptBlobError, decode, pack
+from kvfuse.store.chunk_store import ChunkStore
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.s3_client import ObjectStoreError, S3Client
 
@@ -66,7 +66,7 @@ class ObjectTier(ChunkStore):
         self._thread: threading.Thread | None = None
         # Set by KVStore: the host's own copy of a chunk (re-uploads), and whether a chunk is in use
         # (referenced or stored) inside a transaction (deletes).
-        self.local_copy: Callable[[str], Entry | None] = lambda key: None
+        self.local_copy: Callable[[str], ChunkEntry | None] = lambda key: None
         self.in_use: Callable[[lmdb.Transaction, str], bool] = lambda txn, key: True
 
     # --- availability
@@ -94,7 +94,7 @@ class ObjectTier(ChunkStore):
             self._failed("head", err)
             return False
 
-    def get(self, key: str) -> Entry | None:
+    def get(self, key: str) -> ChunkEntry | None:
         if not self.available():
             self._count("misses")
             return None
@@ -109,15 +109,15 @@ class ObjectTier(ChunkStore):
             return None
         try:
             entry = decode(blob, verify=self._verify, copy=True)
-            if entry[2].key != key:
-                raise CorruptBlobError(f"object {key} holds the blob of {entry[2].key}")
+            if entry.header.key != key:
+                raise CorruptBlobError(f"object {key} holds the blob of {entry.header.key}")
         except CorruptBlobError:
             self._count("corrupt")
             raise
         self._count("hits")
         return entry
 
-    def put(self, key: str, entry: Entry) -> bool:
+    def put(self, key: str, entry: ChunkEntry) -> bool:
         """Upload the chunk, listed as pending until the PUT is answered; False if it was there already
         (a HEAD first: content-addressed, so the object there is this chunk) or stays pending."""
         k, v, header = entry
@@ -271,7 +271,7 @@ class ObjectTier(ChunkStore):
             self._thread.join(10)
             self._thread = None
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         with self._lock:
             out = {f"object_{k}": v for k, v in self.counters.items()}
         return out | {"object_pending": len(self.listed("pending")), "object_orphans": len(self.listed("orphans"))}

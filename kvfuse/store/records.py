@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from kvfuse.config import DEFAULT_COLLECTION
 
@@ -20,7 +22,7 @@ STAGING_PREFIX = "~"
 class DocumentRecord:
     id: str
     status: str = "pending"  # pending | processing | ready | failed
-    metadata: dict = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
     chunk_keys: list[str] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     # per chunk, the hash of the context its KV was computed after (kvblob.context_hash); [] = all alone
@@ -29,7 +31,7 @@ class DocumentRecord:
     # `store.precompute_at: first_use`, or evicted) is computed after the same context as at ingestion:
     # {"span": [a, b]} (tokens a..b of this document), {"ids": [...]} (the tokens themselves), {} (alone).
     # [] = not recorded (a record from before it): kvfuse/service/rag/precompute_context.py, `recorded`
-    chunk_context_src: list[dict] = field(default_factory=list)
+    chunk_context_src: list[dict[str, Any]] = field(default_factory=list)
     # when its chunks' KV is computed (`store.precompute_at`): "ingest" (all stored before `ready`) or
     # "first_use" (each the first time a query needs it, or ahead through POST .../precompute)
     precompute_at: str = "ingest"
@@ -55,7 +57,7 @@ class DocumentRecord:
         return cls.from_dict(json.loads(bytes(raw) if isinstance(raw, memoryview) else raw))
 
     @classmethod
-    def from_dict(cls, d: dict) -> DocumentRecord:
+    def from_dict(cls, d: dict[str, Any]) -> DocumentRecord:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -73,12 +75,12 @@ class ChunkInfo:
     # its token ids or read from a lower tier (docs/DESIGN.md, "Bounded tiers")
     evicted_at: float = 0.0
 
-    def to_json(self) -> bytes:
+    def to_json(self) -> builtins.bytes:
         d = {"tokens": self.tokens, "bytes": self.bytes, "created_at": self.created_at}
         return json.dumps(d | ({"evicted_at": self.evicted_at} if self.evicted_at else {})).encode()
 
     @classmethod
-    def from_json(cls, key: str, raw: bytes | memoryview) -> ChunkInfo:
+    def from_json(cls, key: str, raw: builtins.bytes | memoryview) -> ChunkInfo:
         d = json.loads(bytes(raw))
         return cls(key=key, tokens=d["tokens"], bytes=d["bytes"], created_at=d["created_at"],
                    evicted_at=d.get("evicted_at", 0.0))

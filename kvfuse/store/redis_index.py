@@ -20,11 +20,16 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from kvfuse.store.errors import IndexUnavailableError, StoreError
 from kvfuse.store.index import IndexMirror, IndexSnapshot
 from kvfuse.store.records import ChunkInfo, DocumentRecord
 from kvfuse.store.redis_access import RedisAccess
+
+if TYPE_CHECKING:
+    from redis.client import Pipeline
+    from redis.typing import EncodableT
 
 REDIS_LAYOUT = "2"  # bump when the key layout changes: a mismatch triggers a rebuild
 _BATCH = 500  # commands per pipeline round trip during a rebuild
@@ -66,14 +71,14 @@ class RedisIndex(IndexMirror):
             raise StoreError(f"Redis index at {self.url} failed ({what}): {err}") from err
 
     @staticmethod
-    def _encode(doc: DocumentRecord) -> dict[str, str]:
+    def _encode(doc: DocumentRecord) -> dict[EncodableT, EncodableT]:
         return {name: json.dumps(getattr(doc, name)) for name in _DOC_FIELDS}
 
     @staticmethod
     def _decode(h: dict[str, str]) -> DocumentRecord | None:
         return DocumentRecord.from_dict({k: json.loads(v) for k, v in h.items()}) if h else None
 
-    def _write_doc(self, pipe, doc: DocumentRecord, old_collection: str | None = None) -> None:
+    def _write_doc(self, pipe: Pipeline, doc: DocumentRecord, old_collection: str | None = None) -> None:
         key = self._k("doc", doc.id)
         pipe.delete(key)  # no stale fields survive an overwrite
         pipe.hset(key, mapping=self._encode(doc))
@@ -84,14 +89,14 @@ class RedisIndex(IndexMirror):
         for ck in doc.chunk_keys:
             pipe.sadd(self._k("owners", ck), doc.id)
 
-    def _write_chunk(self, pipe, info: ChunkInfo) -> None:
+    def _write_chunk(self, pipe: Pipeline, info: ChunkInfo) -> None:
         pipe.hset(
             self._k("chunk", info.key),
             mapping={"tokens": info.tokens, "bytes": info.bytes, "created_at": info.created_at},
         )
         pipe.sadd(self._k("chunks"), info.key)
 
-    def _remove_chunks(self, pipe, keys: Iterable[str]) -> None:
+    def _remove_chunks(self, pipe: Pipeline, keys: Iterable[str]) -> None:
         for ck in keys:
             pipe.delete(self._k("chunk", ck), self._k("owners", ck))
             pipe.srem(self._k("chunks"), ck)
@@ -104,7 +109,7 @@ class RedisIndex(IndexMirror):
     def needs_rebuild(self, store_id: str) -> bool:
         with self._guard("read meta"):
             meta = self._client.hgetall(self._k("meta"))
-        return meta.get("store_id") != store_id or meta.get("layout") != REDIS_LAYOUT
+        return bool(meta.get("store_id") != store_id or meta.get("layout") != REDIS_LAYOUT)
 
     def _delete_namespace(self) -> None:
         # Only this namespace's keys: the server may hold other data (never FLUSHDB).

@@ -13,14 +13,17 @@ from __future__ import annotations
 import lmdb
 
 from kvfuse.store.chunk_store import ChunkStore
+from kvfuse.store.lmdb_budget import LmdbBudget
+from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.lmdb_tier import LmdbTier
 
 
 class RemoteBlobs(LmdbTier):
     name = "remote"
 
-    def __init__(self, *args: object, shared: ChunkStore | None = None, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, env: LmdbEnv, *, verify: bool = True, pin: bool = False, budget: LmdbBudget | None = None,
+                 shared: ChunkStore | None = None) -> None:
+        super().__init__(env, verify=verify, pin=pin, budget=budget)
         self.shared = shared
 
     def stored(self, txn: lmdb.Transaction, key: str) -> bool:

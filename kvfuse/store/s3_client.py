@@ -18,9 +18,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kvfuse.store.errors import StoreError
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig, S3Config
 
 
 class ObjectStoreError(StoreError):
@@ -87,17 +90,17 @@ class ObstoreClient:
 
         self._ob = obstore
         self.location = S3Location.parse(cfg.url)
-        config: dict[str, Any] = {"region": cfg.region, "virtual_hosted_style_request": not cfg.path_style}
+        config: S3Config = {"region": cfg.region, "virtual_hosted_style_request": not cfg.path_style}
         if cfg.endpoint:
             config["endpoint"] = cfg.endpoint
-        config |= credentials(cfg)
-        options: dict[str, Any] = {"timeout": f"{cfg.timeout_s}s", "connect_timeout": f"{min(cfg.timeout_s, 5.0)}s",
+        config |= cast("S3Config", credentials(cfg))  # its keys are S3Config keys
+        options: ClientConfig = {"timeout": f"{cfg.timeout_s}s", "connect_timeout": f"{min(cfg.timeout_s, 5.0)}s",
                                    "allow_http": cfg.endpoint.startswith("http://")}
         if cfg.ca_file:
             options["root_certificate"] = Path(cfg.ca_file).read_bytes()
         # Few retries: a read that fails is recomputed and a write is retried by the tier, so waiting long
         # for an object store that is down only delays the query.
-        retry = {"max_retries": 1, "retry_timeout": timedelta(seconds=cfg.timeout_s)}
+        retry: RetryConfig = {"max_retries": 1, "retry_timeout": timedelta(seconds=cfg.timeout_s)}
         self._store = S3Store(self.location.bucket, prefix=self.location.prefix or None, config=config,
                               client_options=options, retry_config=retry)
 
@@ -170,7 +173,8 @@ class Boto3Client:
         from botocore.exceptions import ClientError
 
         try:
-            return self._client.get_object(Bucket=self.location.bucket, Key=self._name(key))["Body"].read()
+            body: bytes = self._client.get_object(Bucket=self.location.bucket, Key=self._name(key))["Body"].read()
+            return body
         except self._missing:
             return None
         except ClientError as err:
@@ -206,4 +210,4 @@ CLIENTS = {"obstore": ObstoreClient, "boto3": Boto3Client}
 
 def open_client(cfg: Any, kind: str = "obstore") -> S3Client:
     """The client of `cfg` (the object_store settings) of `kind`."""
-    return CLIENTS[kind](cfg)
+    return cast(S3Client, CLIENTS[kind](cfg))

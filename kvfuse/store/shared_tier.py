@@ -37,8 +37,8 @@ import threading
 import time
 import uuid
 
-from kvfuse.kvblob import CorruptBlobError, decode, pack
-from kvfuse.store.chunk_store import ChunkStore, Entry
+from kvfuse.kvblob import ChunkEntry, CorruptBlobError, decode, pack
+from kvfuse.store.chunk_store import ChunkStore
 from kvfuse.store.errors import IndexUnavailableError
 from kvfuse.store.eviction_policy import SMALL_SHARE
 from kvfuse.store.redis_access import RedisAccess
@@ -186,7 +186,7 @@ class RedisTier(ChunkStore):
             return None
         return None if raw is None else json.loads(raw).get("bytes")
 
-    def get(self, key: str) -> Entry | None:
+    def get(self, key: str) -> ChunkEntry | None:
         keys = self._keys(key)
         try:
             got = self._get(keys=[keys[0], keys[1], keys[6]], args=[key])
@@ -207,13 +207,13 @@ class RedisTier(ChunkStore):
         except CorruptBlobError:
             self._count("corrupt")
             raise
-        if entry[2].key != key:
+        if entry.header.key != key:
             self._count("corrupt")
-            raise CorruptBlobError(f"shared blob stored under {key} belongs under {entry[2].key}")
+            raise CorruptBlobError(f"shared blob stored under {key} belongs under {entry.header.key}")
         self._count("hits")
         return entry
 
-    def put(self, key: str, entry: Entry) -> bool:
+    def put(self, key: str, entry: ChunkEntry) -> bool:
         k, v, header = entry
         if header.key != key:
             raise ValueError(f"blob belongs under key {header.key}, not {key}")
@@ -274,7 +274,7 @@ class RedisTier(ChunkStore):
         """Chunks evicted from this tier by every host's puts."""
         return int(self._r.get(self._keys("")[9]) or 0)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         with self._lock:
             return {f"shared_{k}": v for k, v in self.counters.items()}
 

@@ -41,8 +41,8 @@ def test_a_hit_in_lmdb_is_written_back_to_the_hot_tier(envs) -> None:
     key, entry = _entry(1)
     assert tiers.put(key, entry) and lmdb.contains(key) and not hot.contains(key)  # puts skip the cache
     first = tiers.get(key)
-    assert torch.equal(first[0], entry[0]) and hot.contains(key)
-    assert tiers.get(key)[0] is first[0]  # now served by the hot tier, the same tensors
+    assert isinstance(first, kvblob.ChunkEntry) and torch.equal(first.k, entry.k) and hot.contains(key)
+    assert tiers.get(key).k is first.k  # now served by the hot tier, the same tensors
     assert (hot.stats()["hot_hits"], hot.stats()["hot_misses"]) == (1, 1)
     assert tiers.get("0" * 64) is None
 
@@ -90,7 +90,7 @@ def test_a_put_replaces_the_cached_copy_and_a_corrupt_blob_is_an_error(envs) -> 
     with pytest.raises(CorruptBlobError):
         tiers.get(key)
     assert not hot.contains(key)
-    assert tiers.put(key, entry) and torch.equal(tiers.get(key)[0], entry[0])  # the corrupt blob is replaced
+    assert tiers.put(key, entry) and torch.equal(tiers.get(key).k, entry.k)  # the corrupt blob is replaced
 
 
 def test_put_kv_encodes_keys_and_stores_a_chunk(settings_factory) -> None:

@@ -13,7 +13,7 @@ from kvfuse.store.hot_tier import HotTier
 def _entry(nbytes: int):
     k = torch.zeros(nbytes // 2, dtype=torch.uint8)
     h = kvblob.KVHeader(1, "m", "float16", 1, 1, 1, 1, "t", "rope0", "crc32:0")
-    return (k, k.clone(), h)  # k + v = nbytes
+    return kvblob.ChunkEntry(k, k.clone(), h)  # k + v = nbytes
 
 
 def test_lru_by_bytes_with_counters() -> None:

@@ -71,7 +71,7 @@ def test_a_corrupted_byte_on_disk_raises_and_put_replaces_it(store: KVStore) -> 
     with pytest.raises(CorruptBlobError, match="checksum"):
         store.load_chunk(key)
     assert store.put_chunk(key, blob) is True  # the rebuilt blob replaces the corrupt one
-    assert torch.equal(store.load_chunk(key)[0], k.half())
+    assert torch.equal(store.load_chunk(key).k, k.half())
 
 
 def test_shared_chunk_is_stored_once_and_kept_until_its_last_document_goes(store: KVStore) -> None:

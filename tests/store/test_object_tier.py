@@ -201,7 +201,7 @@ def test_an_outage_fails_nothing_and_the_store_serves_again_when_back(seaweedfs,
         a.objects._down_until = 0.0  # past the back-off (BACKOFF_S), without sleeping it out
         b.objects._down_until = 0.0
         assert a.objects.retry_pending() == 1 and a.objects.listed("pending") == {}
-        assert b.load_chunk(up)[2].key == up and b.load_chunk(down)[2].key == down
+        assert b.load_chunk(up).header.key == up and b.load_chunk(down).header.key == down
         assert b.chunks.hits["object"] == 2
     finally:
         a.close()

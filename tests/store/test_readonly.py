@@ -30,7 +30,7 @@ def test_existing_store_on_readonly_storage(readonly_dir, settings_factory) -> N
         KVStore.open(settings_factory(data_dir=ro / "data"))
     if os.geteuid() == 0:  # a read-only filesystem: LMDB reads without its lock file
         with KVStore.open(settings_factory(data_dir=ro / "data"), readonly=True) as store:
-            assert torch.equal(store.load_chunk(key)[0], k.half())
+            assert torch.equal(store.load_chunk(key).k, k.half())
             assert store.get_document("d").chunk_keys == [key]
             with pytest.raises(StoreReadOnlyError, match="read-only"):
                 store.put_chunk(key, blob)

@@ -39,7 +39,7 @@ def test_a_blob_without_its_metadata_is_never_read(redis_url, redis_namespace) -
     # What a writer that died between the two keys would leave (the real put writes both in one script).
     redis.Redis.from_url(redis_url).set(f"{redis_namespace}:kv:blob:{key}", blob[: len(blob) // 2])
     assert not tier.contains(key) and tier.get(key) is None
-    assert tier.put(key, kvblob.decode(blob)) and tier.get(key)[2].key == key
+    assert tier.put(key, kvblob.decode(blob)) and tier.get(key).header.key == key
 
 
 def test_when_full_the_tier_evicts_by_s3fifo_as_the_policy_does(redis_url, redis_namespace) -> None:
@@ -55,7 +55,7 @@ def test_when_full_the_tier_evicts_by_s3fifo_as_the_policy_does(redis_url, redis
         key, blob = blobs[min(int(rng.paretovariate(1.0)) - 1, 23) if step % 3 else rng.randrange(24)]
         if key in ref:
             ref.access(key)
-            assert tier.get(key)[2].key == key
+            assert tier.get(key).header.key == key
         else:
             ref.victims(ref.bytes + size - cap)
             ref.insert(key, size)
@@ -94,7 +94,7 @@ def test_a_worker_store_reads_the_shared_tier_and_writes_the_hit_back(settings_f
         assert a.has_chunk(key)
     with KVStore.open(host_b, shared=_tier(redis_url, redis_namespace)) as b:
         assert not b.has_chunk(key)
-        assert b.load_chunk(key)[2].key == key
+        assert b.load_chunk(key).header.key == key
         assert b.chunks.hits["shared"] == 1 and b.has_chunk(key)  # written back into B's LMDB
         b.hot.clear()
         assert b.load_chunk(key) is not None and b.chunks.hits["lmdb"] == 1
@@ -116,7 +116,7 @@ def test_redis_at_maxmemory_refuses_and_nothing_else_is_evicted(tmp_path) -> Non
             else:
                 refused += 1
         assert stored and refused and tier.counters["full"] == refused and tier.counters["evictions"] == 0
-        assert all(tier.get(k)[2].key == k for k in stored)
+        assert all(tier.get(k).header.key == k for k in stored)
     finally:
         proc.terminate()
         proc.wait(10)

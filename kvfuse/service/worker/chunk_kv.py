@@ -18,10 +18,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfuse.config import Settings
 from kvfuse.service.worker import reload_policy as policy
+
+if TYPE_CHECKING:
+    from kvfuse.kvblob import ChunkEntry, CorruptBlobError
 
 log = logging.getLogger("kvfuse.worker")
 
@@ -191,7 +194,7 @@ class ChunkCache:
         self.last_reads |= self.store.tier_levels()
         return out
 
-    def _decoded(self, key: str, token_ids: list[int], hit: Any) -> Any:
+    def _decoded(self, key: str, token_ids: list[int], hit: ChunkEntry | CorruptBlobError | None) -> Any:
         """A read's ChunkKV; None where it must be computed instead: a miss, a damaged blob, another model's
         KV (a key from elsewhere: never fused) or a blob that does not match the chunk's tokens."""
         from kvfuse import kvblob

@@ -9,6 +9,8 @@ import json
 import signal
 import threading
 import time
+import uuid
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -25,10 +27,23 @@ QUESTIONS = ["What did Bronnie Ware make a list of?", "What is an NFT?", "How do
              "Why do people regret things?", "What makes a good essay?", "What is a token?"]
 
 
-@pytest.fixture
-def fleet(tmp_path, redis_url, redis_namespace, essays3):
-    """Workers a and b, then the API; essays3 ingested through the fleet."""
-    env = {**fleet_env(redis_url, redis_namespace), **SMALL}
+@pytest.fixture(scope="module")
+def fleet_namespace(_session_redis: str) -> Iterator[str]:
+    """A namespace for the module's fleet; every key under it is deleted after the module."""
+    ns = f"kvfuse-test-{uuid.uuid4().hex[:12]}"
+    yield ns
+    client = redis.Redis.from_url(_session_redis)
+    for key in client.scan_iter(match=f"{ns}:*", count=1000):
+        client.delete(key)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, _session_redis, fleet_namespace, essays3):
+    """Workers a and b, then the API; essays3 ingested through the fleet. One fleet for the module's tests
+    that take it: each leaves both workers and the API serving (a killed worker rejoins, a killed API is
+    started again) and no job pending."""
+    tmp_path = tmp_path_factory.mktemp("fleet")
+    env = {**fleet_env(_session_redis, fleet_namespace), **SMALL}
     workers = {n: WorkerProcess(n, tmp_path, **env).start() for n in ("a", "b")}
     api = None
     try:
