@@ -116,12 +116,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     a.legend()
     a.grid(alpha=0.3)
     tiers = sorted({t for v in s["hit_rate"].values() for t in v})
-    for i, name in enumerate(("local", "tiered")):
-        bottom = 0.0
-        for t in tiers:
-            v = s["hit_rate"][name].get(t, 0.0)
-            b.bar(i, v, bottom=bottom, label=t if i == 0 or t not in s["hit_rate"]["local"] else None)
-            bottom += v
+    tier_colors = dict(zip(tiers, ("tab:green", "tab:purple", "tab:red", "tab:brown", "tab:olive"), strict=False))
+    for t in tiers:  # one color per tier, stacked in the same order on both bars
+        bottoms = [sum(s["hit_rate"][n].get(u, 0.0) for u in tiers[:tiers.index(t)]) for n in ("local", "tiered")]
+        b.bar([0, 1], [s["hit_rate"][n].get(t, 0.0) for n in ("local", "tiered")], bottom=bottoms, label=t,
+              color=tier_colors.get(t))
     b.set_xticks([0, 1], ["local", "tiered"])
     b.set_ylabel("share of chunk reads")
     b.set_title("reads per tier")
