@@ -20,7 +20,7 @@ def compose() -> dict:
 
 def test_fleet_services(compose: dict) -> None:
     s = compose["services"]
-    assert set(s) == {"redis", "api", "worker"}
+    assert set(s) == {"redis", "seaweedfs", "api", "worker"}
     api, worker = s["api"], s["worker"]
     assert api["command"][-2:] == ["--workers", "0"] and "deploy" not in api  # no GPU for the API
     assert api["image"].endswith(":cpu") and worker["image"].endswith(":gpu")
@@ -32,3 +32,11 @@ def test_fleet_services(compose: dict) -> None:
         assert svc["environment"]["KVFUSE_REDIS_URL"].startswith("redis://redis:")
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
         assert all(_is_setting(k) for k in svc["environment"] if k.startswith("KVFUSE_"))
+        # chunk KV in the fleet's object store, beneath every host's tiers
+        assert svc["environment"]["KVFUSE_OBJECT_STORE__URL"].startswith("s3://")
+        assert svc["environment"]["KVFUSE_OBJECT_STORE__ENDPOINT"] == "http://seaweedfs:8333"
+        assert svc["depends_on"]["seaweedfs"]["condition"] == "service_healthy"
+    weed = s["seaweedfs"]
+    assert weed["build"]["dockerfile"] == "seaweedfs.Dockerfile" and "ports" not in weed  # compose network only
+    assert weed["volumes"] == ["seaweedfs-data:/data"] and "seaweedfs-data" in compose["volumes"]
+    assert "s3.config" in " ".join(weed["command"]) and weed["secrets"] == ["s3_secret_key"]

@@ -157,7 +157,7 @@ class Calibration:
         prefix_ids, question_ids = e.prompt_parts(q.query, system, names, self.settings.model.prompt_layout)
         full = be.greedy(ChunkKV(prefix_ids), [ChunkKV(c.token_ids) for c in chunks], question_ids,
                          be.options("vanilla", None), self.max_tokens)
-        stored = [self.kv.load_or_rebuild(c.key, c.token_ids, write_back=False, context=c.context)[0] for c in chunks]
+        stored = [self.kv.load_or_rebuild(c.key, c.token_ids, context=c.context)[0] for c in chunks]
         prefix = self.kv.prefix_kv(prefix_ids)
         out = {}
         for method in methods:

@@ -1,5 +1,5 @@
-"""`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, tiers, object-store, gpu, decode,
-ingest, overload and report.
+"""`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, tiers, object-store, corpus, gpu,
+decode, ingest, overload and report.
 
 Nothing heavy is imported until a subcommand runs, so `kvfuse --help` stays instant."""
 
@@ -328,6 +328,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvfuse.bench import object_store
 
     object_store.register(bsub)  # `bench object-store`: S3 clients on chunk-sized objects
+
+    from kvfuse.bench import corpus
+
+    corpus.register(bsub)  # `bench corpus`: a corpus 10x the LMDB budget on an object store
 
     from kvfuse.bench import decode
 

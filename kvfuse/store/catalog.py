@@ -31,7 +31,14 @@ from kvfuse.store.errors import DocumentNotFoundError, IndexUnavailableError, St
 from kvfuse.store.index import DocumentIndex, IndexMirror, IndexSnapshot, doctime_key
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.lmdb_tier import LmdbTier
-from kvfuse.store.records import FIELD_NAMES, STAGING_PREFIX, STATUSES, ChunkInfo, DocumentRecord
+from kvfuse.store.records import (
+    FIELD_NAMES,
+    STAGING_PREFIX,
+    STATUSES,
+    ChunkInfo,
+    DocumentRecord,
+    unheld_chunks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +78,9 @@ class DocumentCatalog:
         self.mirror = index if isinstance(index, IndexMirror) else None
         self._forget = forget
         self._unreferenced = unreferenced
+        # Whether the object store holds a chunk (set by KVStore when one is configured): a chunk only
+        # there is held too (records.unheld_chunks).
+        self.in_objects: Callable[[str], bool] | None = None
         self._rebuild_on_empty = rebuild_on_empty
         self._docs, self._doctime = env.db("docs"), env.db("doctime")
         self._texts, self._refs, self._meta = env.db("texts"), env.db("refs"), env.db("meta")
@@ -198,10 +208,10 @@ class DocumentCatalog:
             raise ValueError(f"status must be one of {STATUSES}, got {rec.status!r}")
         if rec.chunk_tokens and len(rec.chunk_tokens) != len(rec.chunk_keys):
             raise ValueError(f"{len(rec.chunk_keys)} chunk keys but {len(rec.chunk_tokens)} chunk token counts")
-        if rec.needs_stored_kv:  # a chunk the LMDB budget evicted is still the document's (rebuilt or read)
-            missing = [k for k in rec.chunk_keys if not self.blobs.stored(txn, k) and not self.blobs.evicted(txn, k)]
-            if missing:
-                raise StoreError(f"document {rec.id!r} cannot be ready: {len(missing)} chunk blobs are missing")
+        missing = unheld_chunks(rec, lambda k: self.blobs.stored(txn, k) or self.blobs.evicted(txn, k),
+                                self.in_objects)
+        if missing:
+            raise StoreError(f"document {rec.id!r} cannot be ready: {len(missing)} chunk blobs are missing")
         txn.put(doc_key, rec.to_json(), db=self._docs)
         if old is not None:
             txn.delete(doctime_key(old.created_at, old.id), db=self._doctime)

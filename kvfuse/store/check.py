@@ -30,7 +30,7 @@ import lmdb
 from kvfuse.kvblob import CorruptBlobError, verify_blob
 from kvfuse.store.kvstore import KVStore
 from kvfuse.store.lmdb_tier import check_key
-from kvfuse.store.records import KV_LOST, DocumentRecord
+from kvfuse.store.records import KV_LOST, DocumentRecord, unheld_chunks
 
 
 @dataclass
@@ -113,10 +113,10 @@ def check_store(store: KVStore, *, repair: bool = False, grace_s: float | None =
     rep.ref_drift = len(wanted ^ refs)
     corrupt = {k for k, _ in rep.corrupt} | set(rep.foreign)  # a foreign blob is as useless as a corrupt one
     rep.evicted = len(evicted)
-    held = stored | (_check_objects(store, rep, referenced) if store.objects is not None else set())
+    objects = _check_objects(store, rep, referenced) if store.objects is not None else None
     rep.missing = sorted(
-        (d.id, k) for d in docs.values() if d.needs_stored_kv for k in d.chunk_keys
-        if k not in held and k not in evicted
+        (d.id, k) for d in docs.values()
+        for k in unheld_chunks(d, lambda k: k in stored or k in evicted, None if objects is None else objects.__contains__)
     )
     rep.index_drift = _index_drift(store)
     if repair and rep.problems:

@@ -72,6 +72,7 @@ class KVStore:
         self.jobs = JobStore(env, self.catalog)
         if objects is not None:
             objects.local_copy = lambda key: LmdbTier.get(self.blobs, key)
+            self.catalog.in_objects = objects.contains
             objects.in_use = lambda txn, key: (self.catalog.referenced(txn, key)
                                                or LmdbTier.stored(self.blobs, txn, key))
             if isinstance(self.blobs, LmdbTier):  # the budget never evicts a chunk not yet uploaded

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -84,3 +85,16 @@ class ChunkInfo:
         d = json.loads(bytes(raw))
         return cls(key=key, tokens=d["tokens"], bytes=d["bytes"], created_at=d["created_at"],
                    evicted_at=d.get("evicted_at", 0.0))
+
+
+def unheld_chunks(rec: DocumentRecord, local: Callable[[str], bool],
+                  objects: Callable[[str], bool] | None = None) -> list[str]:
+    """The one rule of which of a document's chunks lack KV they must have (the catalog's ready check and
+    `kvfuse store check`, whose "missing" it is): a chunk's KV is held if this host's LMDB holds it or
+    its budget evicted it (`local`: read from below or computed after its recorded context), or the object
+    store holds it (`objects`, asked only for what LMDB does not hold; None: no object store). A chunk of
+    a first-use document, or of one not ready, needs none (DocumentRecord.needs_stored_kv). See
+    docs/DESIGN.md, "Bounded tiers"."""
+    if not rec.needs_stored_kv:
+        return []
+    return [k for k in rec.chunk_keys if not local(k) and (objects is None or not objects(k))]

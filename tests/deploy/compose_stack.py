@@ -22,6 +22,7 @@ from docker_engine import DockerEngine, run
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "deploy-test-key-0123456789"
 REDIS_PASSWORD = "deploy-test-redis-password"
+S3_SECRET_KEY = "deploy-test-s3-secret-key"  # the fleet's SeaweedFS (docker-compose.fleet.yml)
 UP_TIMEOUT_S = 600
 
 
@@ -68,7 +69,7 @@ class Stack:
         self.project = project
         self.files = files
         self.env = {**env, "KVFUSE_API_KEY": API_KEY, "KVFUSE_REDIS_PASSWORD": REDIS_PASSWORD,
-                    "KVFUSE_PUBLISH": f"127.0.0.1:{port}"}
+                    "KVFUSE_S3_SECRET_KEY": S3_SECRET_KEY, "KVFUSE_PUBLISH": f"127.0.0.1:{port}"}
         self.url = f"http://127.0.0.1:{port}"
 
     def compose(self, *args: str, timeout: float = UP_TIMEOUT_S + 60, check: bool = True) -> subprocess.CompletedProcess:

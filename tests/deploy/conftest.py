@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 from compose_stack import Phases
-from deploy_images import build_base, build_kvfuse, build_redis, import_debian, rootfs_tarball
+from deploy_images import (
+    build_base,
+    build_kvfuse,
+    build_redis,
+    build_seaweedfs,
+    import_debian,
+    rootfs_tarball,
+)
 from docker_engine import DockerEngine, EngineUnavailable, ensure_tools
 
 REQUIRED = os.environ.get("KVFUSE_DEPLOY_REQUIRED") == "1"
@@ -79,7 +86,7 @@ def engine(phases: Phases) -> DockerEngine:
 
 @pytest.fixture(scope="session")
 def images(engine: DockerEngine, phases: Phases) -> dict[str, object]:
-    """The base, Redis and kvfuse:cpu images (built with no registry); what the base image carries."""
+    """The base, Redis, SeaweedFS and kvfuse:cpu images (built with no registry); what the base image carries."""
     with phases("debootstrap the Debian root (cached)"):
         tarball = rootfs_tarball(CACHE)
     with phases("import the Debian root"):
@@ -89,6 +96,8 @@ def images(engine: DockerEngine, phases: Phases) -> dict[str, object]:
     Phases.say(f"the base image carries {carried}")
     with phases("redis image"):
         build_redis(engine, debian)
+    with phases("seaweedfs image"):
+        build_seaweedfs(engine)
     with phases("kvfuse:cpu image (compose build)"), tempfile.TemporaryDirectory() as scratch:
         build_kvfuse(engine, Path(scratch))
     return carried

@@ -4,7 +4,9 @@
    here), with python3.11 and its venv: kept as a tarball in the cache dir, imported once per engine.
 2. The base image: that root plus this machine's pip configuration (pip_context.py), built at test time.
 3. Redis: the root with Debian's redis-server, named by KVFUSE_REDIS_IMAGE in the compose files.
-4. kvfuse:cpu: the committed Dockerfile and docker-compose.cpu.yml, built by compose on the base image with
+4. SeaweedFS (the fleet's object store): the committed seaweedfs.Dockerfile on the base image (the weed
+   binary from pip's configured index), named as docker-compose.fleet.yml names it.
+5. kvfuse:cpu: the committed Dockerfile and docker-compose.cpu.yml, built by compose on the base image with
    TORCH_INDEX_URL empty (pip's configured index), on the host's network (the engine has no NAT).
 """
 
@@ -26,6 +28,7 @@ DEBIAN_FALLBACK_MIRROR = "http://deb.debian.org/debian"
 BASE_IMAGE = "kvfuse-deploy/base:bookworm"
 REDIS_IMAGE = "kvfuse-deploy/redis:bookworm"
 KVFUSE_IMAGE = "kvfuse:cpu"
+SEAWEEDFS_IMAGE = "kvfuse-seaweedfs:4.48"
 
 
 def debian_mirror() -> str:
@@ -83,6 +86,11 @@ def build_base(engine: DockerEngine, debian: str, cache: Path) -> dict[str, obje
 def build_redis(engine: DockerEngine, debian: str) -> None:
     engine.docker("build", "--quiet", "--network", "host", "--build-arg", f"BASE={debian}", "-t", REDIS_IMAGE,
                   "-f", str(HERE / "redis.Dockerfile"), str(HERE), timeout=900)
+
+
+def build_seaweedfs(engine: DockerEngine) -> None:
+    engine.docker("build", "--quiet", "--network", "host", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "-t",
+                  SEAWEEDFS_IMAGE, "-f", str(REPO / "seaweedfs.Dockerfile"), str(REPO), timeout=900)
 
 
 def compose_env(engine: DockerEngine, **extra: str) -> dict[str, str]:

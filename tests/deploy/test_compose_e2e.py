@@ -119,6 +119,8 @@ def test_fleet_compose_with_two_workers(engine, images, phases) -> None:
                 start = time.monotonic()
                 _ingest(c, "lisbon")
                 Phases.say(f"ingested through the fleet in {time.monotonic() - start:.1f} s")
+            with phases("fleet: the chunks' KV is in the object store"):
+                _in_object_store(stack, c.get("/v1/documents/lisbon").json()["chunks"])
                 served = _answers_by_worker(c)
                 assert len(served) == 2, served
             with phases("fleet: a worker killed under load, nothing accepted lost"):
@@ -129,6 +131,24 @@ def test_fleet_compose_with_two_workers(engine, images, phases) -> None:
     finally:
         with phases("fleet: down -v"):
             stack.down()
+
+
+def _in_object_store(stack: Stack, chunks: int, timeout: float = 60.0) -> None:
+    """The SeaweedFS service holds at least the document's chunks as objects under object_store.url's
+    prefix (s3://kvfuse/kv), as its filer lists them (the upload may trail `ready` by a moment)."""
+    listing = ("import json, urllib.request as u; print(len(json.load(u.urlopen(u.Request("
+               "'http://127.0.0.1:8888/buckets/kvfuse/kv/?limit=10000', headers={'Accept': 'application/json'})))"
+               ".get('Entries') or []))")
+    deadline = time.monotonic() + timeout
+    while True:
+        out = stack.engine.docker("exec", stack.container("seaweedfs"), "python3", "-c", listing, check=False)
+        last = out.stdout.strip().splitlines()[-1:] if out.returncode == 0 else []
+        objects = int(last[0]) if last and last[0].isdigit() else 0
+        if objects >= chunks:
+            Phases.say(f"{objects} objects in the object store for {chunks} chunks")
+            return
+        assert time.monotonic() < deadline, (objects, chunks, out.stdout)
+        time.sleep(2)
 
 
 def _answers_by_worker(c, rounds: int = 4) -> set[str]:

