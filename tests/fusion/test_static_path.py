@@ -31,6 +31,19 @@ from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
 CAPACITY = 4 * BLOCK
 STEPS = 4
 LENGTHS = (61, BLOCK - 2)  # both past every tiny model's window; the second crosses a key block
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test traces its runners afresh: earlier tests in the same process (test_engine_runner.py,
+    test_attention_paths.py) trace the same step's code with other models and buckets, and dynamo's
+    recompile limit counts every trace of a code object in the process. The inductor cache on disk keeps
+    the recompiles cheap."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 # family -> what the test must exercise on it
 FAMILIES = {"llama": "tied embeddings, llama3 rope", "mistral": "a window on every layer",
             "gemma2": "soft-caps, alternating windows"}
