@@ -146,3 +146,14 @@ def test_the_model_answers_in_valid_json_for_several_rows_at_once(engine) -> Non
     for gen, (schema, _, _) in zip(batch, rows, strict=True):
         assert gen.finished == "stop"
         assert (valid_person if schema is PERSON else valid_verdict)(json.loads(gen.text)), gen.text
+
+
+def test_a_stop_id_its_tokenizer_lacks_does_not_stop_the_grammar(tokenizer) -> None:
+    """A config's eos past the tokenizer's vocabulary (OLMo 2's default, 50279, beside a 49152 tokenizer)
+    is left out of llguidance's view instead of failing the worker's start; the tokenizer's own stops stay."""
+    from kvfuse.fusion.engine.grammar import RowGrammar, ll_tokenizer
+
+    eos = tokenizer.eos_token_id
+    assert ll_tokenizer(tokenizer, {eos, len(tokenizer) + 1127}) is ll_tokenizer(tokenizer, {eos})
+    row = RowGrammar(json_grammar(PERSON), tokenizer, {eos, len(tokenizer) + 1127})
+    assert row.mask(len(tokenizer), torch.device("cpu")).any()

@@ -53,10 +53,12 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
 def ll_tokenizer(tokenizer: Any, stop_ids: Iterable[int]) -> Any:
     """llguidance's view of `tokenizer`, built once per tokenizer (it reads the whole vocabulary, which
     takes a moment): the worker builds it at start, so the first structured request does not hold up
-    the batch's step while it is made."""
+    the batch's step while it is made. Stop ids past the tokenizer's vocabulary (a config's eos that
+    its tokenizer does not hold) are left out: llguidance refuses them, and the grammar could not allow
+    them anyway."""
     import llguidance.hf
 
-    eos = sorted(stop_ids)
+    eos = sorted(t for t in stop_ids if t < len(tokenizer))
     cached = _TOKENIZERS.get(tokenizer)
     if cached is None or cached[0] != eos:
         cached = _TOKENIZERS[tokenizer] = (eos, llguidance.hf.from_tokenizer(tokenizer, eos_token=eos or None))
