@@ -5,9 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvfuse.fusion import ChunkKV, FusionEngine
+
+
+def tiny_llama_engine(tokenizer, max_positions: int = 4096) -> FusionEngine:
+    """A two-layer random-weight Llama (seed 0) over the default tokenizer: the engine tests' small model."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
+    return FusionEngine(LlamaForCausalLM(config).eval(), tokenizer, dtype="float32")
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from fusion_helpers import tiny_llama_engine
 
 from kvfuse.fusion import FusionEngine, FusionError, FusionOptions
 from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
@@ -77,10 +77,7 @@ def test_a_full_cache_is_refused_and_nothing_is_appended(engine, prompts) -> Non
 # -- the static path on a tiny model ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tokenizer) -> FusionEngine:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    return FusionEngine(LlamaForCausalLM(config).eval(), tokenizer, dtype="float32")
+    return tiny_llama_engine(tokenizer, max_positions=2048)
 
 
 def _streams(engine, memory, lengths, gap=0, tag=""):

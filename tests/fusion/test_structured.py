@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from fusion_helpers import tiny_llama_engine
 
 from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
 from kvfuse.fusion.engine import core as E
@@ -48,10 +48,7 @@ def valid_verdict(v) -> bool:
 
 @pytest.fixture(scope="module")
 def tiny(tokenizer) -> FusionEngine:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    return FusionEngine(LlamaForCausalLM(config).eval(), tokenizer, dtype="float32")
+    return tiny_llama_engine(tokenizer)
 
 
 def _rows() -> list[tuple[dict | None, float, int | None]]:
