@@ -31,11 +31,12 @@ import json
 import os
 import random
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from kvfuse.bench.plots import plot_if_possible
 
 QUESTIONS = ("What is the main argument here?", "What advice does the author give?",
              "Which examples does the author use?", "What does the author say about startups?",
@@ -221,10 +222,7 @@ def command(args: argparse.Namespace) -> int:
     result["summary"] = corpus_report.summary(result)
     (out / "corpus.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     (out / "corpus.md").write_text(corpus_report.render(result), encoding="utf-8")
-    try:
-        corpus_report.plot(result, out / "corpus.png")
-    except ModuleNotFoundError as err:
-        print(err, file=sys.stderr)
+    plot_if_possible(corpus_report.plot, result, out / "corpus.png")
     print(json.dumps(result["summary"], indent=1))
     return 0
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfuse.bench.memory import PeakRSS
+from kvfuse.bench.plots import plot_if_possible
 
 SPEED_TABLE = (
     ("context_tokens", "context tokens"), ("prompt_tokens", "prompt tokens"), ("capacity", "C"),
@@ -165,11 +166,7 @@ def render(payload: dict[str, Any], json_path: Path) -> tuple[Path, Path | None]
         lines += [f"## Fidelity (tasks {', '.join(p['tasks'])}, {p['n']} examples per task and context, greedy)", "",
                   markdown_table(payload["fidelity_rows"], FIDELITY_TABLE), ""]
     md.write_text("\n".join(lines), encoding="utf-8")
-    png = None
-    try:
-        png = plot(payload, json_path.with_suffix(".png"))
-    except ModuleNotFoundError as err:
-        print(f"no plot: {err}", file=sys.stderr)
+    png = plot_if_possible(plot, payload, json_path.with_suffix(".png"))
     return md, png
 
 

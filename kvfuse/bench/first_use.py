@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from kvfuse.bench.plots import plot_if_possible
 
 QUESTION = "What is the main point of this essay?"
 
@@ -161,10 +162,7 @@ def command(args: argparse.Namespace) -> int:
     result |= {"command": cmd, "machine": machine_info(), "load": load_info()}
     (out / "first-use.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     (out / "first-use.md").write_text(render(result, cmd), encoding="utf-8")
-    try:
-        plot(result, out / "first-use.png")
-    except ModuleNotFoundError as err:
-        print(err, file=sys.stderr)
+    plot_if_possible(plot, result, out / "first-use.png")
     print(json.dumps(result["summary"], indent=1))
     return 0
 

@@ -6,7 +6,8 @@ only when a plot is drawn, so the service never loads it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,16 @@ MISSING_MATPLOTLIB = "plotting needs matplotlib, the optional extra `bench`: pip
 
 def method_key(method: str) -> tuple[int, str]:
     return (METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), method)
+
+
+def plot_if_possible(draw: Callable[[Any, Path], Any], result: Any, path: Path) -> Any:
+    """`draw(result, path)`, or None with the reason on stderr when matplotlib is missing: a bench's
+    JSON and table are written either way."""
+    try:
+        return draw(result, path)
+    except ModuleNotFoundError as err:
+        print(f"no plot: {err}", file=sys.stderr)
+        return None
 
 
 def pyplot() -> Any:
