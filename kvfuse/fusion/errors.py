@@ -26,3 +26,11 @@ class UnsupportedModelError(FusionError):
 class MethodRefusedError(FusionError, ValueError):
     """A fusion method (or eviction) cannot compute this model exactly, and refuses the request rather
     than answer wrong (docs/models.md says which, and why)."""
+
+
+class NonFiniteLogits(FusionError):
+    """The model's logits for one sequence hold NaN or inf (its prefill's or a decode step's): that
+    sequence fails, its neighbours in the batch keep their tokens (docs/DESIGN.md, "Decoding")."""
+
+    def __init__(self, message: str = "the model produced non-finite logits for this sequence") -> None:
+        super().__init__(message)

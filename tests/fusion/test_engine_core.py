@@ -16,7 +16,7 @@ from kvfuse.fusion.engine import core as E
 from kvfuse.fusion.engine.core import EngineCore
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence
-from kvfuse.fusion.errors import FusionError
+from kvfuse.fusion.errors import NonFiniteLogits
 
 MAX_TOKENS = 6
 
@@ -144,6 +144,30 @@ def test_a_sequence_with_broken_kv_fails_alone(tiny) -> None:
     assert core.memory.used_tokens == 0
 
 
+def _with_nan(req, token: int = 3):
+    """The request with NaN in its chunk's V at `token` (every layer and head)."""
+    prefix, chunks, question_ids, fusion = req
+    broken = chunks[0].v.clone()
+    broken[:, :, token] = float("nan")
+    return prefix, [dataclasses.replace(chunks[0], v=broken)], question_ids, fusion
+
+
+def test_a_sequence_whose_prefill_logits_are_not_finite_fails_alone(tiny) -> None:
+    """NaN in one request's chunk KV makes its prefill logits NaN: it fails at its prefill, before any
+    token, with the error a decode row gets; the other request of the batch gives its solo tokens."""
+    good, bad = _request(tiny, 0, 30), _with_nan(_request(tiny, 1, 40))
+    seqs = [_sequence(tiny, 0, good), _sequence(tiny, 1, bad)]
+    seen: list[bool] = []
+    seqs[1].on_logits = lambda row: seen.append(bool(torch.isfinite(row).all()))
+    out = _run(_core(tiny, 1024), seqs)
+    failed = [o for o in out if isinstance(o, E.Failed)]
+    assert [f.job_id for f in failed] == [1] and isinstance(failed[0].error, NonFiniteLogits)
+    assert "non-finite logits" in str(failed[0].error)
+    assert seen == [] and seqs[1].gen is None  # failed at its prefill: no token was taken from NaN
+    assert not any(isinstance(o, E.Token) and o.job_id == 1 for o in out)
+    assert _tokens(out, 0) == _solo(tiny, good)
+
+
 def test_a_batched_step_that_raises_is_retried_row_by_row(tiny) -> None:
     """A token id outside the vocabulary makes the batched forward raise: the step is retried one
     sequence at a time, only that sequence fails, the others keep their solo tokens."""
@@ -190,9 +214,6 @@ def test_a_request_that_can_never_fit_is_refused(tiny) -> None:
 def test_generate_is_a_batch_of_one_on_the_core_with_its_non_finite_check(tiny) -> None:
     """`FusionEngine.generate` decodes on an engine core: a chunk whose KV holds NaN makes its logits
     non-finite, and the core's check fails the request with a clear error instead of yielding tokens."""
-    prefix, chunks, question_ids, fusion = _request(tiny, 0, 30, "pie")
-    broken = chunks[0].v.clone()
-    broken[:, :, 3] = float("nan")
-    chunks = [dataclasses.replace(chunks[0], v=broken)]
-    with pytest.raises(FusionError, match="non-finite logits"):
+    prefix, chunks, question_ids, fusion = _with_nan(_request(tiny, 0, 30, "pie"))
+    with pytest.raises(NonFiniteLogits, match="non-finite logits"):
         list(tiny.generate(prefix, chunks, question_ids, fusion, GenerationOptions(max_tokens=MAX_TOKENS)))

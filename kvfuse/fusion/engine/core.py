@@ -19,7 +19,8 @@ before the prefill runs, not with its first token (docs/DESIGN.md, "Decoding: th
 
 Failures stay with their sequence: a prefill or KV load that raises fails that request; a batched decode
 step that raises is retried sequence by sequence, so only the rows that fail alone fail, and a row whose
-logits are not finite fails without its neighbours' tokens changing (docs/DESIGN.md, "Decoding").
+logits are not finite (its prefill's or a decode step's) fails without its neighbours' tokens changing
+(docs/DESIGN.md, "Decoding").
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
 from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
 from kvfuse.fusion.engine.scheduler import Phase, Request, Scheduler, SchedulerLimits
 from kvfuse.fusion.engine.sequence import RequestId, Sequence
-from kvfuse.fusion.errors import FusionError
+from kvfuse.fusion.errors import FusionError, NonFiniteLogits
 
 if TYPE_CHECKING:
     from kvfuse.config import Settings
@@ -264,7 +265,7 @@ class EngineCore:
         chosen, ok = picked.tolist(), finite.tolist()  # the one host sync
         for i, r in enumerate(batch):
             if not ok[i]:
-                self._fail(r.job_id, FusionError("the model produced non-finite logits for this sequence"), emit)
+                self._fail(r.job_id, NonFiniteLogits(), emit)
                 continue
             self._emit(r, _seq(r).accept_token(chosen[i], logits[i]), emit)
 

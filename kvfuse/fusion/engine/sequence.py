@@ -18,6 +18,7 @@ import torch
 
 from kvfuse.fusion.engine.generation import Generation
 from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.errors import NonFiniteLogits
 from kvfuse.fusion.types import ChunkKV, FusedPrefill, GenerationOptions
 
 if TYPE_CHECKING:
@@ -70,7 +71,8 @@ class Sequence:
 
     def advance(self, engine: FusionEngine, budget: int) -> tuple[int, str | None]:
         """Run the prefill for about `budget` rows x layers (at least one layer): (work done, the first
-        token's text once the prefill is complete, else None)."""
+        token's text once the prefill is complete, else None). Prefill logits that are not finite raise
+        NonFiniteLogits, as a decode step's row fails in the core."""
         if self._steps is None:
             raise RuntimeError("the sequence is not prefilling")
         spent = 0
@@ -82,6 +84,8 @@ class Sequence:
         else:
             return spent, None
         self._steps = None
+        if not bool(torch.isfinite(fused.logits).all()):
+            raise NonFiniteLogits()
         self.cache, self.stats = fused.cache, fused.stats
         self.gen = Generation(engine.tokenizer, engine.stop_token_ids, self.gen_options, engine.device,
                               engine.stop_strings)
