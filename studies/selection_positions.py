@@ -20,6 +20,7 @@ import torch
 from kvfuse.bench.engine_backend import EngineBackend
 from kvfuse.bench.tasks import Haystack, TaskConfig, synthetic
 from kvfuse.config import Settings
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.methods import registry
 
 
@@ -42,7 +43,7 @@ def main() -> None:
         prefix, chunks, question = backend.prepare(ex)
         for method in methods:
             seen.clear()
-            for _ in backend.engine.generate(prefix, chunks, question, backend.options(method, 0.15), backend.gen):
+            for _ in solo.generate(backend.engine, prefix, chunks, question, backend.options(method, 0.15), backend.gen):
                 break
             layout, chosen, alone = seen[-1]
             chosen = chosen.cpu()

@@ -16,6 +16,7 @@ from kvfuse.bench.fidelity import FLOOR, FLOOR_FP8, Outcome, first_token_signals
 from kvfuse.bench.reference import Reference, ReferenceCache, reference_key
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Example
+from kvfuse.fusion.engine import solo
 
 
 @dataclass
@@ -298,7 +299,7 @@ class EngineBackend:
                 steps.append(torch.log_softmax(logits.float(), -1))
 
         result = None
-        for item in engine.decode_from(fused, GenerationOptions(max_tokens=max_tokens, temperature=0.0),
+        for item in solo.decode_from(engine, fused, GenerationOptions(max_tokens=max_tokens, temperature=0.0),
                                        started=t0, on_step=on_step):
             if isinstance(item, GenerationResult):
                 result = item

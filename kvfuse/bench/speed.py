@@ -27,6 +27,7 @@ from kvfuse.bench.engine_backend import EngineBackend, loaded_share_and_cache
 from kvfuse.bench.fidelity import median, method_plan
 from kvfuse.bench.memory import PeakRSS
 from kvfuse.bench.tasks import Haystack, TaskConfig, synthetic
+from kvfuse.fusion.engine import solo
 
 SPEED_COLUMNS = (
     "method", "ratio", "context_tokens", "ttft_s_median", "ttft_vs_vanilla", "ttft_cold_s_median",
@@ -53,7 +54,7 @@ def _generate(backend: EngineBackend, prefix: Any, chunks: Any, question_ids: An
 
     result = None
     with PeakRSS() as mem:
-        for item in backend.engine.generate(prefix, chunks, question_ids, opts, backend.gen):
+        for item in solo.generate(backend.engine, prefix, chunks, question_ids, opts, backend.gen):
             if isinstance(item, GenerationResult):
                 result = item
     assert result is not None, "generate() ended without a result"

@@ -1,16 +1,16 @@
 """FusionEngine: the model with its prefills -- precompute chunk caches at ingestion, fuse them at query
-time -- and the batch of one (`generate`), a request on an engine core of its own (engine/solo.py)."""
+time. Decoding is the engine core's (kvfuse/fusion/engine/): a library caller's one request decodes on a
+core of its own (`engine.solo.generate`), so this module names nothing of the core."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import eviction
-from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.engine.runner import ModelRunner
 from kvfuse.fusion.errors import ContextOverflowError
@@ -25,10 +25,7 @@ from kvfuse.fusion.types import (
     ChunkKV,
     FusedPrefill,
     FusionOptions,
-    GenerationOptions,
-    GenerationResult,
     Layout,
-    TokenDelta,
 )
 
 _DEFAULTS = FusionSettings()
@@ -345,26 +342,3 @@ class FusionEngine:
         """token_ids [B], one per cache, each appended at its cache's next position -> next-token logits
         [B, vocab] (fp32): the runner's step (engine/runner.py), the one every decode goes through."""
         return self.runner.decode(caches, token_ids)
-
-    def generate(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
-                 fusion: FusionOptions | None = None, gen: GenerationOptions | None = None,
-                 cancel: Callable[[], bool] | None = None) -> Iterator[TokenDelta | GenerationResult]:
-        """Yields TokenDelta as text becomes printable, then one GenerationResult.
-
-        The batch of one: one Sequence on an engine core of its own (engine/solo.py), the same scheduler,
-        runner, sampling and non-finite check that the service's core drives for many requests at once.
-        `cancel` is polled before each engine step once the request is admitted; a failure is raised
-        (Cancelled when the cancel came before the first token)."""
-        gen = gen or GenerationOptions()
-        if gen.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        return solo.generate(self, prefix, chunks, question_ids, fusion or FusionOptions(), gen, cancel)
-
-    def decode_from(self, fused: FusedPrefill, gen: GenerationOptions, cancel: Callable[[], bool] | None = None,
-                    *, started: float, on_step: Callable[[torch.Tensor, int], None] | None = None
-                    ) -> Iterator[TokenDelta | GenerationResult]:
-        """Decoding after a prefill already fused (the fidelity benchmark, which keeps every step), on an
-        engine core as `generate` decodes. `started`: when the prefill began (perf_counter), for TTFT;
-        `on_step(logits, token)` sees each step's logits and the token chosen from them, the stop token
-        included."""
-        return solo.decode_from(self, fused, gen, cancel, started, on_step)

@@ -9,6 +9,7 @@ import torch
 from fusion_helpers import hf_forward, to_dynamic_cache
 
 from kvfuse.fusion import FusionOptions, GenerationOptions
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.methods import scoring
 from kvfuse.fusion.methods.anchor import Anchor, evidence_scores, layer_window, spread
 
@@ -48,7 +49,7 @@ def test_full_ratio_gives_vanilla_logits_and_continuation(engine, prompt, hf_gre
     fused = engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids, options)
     assert fused.stats["recomputed_tokens"] == fused.stats["context_tokens"]
     torch.testing.assert_close(fused.logits, ref, atol=ATOL, rtol=0)
-    *_, result = engine.generate(prompt.prefix, prompt.chunks, prompt.question_ids, options,
+    *_, result = solo.generate(engine, prompt.prefix, prompt.chunks, prompt.question_ids, options,
                                  GenerationOptions(max_tokens=len(hf_greedy)))
     assert result.token_ids == hf_greedy
 

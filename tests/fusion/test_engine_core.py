@@ -13,6 +13,7 @@ from fusion_helpers import tiny_llama_engine
 
 from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
 from kvfuse.fusion.engine import core as E
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.core import EngineCore
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence
@@ -37,7 +38,7 @@ def _request(engine, i: int, context: int, method: str = "pie"):
 
 def _solo(engine, req) -> list[int]:
     prefix, chunks, question_ids, fusion = req
-    *_, result = engine.generate(prefix, chunks, question_ids, fusion,
+    *_, result = solo.generate(engine, prefix, chunks, question_ids, fusion,
                                  GenerationOptions(max_tokens=MAX_TOKENS, temperature=0.0))
     return result.token_ids
 
@@ -212,8 +213,8 @@ def test_a_request_that_can_never_fit_is_refused(tiny) -> None:
 
 
 def test_generate_is_a_batch_of_one_on_the_core_with_its_non_finite_check(tiny) -> None:
-    """`FusionEngine.generate` decodes on an engine core: a chunk whose KV holds NaN makes its logits
+    """`solo.generate` decodes on an engine core: a chunk whose KV holds NaN makes its logits
     non-finite, and the core's check fails the request with a clear error instead of yielding tokens."""
     prefix, chunks, question_ids, fusion = _with_nan(_request(tiny, 0, 30, "pie"))
     with pytest.raises(NonFiniteLogits, match="non-finite logits"):
-        list(tiny.generate(prefix, chunks, question_ids, fusion, GenerationOptions(max_tokens=MAX_TOKENS)))
+        list(solo.generate(tiny, prefix, chunks, question_ids, fusion, GenerationOptions(max_tokens=MAX_TOKENS)))

@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions, UnsupportedModelError
+from kvfuse.fusion.engine import solo
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024)
@@ -62,7 +63,7 @@ def test_full_ratio_matches_the_model(tiny, method):
     fused = tiny.fuse(kvs[0], kvs[1:], question_ids, options)
     torch.testing.assert_close(fused.logits, ref.float(), atol=1e-5, rtol=0)
     tiny.stop_token_ids = set()  # random weights: compare raw continuations
-    *_, result = tiny.generate(kvs[0], kvs[1:], question_ids, options, GenerationOptions(max_tokens=6))
+    *_, result = solo.generate(tiny, kvs[0], kvs[1:], question_ids, options, GenerationOptions(max_tokens=6))
     assert result.token_ids == hf_tokens
 
 

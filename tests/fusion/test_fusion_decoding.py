@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvfuse.fusion import FusionOptions, GenerationOptions, GenerationResult, TokenDelta
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.detokenize import IncrementalDetokenizer, StopMatcher
 
 PIE = FusionOptions(method="pie")
 
 
 def run(engine, prompt, gen: GenerationOptions, cancel=None) -> tuple[list[str], GenerationResult]:
-    events = list(engine.generate(prompt.prefix, prompt.chunks, prompt.question_ids, PIE, gen, cancel))
+    events = list(solo.generate(engine, prompt.prefix, prompt.chunks, prompt.question_ids, PIE, gen, cancel))
     *deltas, result = events
     assert all(isinstance(d, TokenDelta) for d in deltas) and isinstance(result, GenerationResult)
     return [d.text for d in deltas], result
@@ -102,9 +103,9 @@ def test_stop_matcher_holds_back_a_partial_stop():
 def test_decode_steps_count_every_forward_after_the_first(engine, prompt, monkeypatch):
     """Steps after the first token: one per kept token after it, plus the step whose token was EOS."""
     opts, gen = FusionOptions(method="vanilla"), GenerationOptions(max_tokens=6)
-    full = list(engine.generate(prompt.prefix, prompt.chunks, prompt.question_ids, opts, gen))[-1]
+    full = list(solo.generate(engine, prompt.prefix, prompt.chunks, prompt.question_ids, opts, gen))[-1]
     assert (full.finish_reason, len(full.token_ids), full.decode_steps) == ("length", 6, 5)
     # the third greedy token made an end-of-turn token: two kept, two steps run (the second produced it)
     monkeypatch.setattr(engine, "stop_token_ids", engine.stop_token_ids | {full.token_ids[2]})
-    cut = list(engine.generate(prompt.prefix, prompt.chunks, prompt.question_ids, opts, gen))[-1]
+    cut = list(solo.generate(engine, prompt.prefix, prompt.chunks, prompt.question_ids, opts, gen))[-1]
     assert (cut.finish_reason, cut.token_ids, cut.decode_steps) == ("stop", full.token_ids[:2], 2)

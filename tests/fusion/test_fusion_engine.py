@@ -18,6 +18,7 @@ from kvfuse.fusion import (
     GenerationOptions,
     UnknownMethodError,
 )
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.methods import available_methods, scoring
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,7 @@ def test_full_ratio_gives_vanilla_logits_and_continuation(engine, prompt, vanill
     fused = engine.fuse(prompt.prefix, prompt.chunks, prompt.question_ids, r1_options(method))
     assert fused.stats["recomputed_tokens"] == fused.stats["context_tokens"]
     torch.testing.assert_close(fused.logits, vanilla_ref[0], atol=ATOL, rtol=0)
-    *_, result = engine.generate(prompt.prefix, prompt.chunks, prompt.question_ids, r1_options(method),
+    *_, result = solo.generate(engine, prompt.prefix, prompt.chunks, prompt.question_ids, r1_options(method),
                                  GenerationOptions(max_tokens=len(hf_greedy)))
     assert result.token_ids == hf_greedy
 
@@ -236,7 +237,7 @@ def test_unknown_method_and_bad_check_layer(engine, prompt):
 def test_context_overflow(engine, prompt):
     max_tokens = engine.max_context_tokens - len(prompt.ids) + 7
     with pytest.raises(ContextOverflowError) as err:
-        next(engine.generate(prompt.prefix, prompt.chunks, prompt.question_ids, FusionOptions(method="pie"),
+        next(solo.generate(engine, prompt.prefix, prompt.chunks, prompt.question_ids, FusionOptions(method="pie"),
                              GenerationOptions(max_tokens=max_tokens)))
     assert err.value.excess_tokens == 7
 

@@ -1,5 +1,5 @@
 """One request's decoding state on its own (the real tokenizer, logits chosen by the test): the same
-object drives the batch of one in `FusionEngine.generate` and every sequence of the service's batches."""
+object drives the batch of one in `solo.generate` and every sequence of the service's batches."""
 
 from __future__ import annotations
 

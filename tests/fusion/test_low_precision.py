@@ -18,6 +18,7 @@ from fusion_helpers import make_prompt
 from test_fusion_architectures import build, chunks_of
 
 from kvfuse.fusion import ChunkKV, FusionEngine, FusionOptions, GenerationOptions
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.kv_loading import LayerLoader
 
@@ -71,7 +72,7 @@ def test_greedy_answers_at_full_ratio_equal_vanilla_in_bf16(default_llm_path, es
     for p in prompts:
         tokens = {}
         for method in ["vanilla", *SELECTIVE]:
-            *_, result = eng.generate(p.prefix, p.chunks, p.question_ids, FusionOptions(method=method, **FULL), gen)
+            *_, result = solo.generate(eng, p.prefix, p.chunks, p.question_ids, FusionOptions(method=method, **FULL), gen)
             tokens[method] = result.token_ids
         assert all(t == tokens["vanilla"] for t in tokens.values()), tokens
 
@@ -109,11 +110,11 @@ def test_a_batch_in_bf16_decodes_as_each_request_alone(default_llm_path, essays,
     for step in range(steps - 1):  # fed each request's own tokens, so a tie cannot send it elsewhere
         rows.append(eng.decode_batch([f.cache for f in batch], torch.stack([a[step].argmax() for a in alone])))
     together = torch.stack(rows, dim=1)
-    for solo, joint in zip(alone, together, strict=True):
-        assert float((solo - joint).abs().max()) <= BATCH_LOGIT_BUDGET
-        top2 = solo.topk(2, dim=-1).values
+    for own, joint in zip(alone, together, strict=True):
+        assert float((own - joint).abs().max()) <= BATCH_LOGIT_BUDGET
+        top2 = own.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * BATCH_LOGIT_BUDGET
-        assert torch.equal(solo.argmax(-1)[clear], joint.argmax(-1)[clear])
+        assert torch.equal(own.argmax(-1)[clear], joint.argmax(-1)[clear])
 
 
 def _reference_placement(eng: FusionEngine, chunks: list[ChunkKV], starts: list[int], dtype: torch.dtype):

@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.generation import Generation
 from kvfuse.fusion.prompt import prompt_texts, stop_token_ids, template_halves
 from kvfuse.fusion.prompt_style import BASE, BASE_STOPS, CHAT, SYSTEM_IN_USER, style_of
@@ -101,7 +102,7 @@ def test_the_real_model_answers_a_base_prompt_and_stops(engine: FusionEngine, de
     gen = GenerationOptions(max_tokens=48, temperature=0.0)
     answers = {}
     for method in ("vanilla", "a3"):
-        *_, result = base.generate(kvs[0], kvs[1:], question_ids, FusionOptions(method=method, recompute_ratio=1.0),
+        *_, result = solo.generate(base, kvs[0], kvs[1:], question_ids, FusionOptions(method=method, recompute_ratio=1.0),
                                    gen)
         answers[method] = result
     assert answers["a3"].token_ids == answers["vanilla"].token_ids

@@ -18,6 +18,7 @@ from test_fusion_architectures import build, chunks_of
 
 from kvfuse import kv_formats
 from kvfuse.fusion import ChunkKV, FusionEngine, FusionOptions, GenerationOptions
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.kv_loading import LayerLoader
 
@@ -98,12 +99,12 @@ def test_from_a_quantized_store_r1_is_vanilla_and_the_default_ratio_answers(
     gen = GenerationOptions(max_tokens=6)
     vanilla = engine.fuse(prompt.prefix, [ChunkKV(c.token_ids) for c in prompt.chunks], prompt.question_ids,
                           FusionOptions(method="vanilla"))
-    *_, want = engine.generate(prompt.prefix, prompt.chunks, prompt.question_ids, FusionOptions(method="vanilla"), gen)
+    *_, want = solo.generate(engine, prompt.prefix, prompt.chunks, prompt.question_ids, FusionOptions(method="vanilla"), gen)
     for method in ("anchor", "cacheblend"):
         full = engine.fuse(prompt.prefix, loaded, prompt.question_ids, FusionOptions(method=method, **FULL))
         torch.testing.assert_close(full.logits, vanilla.logits, atol=2e-4, rtol=1e-4)
-        *_, got = engine.generate(prompt.prefix, loaded, prompt.question_ids, FusionOptions(method=method, **FULL), gen)
+        *_, got = solo.generate(engine, prompt.prefix, loaded, prompt.question_ids, FusionOptions(method=method, **FULL), gen)
         assert got.token_ids == want.token_ids, method
-    *_, default = engine.generate(prompt.prefix, loaded, prompt.question_ids,
+    *_, default = solo.generate(engine, prompt.prefix, loaded, prompt.question_ids,
                                   FusionOptions(method="anchor", recompute_ratio=0.15), gen)
     assert len(default.token_ids) == 6 and default.stats["recomputed_tokens"] > 0

@@ -8,6 +8,7 @@ import torch
 from fusion_helpers import hf_forward, make_prompt
 
 from kvfuse.fusion import FusionOptions, GenerationOptions
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.methods.samkv import artifacts_for
 from kvfuse.fusion.methods.sparse import artifacts as arts_mod
 from kvfuse.fusion.methods.sparse.blocks import Segments, stable_layers
@@ -48,7 +49,7 @@ def test_default_samkv_loads_a_share_and_decodes(engine, long_prompt):
     assert st["fused_cache_tokens"] == st["prefix_tokens"] + st["sparse_context_tokens"] + st["question_tokens"]
     anchors = sum(len(Segments(len(c)).token_list(Segments(len(c)).anchor)) for c in long_prompt.chunks)
     assert anchors <= st["sparse_context_tokens"] < st["context_tokens"]
-    *_, result = engine.generate(long_prompt.prefix, long_prompt.chunks, long_prompt.question_ids,
+    *_, result = solo.generate(engine, long_prompt.prefix, long_prompt.chunks, long_prompt.question_ids,
                                  FusionOptions(method="samkv"), GenerationOptions(max_tokens=4))
     assert result.usage["generated_tokens"] >= 1
 

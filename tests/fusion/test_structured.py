@@ -16,6 +16,7 @@ from fusion_helpers import tiny_llama_engine
 
 from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
 from kvfuse.fusion.engine import core as E
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.core import EngineCore
 from kvfuse.fusion.engine.grammar import GrammarError, json_grammar
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
@@ -70,10 +71,10 @@ def _request(engine, i: int, question: str):
 
 def _batch_and_solo(engine, questions: list[str], rows) -> tuple[list, list]:
     reqs = [_request(engine, i, q) for i, q in enumerate(questions)]
-    solo = []
+    alone = []
     for (prefix, chunks, q, fusion), row in zip(reqs, rows, strict=True):
-        *_, result = engine.generate(prefix, chunks, q, fusion, _options(*row))
-        solo.append(result)
+        *_, result = solo.generate(engine, prefix, chunks, q, fusion, _options(*row))
+        alone.append(result)
     core = EngineCore(engine, SchedulerLimits(max_running=8, kv_budget_tokens=4096, prefill_tokens_per_step=512,
                                               ingest_share=0.25))
     for i, ((prefix, chunks, q, fusion), row) in enumerate(zip(reqs, rows, strict=True)):
@@ -85,7 +86,7 @@ def _batch_and_solo(engine, questions: list[str], rows) -> tuple[list, list]:
         out.extend(core.step())
     assert max(o.batch for o in out if isinstance(o, E.Stepped)) == len(rows)  # they decoded together
     done = {o.job_id: o.seq.gen for o in out if isinstance(o, E.Finished)}
-    return [done[i] for i in range(len(rows))], solo
+    return [done[i] for i in range(len(rows))], alone
 
 
 def test_constrained_rows_of_a_batch_validate_and_choose_their_solo_tokens(tiny) -> None:

@@ -3,7 +3,7 @@
 In nano-vllm's shape (`LLMEngine.add_request / step`) and vLLM v1's (`EngineCore`: no I/O, one
 interface over every transport): the service's local worker (a pipe) and fleet worker (Redis streams)
 are transports that turn their messages into `add` / `add_ingest` / `abort` calls and the outputs into
-their messages; `FusionEngine.generate` is a batch of one on the same core. Three parts, one file each:
+their messages; `solo.generate` is a batch of one on a core of its own. Three parts, one file each:
 - scheduler.py: which requests run this step (admission against the KV memory, prefill and ingest budgets);
 - kv_memory.py: where every running sequence's KV lives (one buffer at the budget, an extent each);
 - runner.py: how a decode step runs (one forward for the batch, each row over its own extent).

@@ -2,7 +2,7 @@
 
 A batched decode step produces one row of logits per running sequence; everything that makes a request
 *that* request -- its sampler and seed, its incremental detokenizer, its stop strings, `max_tokens`, EOS
-and cancellation -- lives here, per sequence. `FusionEngine.generate` (the batch of one) and the
+and cancellation -- lives here, per sequence. `solo.generate` (the batch of one) and the
 service's core (the batch of many) both reach it through the engine core, so a request decodes the same tokens
 alone or in a batch.
 """

@@ -3,7 +3,7 @@
 `decode(caches, tokens)` appends one token to each cache at its next slot (rotated to the cache's next
 position) and returns each sequence's next-token logits. The B new tokens go through embedding, norms,
 projections and MLP as one matrix, so the weights are read once per step whatever B; attention reads
-each sequence's own keys, never another's length. The service's engine core, `FusionEngine.generate`,
+each sequence's own keys, never another's length. The service's engine core, `solo.generate`,
 the benchmarks and the shadow checks all decode here (docs/DESIGN.md, "Decoding").
 
 Two ways to run the step:

@@ -1,10 +1,11 @@
-"""The batch of one: `FusionEngine.generate` and `decode_from` as one Sequence on an engine core of its own.
+"""The batch of one: `generate` and `decode_from`, one request as one Sequence on an engine core of its own.
 
 The core (core.py) is the only driver of the decode step, so a library caller, a benchmark and the
 service's worker decode through the same scheduler, runner, sampling and non-finite check; here the core
 is sized for this one request (its KV memory is the request's cache, its prefill budget the whole
 prompt) and its outputs become the TokenDelta / GenerationResult stream callers read
-(docs/DESIGN.md, "Decoding: the engine core").
+(docs/DESIGN.md, "Decoding: the engine core"). FusionEngine fuses; it does not decode, so it names
+nothing here (no import cycle between the engine and the core).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import torch
 from kvfuse.fusion.engine import core as E
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
 from kvfuse.fusion.engine.sequence import FusionChoice, Sequence
+from kvfuse.fusion.methods import get_method
 from kvfuse.fusion.types import (
     ChunkKV,
     FusedPrefill,
+    FusionOptions,
     GenerationOptions,
     GenerationResult,
     TokenDelta,
@@ -70,11 +73,16 @@ class _PrefilledSequence(_SoloSequence):
 
 
 def generate(engine: FusionEngine, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
-             fusion: FusionChoice, gen: GenerationOptions, cancel: Callable[[], bool] | None = None
-             ) -> Iterator[TokenDelta | GenerationResult]:
-    """`FusionEngine.generate` (its docstring)."""
-    from kvfuse.fusion.methods import get_method
-
+             fusion: FusionChoice | None = None, gen: GenerationOptions | None = None,
+             cancel: Callable[[], bool] | None = None) -> Iterator[TokenDelta | GenerationResult]:
+    """Yields TokenDelta as text becomes printable, then one GenerationResult: `engine`'s fused prefill
+    of prefix + chunks + question, decoded on a core of its own. `cancel` is polled before each engine
+    step once the request is admitted; a failure is raised (Cancelled when the cancel came before the
+    first token)."""
+    fusion = fusion if fusion is not None else FusionOptions()
+    gen = gen or GenerationOptions()
+    if gen.max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
     p = prefix if prefix is not None else ChunkKV([])
     rows = get_method(fusion.method).tokens_per_chunk(fusion) * len(chunks)
     prompt = len(p) + sum(len(c) for c in chunks) + rows + len(question_ids)
@@ -84,9 +92,11 @@ def generate(engine: FusionEngine, prefix: ChunkKV | None, chunks: list[ChunkKV]
 
 
 def decode_from(engine: FusionEngine, fused: FusedPrefill, gen: GenerationOptions,
-                cancel: Callable[[], bool] | None, started: float, on_step: OnStep | None
+                cancel: Callable[[], bool] | None = None, *, started: float, on_step: OnStep | None = None
                 ) -> Iterator[TokenDelta | GenerationResult]:
-    """`FusionEngine.decode_from` (its docstring)."""
+    """Decoding after a prefill already fused (the fidelity benchmark, which keeps every step), on a core
+    as `generate` decodes. `started`: when the prefill began (perf_counter), for TTFT; `on_step(logits,
+    token)` sees each step's logits and the token chosen from them, the stop token included."""
     seq = _PrefilledSequence(fused, gen)
     seq.on_step = on_step
     return _drive(engine, seq, cancel, started)
