@@ -53,15 +53,14 @@ def teacher_forced_steps(engine: Any, fused: Any, answer_tokens: Sequence[int]) 
     start = prompt_cache_positions(fused.stats)
     if cache.position_offset:
         # A cache whose slots are not positions (samkv's sparse cache, eviction): the answer goes in by
-        # decode steps from the end of the prompt's slots, each at its true position.
+        # decode steps from the end of the prompt's slots, each at its true position, forced on an
+        # engine core of its own (engine/solo.py), the decode every request runs.
+        from kvfuse.fusion.engine import solo
+
         cache.length = start - cache.position_offset
         if cache.length + len(feed) > cache.capacity:
             raise ValueError(f"the fused cache holds {cache.capacity} rows; the answer needs {cache.length + len(feed)}")
-        rest = []
-        for t in feed:
-            rest.append(engine.decode_step(cache, t).float())
-            yield tf.num_layers
-        return torch.cat([first, torch.stack(rest)])
+        return (yield from solo.forced_steps(engine, fused, feed))
     if start + len(feed) > cache.capacity:
         raise ValueError(f"the fused cache holds {cache.capacity} rows; the answer needs {start + len(feed)}")
     with torch.inference_mode():

@@ -15,6 +15,7 @@ from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
 from kvfuse.fusion.engine import core as E
 from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.core import EngineCore
+from kvfuse.fusion.engine.runner import ModelRunner
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.errors import NonFiniteLogits
@@ -218,3 +219,27 @@ def test_generate_is_a_batch_of_one_on_the_core_with_its_non_finite_check(tiny) 
     prefix, chunks, question_ids, fusion = _with_nan(_request(tiny, 0, 30, "pie"))
     with pytest.raises(NonFiniteLogits, match="non-finite logits"):
         list(solo.generate(tiny, prefix, chunks, question_ids, fusion, GenerationOptions(max_tokens=MAX_TOKENS)))
+
+
+def test_forced_tokens_decode_through_a_core_as_the_runner_steps_them(tiny) -> None:
+    """Teacher forcing on a core (solo.forced_logits): the fed tokens are taken whatever the logits
+    choose, an EOS among them does not end it, and each row is the logits the runner's own step gives
+    after the same tokens over the same prefill (the path the load check and teacher forcing took)."""
+    prefix, chunks, question_ids, fusion = _request(tiny, 0, 40)
+    eos = next(iter(tiny.stop_token_ids))
+    feed = [5, eos, 77, 300, 12]
+    fused, ref = (tiny.fuse(prefix, chunks, question_ids, fusion, max_tokens=len(feed) + 1) for _ in range(2))
+    runner = ModelRunner(tiny.tf)
+    want = torch.stack([ref.logits.float(), *(runner.decode([ref.cache], torch.tensor([t]))[0] for t in feed)])
+    assert [int(t) for t in want[:-1].argmax(-1)] != feed  # not the model's own choices
+    got = solo.forced_logits(tiny, fused, feed)
+    assert got.shape == (len(feed) + 1, tiny.model.config.vocab_size) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert fused.cache.length == ref.cache.length  # every fed token went into the cache
+
+
+def test_a_forced_sequence_refuses_penalties(tiny) -> None:
+    prefix, chunks, question_ids, fusion = _request(tiny, 0, 10)
+    with pytest.raises(ValueError, match="penalties"):
+        Sequence(0, prefix.token_ids, question_ids, fusion, GenerationOptions(max_tokens=3, presence_penalty=1.0),
+                 kv_tokens=64, prefill_tokens=8, prefix=prefix, chunks=chunks, forced=[1, 2])

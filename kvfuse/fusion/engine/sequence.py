@@ -33,11 +33,18 @@ NewCache = Callable[[int], FusedCache]  # a cache for this many tokens (the engi
 class Sequence:
     """A query for the engine core. `prefix` and `chunks`: the loaded KV (or override `load_kv`);
     `kv_tokens`: the cache it needs (prompt + max_tokens, and any rows its method adds); `prefill_tokens`:
-    an estimate of its prefill work; `on_logits(row)`: sees every logits row it takes a token from."""
+    an estimate of its prefill work; `on_logits(row)`: sees every logits row it takes a token from.
+
+    `forced`: teacher forcing -- the first tokens it takes, whatever its logits choose (then the sampler's
+    as usual); a forced sequence has no stop tokens or strings of the model's (an answer is fed whole, an
+    EOS inside it included), and no penalties (they count the sampler's choices, not the forced tokens)."""
 
     def __init__(self, request_id: RequestId, prefix_ids: list[int], question_ids: list[int], fusion: FusionChoice,
                  gen_options: GenerationOptions, *, kv_tokens: int, prefill_tokens: int,
-                 prefix: ChunkKV | None = None, chunks: list[ChunkKV] | None = None) -> None:
+                 prefix: ChunkKV | None = None, chunks: list[ChunkKV] | None = None,
+                 forced: list[int] | None = None) -> None:
+        if forced is not None and (gen_options.presence_penalty or gen_options.frequency_penalty):
+            raise ValueError("forced tokens cannot be taken with penalties (they count the sampler's choices)")
         self.request_id = request_id
         self.prefix_ids = prefix_ids
         self.question_ids = question_ids
@@ -46,6 +53,7 @@ class Sequence:
         self.kv_tokens = kv_tokens
         self.prefill_tokens = prefill_tokens
         self._prefix, self._chunks = prefix, chunks
+        self.forced = forced
         self.gen: Generation | None = None  # from the first token on
         self.cache: FusedCache | None = None  # a view of its extent, from the first token on
         self.stats: dict[str, int] = {}
@@ -87,8 +95,8 @@ class Sequence:
         if not bool(torch.isfinite(fused.logits).all()):
             raise NonFiniteLogits()
         self.cache, self.stats = fused.cache, fused.stats
-        self.gen = Generation(engine.tokenizer, engine.stop_token_ids, self.gen_options, engine.device,
-                              engine.stop_strings)
+        stops, stop_strings = (set(), ()) if self.forced is not None else (engine.stop_token_ids, engine.stop_strings)
+        self.gen = Generation(engine.tokenizer, stops, self.gen_options, engine.device, stop_strings)
         text = self.accept(fused.logits)
         self._t_first = time.perf_counter()
         # ttft_s counts from the loaded KV to the first token, including steps spent on other sequences.
@@ -115,16 +123,23 @@ class Sequence:
 
     # -- tokens -----------------------------------------------------------------------------------------------
     def accept(self, logits: torch.Tensor) -> str:
-        """Choose and take the first token from the prefill's logits."""
+        """Choose and take the first token from the prefill's logits (the forced one, if any)."""
         if self.on_logits is not None:
             self.on_logits(logits)
-        return self.generation.accept(logits)
+        forced = self._forced_next()
+        return self.generation.accept(logits) if forced is None else self.generation.accept_token(forced, logits)
 
     def accept_token(self, token: int, logits: torch.Tensor) -> str:
-        """Take the token the batch chose for this request from its row `logits` [vocab] of the step."""
+        """Take the token the batch chose for this request from its row `logits` [vocab] of the step (the
+        forced one instead, while there is one)."""
         if self.on_logits is not None:
             self.on_logits(logits)
-        return self.generation.accept_token(token, logits)
+        forced = self._forced_next()
+        return self.generation.accept_token(token if forced is None else forced, logits)
+
+    def _forced_next(self) -> int | None:
+        taken = self.generation.accepted
+        return self.forced[taken] if self.forced is not None and taken < len(self.forced) else None
 
     @property
     def first_token_at(self) -> float:

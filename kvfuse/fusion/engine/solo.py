@@ -57,8 +57,8 @@ class _PrefilledSequence(_SoloSequence):
     """A Sequence over a prefill already fused (`decode_from`): its cache is the prefill's own, so it holds
     one token of the core's memory, the least an extent can be."""
 
-    def __init__(self, fused: FusedPrefill, gen: GenerationOptions) -> None:
-        super().__init__(_ID, [], [], None, gen, kv_tokens=1, prefill_tokens=0)
+    def __init__(self, fused: FusedPrefill, gen: GenerationOptions, forced: list[int] | None = None) -> None:
+        super().__init__(_ID, [], [], None, gen, kv_tokens=1, prefill_tokens=0, forced=forced)
         self._fused = fused
 
     def start(self, engine: FusionEngine, new_cache: Callable[[int], object]) -> None:
@@ -102,10 +102,34 @@ def decode_from(engine: FusionEngine, fused: FusedPrefill, gen: GenerationOption
     return _drive(engine, seq, cancel, started)
 
 
-def _drive(engine: FusionEngine, seq: _SoloSequence, cancel: Callable[[], bool] | None, started: float
-           ) -> Iterator[TokenDelta | GenerationResult]:
-    """Step a core of its own until `seq` ends; `cancel` is polled before every step once it is admitted.
-    A failure (a bad request, non-finite logits, a cancel before the first token) is raised."""
+def forced_steps(engine: FusionEngine, fused: FusedPrefill, feed: list[int]) -> Generator[int, None, torch.Tensor]:
+    """Teacher forcing on a core: `feed` decoded after the prefill already fused, whatever the logits
+    choose. Yields the rows x layers of each engine step (the unit `fuse_steps` yields) and returns the
+    logits the tokens came from, [1 + len(feed), vocab] fp32: the prefill's, then one after each fed token."""
+    rows: list[torch.Tensor] = []
+    seq = _PrefilledSequence(fused, GenerationOptions(max_tokens=len(feed) + 1, temperature=0.0), forced=list(feed))
+    seq.on_step = lambda logits, _token: rows.append(logits.detach().float())
+    for _ in _outputs(engine, seq, None):
+        yield engine.num_layers
+    return torch.stack(rows)
+
+
+def forced_logits(engine: FusionEngine, fused: FusedPrefill, feed: list[int]) -> torch.Tensor:
+    """`forced_steps` run whole."""
+    steps = forced_steps(engine, fused, feed)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            logits: torch.Tensor = done.value
+            return logits
+
+
+def _outputs(engine: FusionEngine, seq: _SoloSequence, cancel: Callable[[], bool] | None
+             ) -> Iterator[list[E.Output]]:
+    """Step a core of its own until `seq` ends, yielding each step's outputs; `cancel` is polled before
+    every step once it is admitted. A failure (a bad request, non-finite logits, a cancel before the first
+    token) is raised."""
     limits = SchedulerLimits(max_running=1, kv_budget_tokens=seq.kv_tokens,
                              prefill_tokens_per_step=max(1, seq.prefill_tokens), ingest_share=0.0)
     core = E.EngineCore(engine, limits)
@@ -116,6 +140,14 @@ def _drive(engine: FusionEngine, seq: _SoloSequence, cancel: Callable[[], bool] 
         for out in outs:
             if isinstance(out, E.Failed):
                 raise out.error
+        yield outs
+
+
+def _drive(engine: FusionEngine, seq: _SoloSequence, cancel: Callable[[], bool] | None, started: float
+           ) -> Iterator[TokenDelta | GenerationResult]:
+    """`seq`'s outputs as the stream callers read: its text deltas, then its result."""
+    for outs in _outputs(engine, seq, cancel):
+        for out in outs:
             if isinstance(out, E.Token):
                 yield TokenDelta(out.text)
             elif isinstance(out, E.Finished):

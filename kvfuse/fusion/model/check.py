@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvfuse.fusion.engine import solo
 from kvfuse.fusion.errors import UnsupportedModelError
 
 log = logging.getLogger("kvfuse.fusion")
@@ -261,9 +262,10 @@ def _decode(engine, ids: list[int], n: int, ref: _Reference) -> CheckResult:
     from kvfuse.fusion.types import FusionOptions
 
     fused = engine.fuse(None, [], ids[:n], FusionOptions(method="vanilla"), max_tokens=DECODE_STEPS)
-    pairs = [("prefill logits", None, fused.logits, ref.logits[n - 1])]
-    for step, token in enumerate(ids[n : n + DECODE_STEPS - 1]):
-        pairs.append((f"step {step + 1} logits", None, engine.decode_step(fused.cache, token), ref.logits[n + step]))
+    # the prompt's next tokens forced through an engine core, the decode every request runs (engine/solo.py)
+    logits = solo.forced_logits(engine, fused, ids[n : n + DECODE_STEPS - 1])
+    pairs = [("prefill logits", None, logits[0], ref.logits[n - 1])]
+    pairs += [(f"step {step} logits", None, logits[step], ref.logits[n + step - 1]) for step in range(1, len(logits))]
     tols = [engine_tolerance(engine, n, step) for step in range(len(pairs))]
     return _verdict(engine, "decode", pairs, tols, f"{DECODE_STEPS - 1} decode steps' logits")
 
