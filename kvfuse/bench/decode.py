@@ -5,9 +5,10 @@ copying the weights' bytes (`weight_bytes`, tied embeddings counted once) at the
 measured in the same run (a weight-sized float32 buffer copied, median of five). Each row is a ratio to
 that bound and to the same path's one-stream tokens/s, so the figures hold on a busy machine as ratios.
 
-Paths, timed in turn within every repeat so that drift hits them alike; both are the engine core's
-runner (kvfuse/fusion/engine/runner.py) over one KV memory holding every stream's extent, the tokens
-chosen on the device for the batch (`sampling.choose`) with one host copy, as the worker decodes:
+Paths, timed in turn within every repeat so that drift hits them alike; each is `EngineCore.step` over
+streams in one KV memory, an extent each (kvfuse/bench/streams.py): the runner's batched forward, the
+tokens chosen on the device for the batch (`sampling.choose`) with one host copy, the non-finite check
+and each row's detokenizer, as the worker decodes:
 - `eager`: one attention call per stream over its own extent (the default off CUDA);
 - `static` (`--compile`): the static path, FlexAttention over the memory with a block mask per row,
   compiled per batch bucket (on CUDA also captured as graphs); its compile is the runner's warm-up;
@@ -66,61 +67,18 @@ def _prefill(engine: Any, tokens: int, room: int, seed: int) -> Any:
     return engine.fuse(None, [], ids, FusionOptions(method="vanilla"), max_tokens=room)
 
 
-def engine_streams(engine: Any, cache: Any, streams: int, *, static: bool) -> tuple[Any, list]:
-    """The engine core's decode memory and runner (kvfuse/fusion/engine/) holding `streams` copies of the
-    fused `cache`, one extent each; static: the static path (on CUDA captured as graphs), warmed up."""
-    from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
-    from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
+def _time_path(engine: Any, fused: Any, path: str, streams: int, steps: int) -> list[float]:
+    """Seconds per step of `steps` steps of `streams` copies of `fused` on an engine core (after the
+    warm-up steps)."""
+    from kvfuse.bench.streams import core_streams, time_steps
 
-    per_stream = cache.capacity
-    blocks = -(-per_stream // BLOCK)  # static: each extent whole key blocks, the scratch token one more
-    capacity = (streams * blocks + 1) * BLOCK if static else -(-(streams * per_stream + 1) // BLOCK) * BLOCK
-    memory = KVMemory.for_transformer(engine.tf, capacity, zeroed=static, align=BLOCK if static else 1)
-    runner = ModelRunner(engine.tf, memory, max_batch=streams, static=static,
-                         cuda_graphs=static and engine.device.type == "cuda")
-    runner.warm_up()
-    caches = []
-    for i in range(streams):
-        c = FusedCache.in_memory(memory, memory.allocate(i, per_stream))
-        c.place(0, cache.k[:, :, : cache.length], cache.v[:, :, : cache.length])
-        c.length = cache.length
-        caches.append(c)
-    return runner, caches
-
-
-def time_steps(runner: Any, caches: list, steps: int, grammar: Any = None) -> list[float]:
-    """Seconds per step of `steps` greedy steps of every cache (after the warm-up steps), the tokens chosen
-    on the device for the batch with one host copy, as the engine core's step does. `grammar`: a function
-    giving each row its own matcher (grammar.RowGrammar), advanced by the row's token each step."""
-    import torch
-
-    from kvfuse.fusion.engine import sampling
-
-    tokens = [7 + i for i in range(len(caches))]
-    rows = [sampling.RowSampling(0.0, 1.0, grammar=grammar() if grammar else None) for _ in caches]
-    times = []
-    with torch.inference_mode():
-        for i in range(WARMUP_STEPS + steps):
-            t = time.perf_counter()
-            tokens = sampling.choose(runner.decode(caches, torch.tensor(tokens)), rows).tolist()
-            for row, token in zip(rows, tokens, strict=True):
-                if row.grammar is not None:
-                    row.grammar.advance(token)
-            if i >= WARMUP_STEPS:
-                times.append(time.perf_counter() - t)
-    return times
-
-
-def _time_path(engine: Any, cache: Any, path: str, streams: int, steps: int) -> list[float]:
-    """Seconds per step of `steps` steps of `streams` copies of `cache` (after the warm-up steps)."""
-    runner, caches = engine_streams(engine, cache, streams, static=path == "static")
     grammar = None
     if path == "eager+schema":
-        from kvfuse.fusion.engine.grammar import RowGrammar, json_grammar
+        from kvfuse.fusion.engine.grammar import json_grammar
 
-        text = json_grammar(SCHEMA)
-        grammar = lambda: RowGrammar(text, engine.tokenizer, engine.stop_token_ids)  # noqa: E731
-    return time_steps(runner, caches, steps, grammar)
+        grammar = json_grammar(SCHEMA)
+    core = core_streams(engine, fused, streams, static=path == "static", grammar=grammar)
+    return time_steps(core, steps, warmup=WARMUP_STEPS)
 
 
 def run(args: Any) -> dict:
@@ -132,7 +90,7 @@ def run(args: Any) -> dict:
     engine = FusionEngine.from_settings(settings)
     nbytes = weight_bytes(engine.model)
     room = (WARMUP_STEPS + args.steps) + 8
-    cache = _prefill(engine, args.context_tokens, room, args.seed).cache
+    fused = _prefill(engine, args.context_tokens, room, args.seed)
     paths = ["eager"] + (["static"] if args.compile else []) + (["eager+schema"] if args.schema else [])
     times: dict[tuple[str, int], list[float]] = {}
     rates = []
@@ -140,7 +98,7 @@ def run(args: Any) -> dict:
         rates.append(memcpy_gbps(nbytes))
         for streams in args.streams:
             for path in paths:
-                times.setdefault((path, streams), []).extend(_time_path(engine, cache, path, streams, args.steps))
+                times.setdefault((path, streams), []).extend(_time_path(engine, fused, path, streams, args.steps))
     rate = statistics.median(rates)
     bound_ms = nbytes / (rate * 1e9) * 1e3
     rows = []

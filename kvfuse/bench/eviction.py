@@ -2,8 +2,8 @@
 against the same method without it, in the same run.
 
 Speed: one fused prompt per context and capacity C (C = 0: no eviction, the baseline); its cache is
-copied to make the streams, and timed windows of batched decode steps (`FusionEngine.decode_batch`,
-the step the service's scheduler runs) give decode tok/s at each stream count. The capacities are
+copied to make the streams, and timed windows of engine core steps over them (kvfuse/bench/streams.py,
+the step the service's worker runs) give decode tok/s at each stream count. The capacities are
 timed in turn within every repeat, so drift hits them alike. Memory: the fused cache's bytes after
 eviction (exact) and the process's peak RSS growth over the fused prefill with its eviction. Each row
 also gives the ratio a pure bandwidth model predicts: a step reads the weights once and every
@@ -16,10 +16,8 @@ each run's task score. Eviction happens after the first token, so the first toke
 
 from __future__ import annotations
 
-import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,26 +42,15 @@ def _options(backend: Any, method: str, ratio: float, capacity: int) -> Any:
     return opts
 
 
-def _clone(cache: Any) -> Any:
-    other = copy.copy(cache)
-    other.k, other.v = cache.k.clone(), cache.v.clone()
-    return other
-
-
 def _weight_bytes(model: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _time_window(engine: Any, caches: list[Any], steps: int) -> float:
-    """tok/s of `steps` batched decode steps over `caches` (every stream fed the same token)."""
-    import torch
+def _time_window(core: Any, steps: int) -> float:
+    """tok/s of `steps` engine core steps, each a batched decode step of every stream of `core`."""
+    from kvfuse.bench.streams import time_steps
 
-    tokens = torch.zeros(len(caches), dtype=torch.long)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        logits = engine.decode_batch(caches, tokens)
-        tokens = torch.argmax(logits, dim=-1)
-    return len(caches) * steps / (time.perf_counter() - t0)
+    return len(core.scheduler.decode_batch()) * steps / sum(time_steps(core, steps))
 
 
 def run_speed(backend: Any, prepared: Any, *, method: str, ratio: float, capacities: list[int],
@@ -72,19 +59,21 @@ def run_speed(backend: Any, prepared: Any, *, method: str, ratio: float, capacit
     prefix, chunks, question_ids = prepared
     engine = backend.engine
     caps = [0, *[c for c in capacities if c > 0]]
-    room = warmup + repeats * steps + 1
+    from kvfuse.bench.streams import core_streams
+
+    room = warmup + repeats * steps + 2  # the streams' first decode step runs as they start
     setups: dict[int, dict[str, Any]] = {}
     for c in caps:
         with PeakRSS() as mem:
             fused = engine.fuse(prefix, chunks, question_ids, _options(backend, method, ratio, c), max_tokens=room)
-        groups = {s: [fused.cache] if s == 1 else [_clone(fused.cache) for _ in range(s)] for s in streams}
-        for group in groups.values():
-            _time_window(engine, group, warmup)
+        groups = {s: core_streams(engine, fused, s) for s in streams}  # copies of the (evicted) cache
+        for core in groups.values():
+            _time_window(core, warmup)
         setups[c] = {"fused": fused, "groups": groups, "peak_rss_mb": mem.delta_mb, "tok_s": {s: [] for s in streams}}
     for _ in range(repeats):
         for c in caps:
-            for s, group in setups[c]["groups"].items():
-                setups[c]["tok_s"][s].append(_time_window(engine, group, steps))
+            for s, core in setups[c]["groups"].items():
+                setups[c]["tok_s"][s].append(_time_window(core, steps))
     weights = _weight_bytes(engine.model)
     st = setups[0]["fused"].stats
     prompt = st["prefix_tokens"] + st["context_tokens"] + st["question_tokens"]

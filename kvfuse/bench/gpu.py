@@ -208,15 +208,14 @@ class Bench:
         key = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
         return prof.key_averages().table(sort_by=key, row_limit=rows)
 
-    def decode_rate(self, caches: list, steps: int) -> float:
-        """Tokens per second of `steps` batched greedy steps over `caches` (one token each per step)."""
-        torch, e = self.torch, self.engine
-        tokens = torch.zeros(len(caches), dtype=torch.long, device=e.device)
-        logits = e.decode_batch(caches, tokens)  # warm-up step
-        t = self.now()
-        for _ in range(steps):
-            logits = e.decode_batch(caches, logits.argmax(-1))
-        return len(caches) * steps / (self.now() - t)
+    def decode_rate(self, fused: Any) -> float:
+        """Tokens per second of batched greedy steps of one stream on an engine core (kvfuse/bench/streams.py),
+        over the room `fused.cache` has past its prompt (the first decode step untimed)."""
+        from kvfuse.bench.streams import core_streams, time_steps
+
+        core = core_streams(self.engine, fused, 1)
+        times = time_steps(core, max(1, fused.cache.capacity - fused.cache.length - 2), warmup=1)
+        return len(times) / sum(times)
 
     def context(self, context_tokens: int, methods: list[str], progress) -> list[dict[str, Any]]:
         torch, e = self.torch, self.engine
@@ -235,7 +234,7 @@ class Bench:
                 runs = [self.prefill(method, prefix, chunks, question_ids) for _ in range(self.repeats)]
                 ttft = statistics.median(r[0] for r in runs)
                 fused, peak = runs[-1][1], max(r[2] for r in runs)
-                decode = self.decode_rate([fused.cache], self.decode_tokens - 1)
+                decode = self.decode_rate(fused)
                 del runs, fused
                 ttft_device = self.median_ttft(method, on_device[0], on_device[1:], question_ids)
                 ttft_dense = self.dense_mask_ttft(method, prefix, chunks, question_ids)
@@ -276,10 +275,11 @@ class Bench:
         return rows
 
     def streams(self, context_tokens: int, counts: list[int], steps: int) -> list[dict[str, Any]]:
-        """Decode steps of the engine core's runner over its KV memory (kvfuse/fusion/engine/: one extent per
-        stream, the static step captured as CUDA graphs on a GPU, the tokens chosen on the device), each
-        stream holding a copy of one fused cache of `context_tokens`."""
-        from kvfuse.bench.decode import WARMUP_STEPS, engine_streams, time_steps
+        """Steps of an engine core decoding `counts` streams in its KV memory (kvfuse/bench/streams.py: one
+        extent per stream, the static step captured as CUDA graphs on a GPU, the tokens chosen on the
+        device), each stream holding a copy of one fused cache of `context_tokens`."""
+        from kvfuse.bench.decode import WARMUP_STEPS
+        from kvfuse.bench.streams import core_streams, time_steps
         from kvfuse.fusion import ChunkKV
 
         prefix_ids, chunk_ids, question_ids = self.prompt(context_tokens)
@@ -290,16 +290,17 @@ class Bench:
         # The baseline warm before it is timed: a first timed pass in the process pays once for what every
         # later one reuses (allocator pools, kernel selection, lazy initialisation), which would flatter
         # every ratio to it. One untimed pass of the first count, on its own copies, is thrown away.
-        warm_runner, warm_caches = engine_streams(self.engine, fused.cache, counts[0], static=self.cuda)
-        time_steps(warm_runner, warm_caches, steps)
-        del warm_runner, warm_caches
+        warm = core_streams(self.engine, fused, counts[0], static=self.cuda)
+        time_steps(warm, steps, warmup=WARMUP_STEPS)
+        del warm
         for b in counts:
-            runner, caches = engine_streams(self.engine, fused.cache, b, static=self.cuda)
+            core = core_streams(self.engine, fused, b, static=self.cuda)
             self.sync()
-            step_s = statistics.median(time_steps(runner, caches, steps))
+            step_s = statistics.median(time_steps(core, steps, warmup=WARMUP_STEPS))
             out.append({"streams": b, "context_tokens": fused.cache.length, "tokens_per_s": b / step_s,
-                        "step_ms": step_s * 1e3, "warmup_s": runner.warmup_s, "path": "static" if runner.static else "eager"})
-            del runner, caches
+                        "step_ms": step_s * 1e3, "warmup_s": core.runner.warmup_s,
+                        "path": "static" if core.runner.static else "eager"})
+            del core
             if self.cuda:
                 self.torch.cuda.empty_cache()
         base = out[0]["tokens_per_s"]

@@ -37,12 +37,14 @@ class Sequence:
 
     `forced`: teacher forcing -- the first tokens it takes, whatever its logits choose (then the sampler's
     as usual); a forced sequence has no stop tokens or strings of the model's (an answer is fed whole, an
-    EOS inside it included), and no penalties (they count the sampler's choices, not the forced tokens)."""
+    EOS inside it included), and no penalties (they count the sampler's choices, not the forced tokens).
+    `model_stops=False`: the model's stop tokens and strings do not end it either (a benchmark's stream,
+    which must run its `max_tokens`); the request's own `stop` strings still do."""
 
     def __init__(self, request_id: RequestId, prefix_ids: list[int], question_ids: list[int], fusion: FusionChoice,
                  gen_options: GenerationOptions, *, kv_tokens: int, prefill_tokens: int,
                  prefix: ChunkKV | None = None, chunks: list[ChunkKV] | None = None,
-                 forced: list[int] | None = None) -> None:
+                 forced: list[int] | None = None, model_stops: bool = True) -> None:
         if forced is not None and (gen_options.presence_penalty or gen_options.frequency_penalty):
             raise ValueError("forced tokens cannot be taken with penalties (they count the sampler's choices)")
         self.request_id = request_id
@@ -54,6 +56,7 @@ class Sequence:
         self.prefill_tokens = prefill_tokens
         self._prefix, self._chunks = prefix, chunks
         self.forced = forced
+        self.model_stops = model_stops and forced is None
         self.gen: Generation | None = None  # from the first token on
         self.cache: FusedCache | None = None  # a view of its extent, from the first token on
         self.stats: dict[str, int] = {}
@@ -95,7 +98,7 @@ class Sequence:
         if not bool(torch.isfinite(fused.logits).all()):
             raise NonFiniteLogits()
         self.cache, self.stats = fused.cache, fused.stats
-        stops, stop_strings = (set(), ()) if self.forced is not None else (engine.stop_token_ids, engine.stop_strings)
+        stops, stop_strings = (engine.stop_token_ids, engine.stop_strings) if self.model_stops else (set(), ())
         self.gen = Generation(engine.tokenizer, stops, self.gen_options, engine.device, stop_strings)
         text = self.accept(fused.logits)
         self._t_first = time.perf_counter()
