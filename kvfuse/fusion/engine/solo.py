@@ -72,6 +72,22 @@ class _PrefilledSequence(_SoloSequence):
         self._steps = prefilled()
 
 
+class _ReplayedSequence(_PrefilledSequence):
+    """A prefill already fused whose first tokens come from `replay` rows before its own logits (their
+    tokens are in its cache already): `replay_steps`."""
+
+    def __init__(self, fused: FusedPrefill, gen: GenerationOptions, replay: torch.Tensor) -> None:
+        super().__init__(fused, gen)
+        self._replay: torch.Tensor | None = replay
+
+    def accept(self, logits: torch.Tensor) -> str:
+        rows, self._replay = self._replay, None
+        text = ""
+        for row in rows if rows is not None else []:
+            text += super().accept(row)
+        return text if self.generation.finished is not None else text + super().accept(logits)
+
+
 def generate(engine: FusionEngine, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
              fusion: FusionChoice | None = None, gen: GenerationOptions | None = None,
              cancel: Callable[[], bool] | None = None) -> Iterator[TokenDelta | GenerationResult]:
@@ -100,6 +116,19 @@ def decode_from(engine: FusionEngine, fused: FusedPrefill, gen: GenerationOption
     seq = _PrefilledSequence(fused, gen)
     seq.on_step = on_step
     return _drive(engine, seq, cancel, started)
+
+
+def replay_steps(engine: FusionEngine, fused: FusedPrefill, replay: torch.Tensor, gen: GenerationOptions
+                 ) -> Generator[int, None, str]:
+    """Decoding on a core after a prefill already fused, its first tokens chosen from the `replay` rows
+    [j, vocab] (logits the caller computed, whose chosen tokens it wrote into `fused.cache`, so its
+    length is the prompt + j), then from `fused.logits`: the shadow check's greedy answer from where it
+    leaves the fused one (service/worker/shadow.py). Yields each engine step's rows x layers; returns the
+    answer's text."""
+    seq = _ReplayedSequence(fused, gen, replay)
+    for _ in _outputs(engine, seq, None):
+        yield engine.num_layers
+    return seq.generation.text
 
 
 def forced_steps(engine: FusionEngine, fused: FusedPrefill, feed: list[int]) -> Generator[int, None, torch.Tensor]:

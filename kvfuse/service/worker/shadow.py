@@ -21,8 +21,9 @@ every decoder layer, or one decode step (docs/results/contract/ has what a large
 3. when the fused answer was greedy (and not adjusted by a logit_bias or a penalty: those answers get
    the KL only, as sampled ones do), the full prefill's own greedy answer, compared with the fused one
    under `fidelity.metric` (kvfuse/answer_match.py). It shares the fused answer's tokens up to the first
-   position where the teacher-forced argmax differs, so only the rest is decoded, one step per slice
-   (an answer the full prefill would have given token for token costs no decode step at all).
+   position where the teacher-forced argmax differs, so only the rest is decoded, on an engine core of
+   its own over the full prefill's cache (engine/solo.py `replay_steps`), one engine step per slice (an
+   answer the full prefill would have given token for token costs no decode step at all).
 
 The verdict crosses to the API as a `ShadowResult` (counts only); the check and its token ids are then
 dropped. A check in progress holds one full-prefill cache (prompt + answer) outside the KV budget.
@@ -169,12 +170,11 @@ class ShadowChecks:
         return verdict
 
     def _check(self, check: ShadowCheck) -> Generator[tuple[int, bool], None, P.ShadowResult]:
-        import torch
 
-        from kvfuse.fusion.engine.generation import Generation
+        from kvfuse.fusion.engine import solo
         from kvfuse.fusion.piecewise_prefill import prefill_steps
         from kvfuse.fusion.teacher_forcing import answer_kl, teacher_forced_steps
-        from kvfuse.fusion.types import GenerationOptions
+        from kvfuse.fusion.types import FusedPrefill, GenerationOptions
 
         engine = self.engine
         room = max(check.max_tokens, len(check.answer_tokens))
@@ -191,18 +191,12 @@ class ShadowChecks:
             if j is None:
                 agreed = True  # the same tokens, so the same text
             else:
-                gen = Generation(engine.tokenizer, engine.stop_token_ids,
-                                 GenerationOptions(max_tokens=check.max_tokens, temperature=0.0, stop=check.stop),
-                                 engine.device, engine.stop_strings)
-                for i in range(j + 1):
-                    gen.accept(logits[i])
                 fused.cache.length = prompt_len + j  # the rows of the shared tokens, written by teacher forcing
-                while gen.finished is None:
-                    with torch.inference_mode():
-                        row = engine.decode_step(fused.cache, gen.last_token)  # the one runner
-                    yield engine.num_layers, ENDS_SLICE
-                    gen.accept(row)
-                agreed = same_answer(check.answer_text, gen.text, self.metric)
+                diverged = FusedPrefill(fused.cache, logits[j], fused.selected, fused.stats, {})
+                opts = GenerationOptions(max_tokens=check.max_tokens, temperature=0.0, stop=check.stop)
+                # decoded on an engine core (the runner's step is under inference_mode), a step per slice
+                text = yield from _slice_each(solo.replay_steps(engine, diverged, logits[:j], opts))
+                agreed = same_answer(check.answer_text, text, self.metric)
         return P.ShadowResult(check.method, check.recompute_ratio, check.context_tokens, agreed, kl,
                               len(check.answer_tokens))
 
@@ -215,3 +209,13 @@ def _within_slices(steps: Generator[int, None, Any]) -> Generator[tuple[int, boo
         except StopIteration as done:
             return done.value
         yield work, False
+
+
+def _slice_each(steps: Generator[int, None, Any]) -> Generator[tuple[int, bool], None, Any]:
+    """An engine-stepped generator's work, each step a slice of its own; returns its value."""
+    while True:
+        try:
+            work = next(steps)
+        except StopIteration as done:
+            return done.value
+        yield work, ENDS_SLICE
