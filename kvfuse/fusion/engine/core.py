@@ -41,9 +41,9 @@ from kvfuse.fusion.errors import FusionError, NonFiniteLogits
 
 if TYPE_CHECKING:
     from kvfuse.config import Settings
+    from kvfuse.fusion.engine.fusing import FusingEngine
     from kvfuse.fusion.engine.logprobs import TokenLogprob
     from kvfuse.fusion.engine.scheduler import IngestPiece
-    from kvfuse.fusion.fusion_engine import FusionEngine
 
 log = logging.getLogger("kvfuse.fusion")
 
@@ -101,11 +101,11 @@ Emit = Callable[[Output], None]  # how the step's parts append to its outputs
 
 
 class EngineCore:
-    """The engine over `engine` (kvfuse.fusion.FusionEngine) within `limits`.
+    """The engine over `engine` (kvfuse.fusion.FusionEngine, as engine/fusing.py names it) within `limits`.
 
     static / cuda_graphs: the runner's static decode path and its CUDA graphs (runner.py)."""
 
-    def __init__(self, engine: FusionEngine, limits: SchedulerLimits, *, static: bool = False,
+    def __init__(self, engine: FusingEngine, limits: SchedulerLimits, *, static: bool = False,
                  cuda_graphs: bool = False) -> None:
         self.engine = engine
         capacity = limits.kv_budget_tokens
@@ -118,7 +118,7 @@ class EngineCore:
         self.step_no = 0
 
     @classmethod
-    def from_settings(cls, engine: FusionEngine, settings: Settings) -> EngineCore:
+    def from_settings(cls, engine: FusingEngine, settings: Settings) -> EngineCore:
         """As kvfuse.config Settings say (server.* limits; the static path with CUDA graphs on a CUDA
         device when fusion.decode_cuda_graphs is on)."""
         graphs = settings.fusion.decode_cuda_graphs and engine.device.type == "cuda"

@@ -22,7 +22,7 @@ from kvfuse.fusion.errors import NonFiniteLogits
 from kvfuse.fusion.types import ChunkKV, FusedPrefill, GenerationOptions
 
 if TYPE_CHECKING:
-    from kvfuse.fusion.fusion_engine import FusionEngine
+    from kvfuse.fusion.engine.fusing import FusingEngine
 
 RequestId = int  # one request's id, from its arrival to its last output (the wire's job_id in the service)
 # kvfuse.fusion.types.FusionOptions: built by make_dataclass from the settings, so no checker can read it.
@@ -70,7 +70,7 @@ class Sequence:
         """The system prefix's and the chunks' KV (token ids only for a full-prefill method)."""
         return self._prefix, list(self._chunks or [])
 
-    def start(self, engine: FusionEngine, new_cache: NewCache) -> None:
+    def start(self, engine: FusingEngine, new_cache: NewCache) -> None:
         """Load the chunks' KV and set up the fused prefill (over caches `new_cache(capacity)` gives), which
         `advance` then runs in pieces."""
         t0 = time.perf_counter()
@@ -80,7 +80,7 @@ class Sequence:
         self._steps = engine.fuse_steps(prefix, chunks, self.question_ids, self.fusion,
                                         max_tokens=self.gen_options.max_tokens, new_cache=new_cache)
 
-    def advance(self, engine: FusionEngine, budget: int) -> tuple[int, str | None]:
+    def advance(self, engine: FusingEngine, budget: int) -> tuple[int, str | None]:
         """Run the prefill for about `budget` rows x layers (at least one layer): (work done, the first
         token's text once the prefill is complete, else None). Prefill logits that are not finite raise
         NonFiniteLogits, as a decode step's row fails in the core."""

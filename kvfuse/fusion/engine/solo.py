@@ -30,7 +30,7 @@ from kvfuse.fusion.types import (
 )
 
 if TYPE_CHECKING:
-    from kvfuse.fusion.fusion_engine import FusionEngine
+    from kvfuse.fusion.engine.fusing import FusingEngine
 
 OnStep = Callable[[torch.Tensor, int], None]  # (the logits a token was chosen from, that token)
 _ID = 0  # the one request's id on its own core
@@ -61,7 +61,7 @@ class _PrefilledSequence(_SoloSequence):
         super().__init__(_ID, [], [], None, gen, kv_tokens=1, prefill_tokens=0, forced=forced)
         self._fused = fused
 
-    def start(self, engine: FusionEngine, new_cache: Callable[[int], object]) -> None:
+    def start(self, engine: FusingEngine, new_cache: Callable[[int], object]) -> None:
         fused = self._fused
 
         def prefilled() -> Generator[int, None, FusedPrefill]:
@@ -88,7 +88,7 @@ class _ReplayedSequence(_PrefilledSequence):
         return text if self.generation.finished is not None else text + super().accept(logits)
 
 
-def generate(engine: FusionEngine, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
+def generate(engine: FusingEngine, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
              fusion: FusionChoice | None = None, gen: GenerationOptions | None = None,
              cancel: Callable[[], bool] | None = None) -> Iterator[TokenDelta | GenerationResult]:
     """Yields TokenDelta as text becomes printable, then one GenerationResult: `engine`'s fused prefill
@@ -107,7 +107,7 @@ def generate(engine: FusionEngine, prefix: ChunkKV | None, chunks: list[ChunkKV]
     return _drive(engine, seq, cancel, time.perf_counter())
 
 
-def decode_from(engine: FusionEngine, fused: FusedPrefill, gen: GenerationOptions,
+def decode_from(engine: FusingEngine, fused: FusedPrefill, gen: GenerationOptions,
                 cancel: Callable[[], bool] | None = None, *, started: float, on_step: OnStep | None = None
                 ) -> Iterator[TokenDelta | GenerationResult]:
     """Decoding after a prefill already fused (the fidelity benchmark, which keeps every step), on a core
@@ -118,7 +118,7 @@ def decode_from(engine: FusionEngine, fused: FusedPrefill, gen: GenerationOption
     return _drive(engine, seq, cancel, started)
 
 
-def replay_steps(engine: FusionEngine, fused: FusedPrefill, replay: torch.Tensor, gen: GenerationOptions
+def replay_steps(engine: FusingEngine, fused: FusedPrefill, replay: torch.Tensor, gen: GenerationOptions
                  ) -> Generator[int, None, str]:
     """Decoding on a core after a prefill already fused, its first tokens chosen from the `replay` rows
     [j, vocab] (logits the caller computed, whose chosen tokens it wrote into `fused.cache`, so its
@@ -131,7 +131,7 @@ def replay_steps(engine: FusionEngine, fused: FusedPrefill, replay: torch.Tensor
     return seq.generation.text
 
 
-def forced_steps(engine: FusionEngine, fused: FusedPrefill, feed: list[int]) -> Generator[int, None, torch.Tensor]:
+def forced_steps(engine: FusingEngine, fused: FusedPrefill, feed: list[int]) -> Generator[int, None, torch.Tensor]:
     """Teacher forcing on a core: `feed` decoded after the prefill already fused, whatever the logits
     choose. Yields the rows x layers of each engine step (the unit `fuse_steps` yields) and returns the
     logits the tokens came from, [1 + len(feed), vocab] fp32: the prefill's, then one after each fed token."""
@@ -143,7 +143,7 @@ def forced_steps(engine: FusionEngine, fused: FusedPrefill, feed: list[int]) -> 
     return torch.stack(rows)
 
 
-def forced_logits(engine: FusionEngine, fused: FusedPrefill, feed: list[int]) -> torch.Tensor:
+def forced_logits(engine: FusingEngine, fused: FusedPrefill, feed: list[int]) -> torch.Tensor:
     """`forced_steps` run whole."""
     steps = forced_steps(engine, fused, feed)
     while True:
@@ -154,7 +154,7 @@ def forced_logits(engine: FusionEngine, fused: FusedPrefill, feed: list[int]) ->
             return logits
 
 
-def _outputs(engine: FusionEngine, seq: _SoloSequence, cancel: Callable[[], bool] | None
+def _outputs(engine: FusingEngine, seq: _SoloSequence, cancel: Callable[[], bool] | None
              ) -> Iterator[list[E.Output]]:
     """Step a core of its own until `seq` ends, yielding each step's outputs; `cancel` is polled before
     every step once it is admitted. A failure (a bad request, non-finite logits, a cancel before the first
@@ -172,7 +172,7 @@ def _outputs(engine: FusionEngine, seq: _SoloSequence, cancel: Callable[[], bool
         yield outs
 
 
-def _drive(engine: FusionEngine, seq: _SoloSequence, cancel: Callable[[], bool] | None, started: float
+def _drive(engine: FusingEngine, seq: _SoloSequence, cancel: Callable[[], bool] | None, started: float
            ) -> Iterator[TokenDelta | GenerationResult]:
     """`seq`'s outputs as the stream callers read: its text deltas, then its result."""
     for outs in _outputs(engine, seq, cancel):

@@ -1,0 +1,32 @@
+"""What the engine core needs of the engine that fuses prefills (kvfuse.fusion.FusionEngine), named here as
+a Protocol: the fusion engine builds on the core's KV memory and runner, so the core naming the fusion
+engine's class would close an import cycle (docs/DESIGN.md, "Decoding: the engine core")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any, Protocol
+
+import torch
+
+from kvfuse.fusion.engine.detokenize import Tokenizer
+from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.types import ChunkKV, FusedPrefill
+
+
+class FusingEngine(Protocol):
+    """The model's layers (`tf`: kvfuse.fusion.model.transformer.Transformer, as kv_memory and runner take
+    it), where they run, how text ends, and the fused prefill a layer at a time."""
+
+    tf: Any
+    num_layers: int
+    device: torch.device
+    tokenizer: Tokenizer
+    stop_token_ids: set[int]
+    stop_strings: tuple[str, ...]
+
+    def fuse_steps(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
+                   options: Any = None, *, max_tokens: int = 0,
+                   new_cache: Callable[[int], FusedCache] | None = None) -> Generator[int, None, FusedPrefill]:
+        """kvfuse.fusion.FusionEngine.fuse_steps (`options`: its FusionOptions)."""
+        ...
