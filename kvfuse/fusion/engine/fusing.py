@@ -5,7 +5,7 @@ engine's class would close an import cycle (docs/DESIGN.md, "Decoding: the engin
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -13,12 +13,14 @@ from kvfuse.fusion.engine.detokenize import Tokenizer
 from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.types import ChunkKV, FusedPrefill
 
+if TYPE_CHECKING:
+    from kvfuse.fusion.model.transformer import Transformer
+
 
 class FusingEngine(Protocol):
-    """The model's layers (`tf`: kvfuse.fusion.model.transformer.Transformer, as kv_memory and runner take
-    it), where they run, how text ends, and the fused prefill a layer at a time."""
+    """The model's layers, where they run, how text ends, and the fused prefill a layer at a time."""
 
-    tf: Any
+    tf: Transformer
     num_layers: int
     device: torch.device
     tokenizer: Tokenizer
