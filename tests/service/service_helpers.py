@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_CACHE = Path(os.environ.get("KVFUSE_TEST_MODEL_CACHE", REPO / "data" / "models"))
 API_KEY = "test-key-0123456789"
 START_TIMEOUT_S = 300  # the worker loads the LLM; on a busy 2-core machine this can take a while
+READY_POLL_S = 0.1  # a server is started some hundred times in the suite: each ready noticed sooner
 
 
 class KvfuseProcess:
@@ -93,7 +94,8 @@ class ServerProcess(KvfuseProcess):
         self.proc.wait(30)
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        if wait_ready(self.url, timeout, alive=lambda: self.proc is None or self.proc.poll() is None):
+        if wait_ready(self.url, timeout, alive=lambda: self.proc is None or self.proc.poll() is None,
+                      every=READY_POLL_S):
             return
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
