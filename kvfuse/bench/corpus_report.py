@@ -27,6 +27,15 @@ def hit_rates(run: dict[str, Any]) -> dict[str, float]:
     return {t: round(n / total, 3) for t, n in sorted(reads.items())} if total else {}
 
 
+def answers_agree(a: list[str], b: list[str]) -> dict[str, Any]:
+    """How many of the same queries' answers are equal (the issue's target: at the default ratio the
+    tiered server answers as the same server with no budget does), and which differ (trace positions)."""
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} answers against {len(b)}: not the same queries")
+    differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    return {"equal": len(a) - len(differ), "of": len(a), "differ": differ}
+
+
 def break_even(result: dict[str, Any]) -> dict[str, float]:
     p = result["params"]
     bw, lat = _rates(result)
@@ -59,6 +68,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "tiered_over_vanilla_p50": round(ti["ttft_p50_ms"] / va["ttft_p50_ms"], 3),
         "hit_rate": {"local": hit_rates(lo), "tiered": hit_rates(ti)},
         "chunks_computed": {"local": lo["chunks_computed"], "tiered": ti["chunks_computed"]},
+        "answers_equal": {"tiered_vs_local": answers_agree(ti["answers"], lo["answers"]),
+                          "vanilla_vs_local": answers_agree(va["answers"], lo["answers"])},
         "bytes_mb": {name: {t: round(v / 2**20, 1) for t, v in ph["runs"]["default"]["tiers"]["bytes"].items()}
                      for name, ph in (("local", local), ("tiered", tiered))},
         "lmdb_file_mb": {"local": local["lmdb_file_mb"], "tiered": tiered["lmdb_file_mb"]},
@@ -69,7 +80,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     s = result["summary"]
-    t, h, be = s["ttft_ms"], s["hit_rate"], s["break_even"]
+    t, h, be, eq = s["ttft_ms"], s["hit_rate"], s["break_even"], s["answers_equal"]
     fmt = lambda d: ", ".join(f"{k} {v}" for k, v in d.items()) or "-"  # noqa: E731
     lines = [
         "# A corpus ten times the LMDB budget, on an object store", "", f"Command: `{result['command']}`", "",
@@ -84,7 +95,10 @@ def render(result: dict[str, Any]) -> str:
         f"| chunks computed in the trace | {s['chunks_computed']['local']} | {s['chunks_computed']['tiered']} | - |",
         f"| MB per tier after the trace | {fmt(s['bytes_mb']['local'])} | {fmt(s['bytes_mb']['tiered'])} | - |",
         f"| LMDB file MB | {s['lmdb_file_mb']['local']} | {s['lmdb_file_mb']['tiered']} | - |",
-        f"| evictions in the trace | - | {fmt(s['evictions'])} | - |", "",
+        f"| evictions in the trace | - | {fmt(s['evictions'])} | - |",
+        f"| answers equal to local's ({result['params']['max_tokens']} greedy tokens) | - | "
+        f"{eq['tiered_vs_local']['equal']}/{eq['tiered_vs_local']['of']} | "
+        f"{eq['vanilla_vs_local']['equal']}/{eq['vanilla_vs_local']['of']} |", "",
         f"Tiered over local TTFT p50: **{s['tiered_over_local_p50']}x** (target <= 1.5x); tiered over vanilla: "
         f"{s['tiered_over_vanilla_p50']}x.", "",
         "## 100M tokens at an 8B shape on a GPU host", "",

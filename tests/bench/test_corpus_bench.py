@@ -69,3 +69,14 @@ def test_the_bench_runs_end_to_end_at_a_tiny_setting(tmp_path, monkeypatch) -> N
         assert sum(s["hit_rate"][name].values()) == pytest.approx(1.0, abs=0.01)
     assert result["tiered"]["runs"]["default"]["queries"] == 3 and (tmp_path / "corpus.md").is_file()
     assert s["ttft_ms"]["vanilla"][0] > 0 and s["ingest_s"]["tiered"] > 0
+    # the answers are compared query by query: the tiered server's against the same server with no budget
+    eq = s["answers_equal"]["tiered_vs_local"]
+    assert eq["of"] == 3 and eq["equal"] + len(eq["differ"]) == 3
+    assert all(isinstance(a, str) for a in result["tiered"]["runs"]["default"]["answers"])
+
+
+def test_answers_agree_counts_the_equal_answers_and_names_the_others() -> None:
+    got = corpus_report.answers_agree(["a", "b", "c", "d"], ["a", "x", "c", "y"])
+    assert got == {"equal": 2, "of": 4, "differ": [1, 3]}
+    with pytest.raises(ValueError, match="not the same queries"):
+        corpus_report.answers_agree(["a"], ["a", "b"])
