@@ -44,7 +44,12 @@ def break_even(result: dict[str, Any]) -> dict[str, float]:
     b, rate = p["bytes_per_token_8b"], p["prefill_tokens_per_s"]
     compute_s, read_s = c / rate, lat + c * b / bw
     spare = compute_s - lat
-    return {"chunk_tokens": round(c, 1), "chunk_mb_8b": round(c * b / 1e6, 2), "read_ms": round(1e3 * read_s, 2),
+    host_rate = local["tokens"] / local["ingest_s"]  # this host's precompute, document context included
+    host_bpt = result["kv_bytes"] / max(1, local["tokens"])  # the default model's KV at rest, per token
+    return {"host_tokens_per_s": round(host_rate, 1), "host_kv_bytes_per_token": round(host_bpt),
+            "host_tb_100m": round(100e6 * host_bpt / 1e12, 2), "host_precompute_days_100m": round(
+                100e6 / host_rate / 86400, 1),
+            "chunk_tokens": round(c, 1), "chunk_mb_8b": round(c * b / 1e6, 2), "read_ms": round(1e3 * read_s, 2),
             "compute_ms": round(1e3 * compute_s, 2), "read_over_compute": round(read_s / compute_s, 3),
             "break_even_mb_per_s": round(c * b / spare / 1e6, 1) if spare > 0 else None,
             "measured_mb_per_s": round(bw / 1e6, 1), "latency_ms": round(1e3 * lat, 2),
@@ -107,7 +112,10 @@ def render(result: dict[str, Any]) -> str:
         f"{be['chunk_mb_8b']} MB at 8B int8: read {be['read_ms']} ms, recompute {be['compute_ms']} ms at "
         f"{result['params']['prefill_tokens_per_s']:.0f} tokens/s ({be['read_over_compute']}x). Reading breaks "
         f"even at {be['break_even_mb_per_s']} MB/s per host. 100M tokens: {be['corpus_tb_100m']} TB of KV; "
-        f"precomputing it all takes {be['precompute_h_100m']} h of one such GPU.", "",
+        f"precomputing it all takes {be['precompute_h_100m']} h of one such GPU. This host measured "
+        f"{be['host_tokens_per_s']} tokens/s of precompute (the local ingest) and {be['host_kv_bytes_per_token']} "
+        f"bytes of the default model's KV per token: 100M tokens would be {be['host_tb_100m']} TB and "
+        f"{be['host_precompute_days_100m']} days of precompute here.", "",
     ]
     return "\n".join(lines) + "\n"
 
