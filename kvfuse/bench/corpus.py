@@ -9,6 +9,9 @@ and names them (`document_ids`), its `top_k` chunks retrieved from them. Two ser
 serve`, a fresh data dir each, the RAM and device tiers off so the LMDB and object tiers are what is
 measured):
 
+Both servers compute a chunk's KV after the context `--precompute-context` names (the setting's by
+default): what precompute costs, never how a stored chunk is read or fused.
+
 1. **local**: no LMDB budget, no object store. The corpus is ingested (timed), its KV bytes summed over
    its documents' records; the trace runs with the default fusion method, then with
    `vanilla` over the same queries.
@@ -179,6 +182,8 @@ def phase(name: str, env: dict[str, str], docs: list[tuple[str, str]], args: arg
     # the caller's prepared model copies: a fresh data dir would prepare the model again
     base = {"KVFUSE_STORE__HOT_TIER_MB": "0", "KVFUSE_STORE__DEVICE_TIER_MB": "0",
             "KVFUSE_STORE__PRECOMPUTE_AT": "ingest", "KVFUSE_MODEL_CACHE_DIR": str(get_settings().models_dir.resolve())}
+    if args.precompute_context:  # both servers alike: what a chunk's KV is computed after, not how it is read
+        base["KVFUSE_STORE__PRECOMPUTE_CONTEXT"] = args.precompute_context
     progress(f"{name}: starting a server")
     with LocalServer(env=base | env) as server, httpx.Client(base_url=server.url, timeout=args.timeout_s) as c:
         out: dict[str, Any] = {"ingest_s": round(ingest(c, docs), 2)}
@@ -240,7 +245,7 @@ def command(args: argparse.Namespace) -> int:
     result |= {"command": cmd, "seconds": round(time.perf_counter() - t0, 1), "machine": machine_info(),
                "load": load_info(), "params": {k: getattr(args, k) for k in (
                    "tokens", "doc_chars", "budget_share", "queries", "warmup", "skew", "docs_per_query", "top_k",
-                   "seed", "max_tokens", "prefill_tokens_per_s", "bytes_per_token_8b")}}
+                   "seed", "max_tokens", "precompute_context", "prefill_tokens_per_s", "bytes_per_token_8b")}}
     (out / "corpus.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")  # kept if the report fails
     result["summary"] = corpus_report.summary(result)
     (out / "corpus.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
@@ -266,6 +271,9 @@ def register(bsub: Any) -> None:
     p.add_argument("--docs-per-query", type=int, default=2, help="documents each query names")
     p.add_argument("--top-k", type=int, default=4, help="chunks each query fuses")
     p.add_argument("--max-tokens", type=int, default=8, help="greedy answer tokens per query (answers compared)")
+    p.add_argument("--precompute-context", default=None,
+                   help="store.precompute_context of both servers (default: the setting's); `document` spares a "
+                        "document's first chunk its neighbours' tokens, the bulk of ingestion's compute")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     p.add_argument("--get-objects", type=int, default=32, help="chunk-sized objects the GET measurement reads")
     p.add_argument("--get-threads", type=csv_list(int), default=[1, 8], help="parallel GETs measured")
