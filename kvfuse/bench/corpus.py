@@ -9,6 +9,9 @@ and names them (`document_ids`), its `top_k` chunks retrieved from them. Two ser
 serve`, a fresh data dir each, the RAM and device tiers off so the LMDB and object tiers are what is
 measured):
 
+Both servers compute a chunk's KV after the context `--precompute-context` names (the setting's by
+default): what precompute costs, never how a stored chunk is read or fused.
+
 1. **local**: no LMDB budget, no object store. The corpus is ingested (timed), its KV bytes summed over
    its documents' records; the trace runs with the default fusion method, then with
    `vanilla` over the same queries.
@@ -20,8 +23,11 @@ measured):
 
 Per phase: ingest seconds, bytes per tier after the trace, reads per tier during it (the
 `kvfuse_kv_tier_reads_total` counters: a tier's hit rate is its reads over the trace's chunks), chunks
-computed, and TTFT p50/p99 (the server's `timings.ttft_ms`). The queries' first `--warmup` are run and
-not counted (first calls compile and fill caches).
+computed, TTFT p50/p99 (the server's `timings.ttft_ms`), and each query's answer (`--max-tokens` greedy
+tokens): the issue's target is that the tiered server's answers equal the local one's at the default
+ratio, which the summary counts (corpus_report.answers_agree). The queries' first `--warmup` are run and
+not counted (first calls compile and fill caches). Progress goes to stderr, one line per ingest batch and
+per query.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import json
 import os
 import random
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -101,9 +108,14 @@ def tier_figures(before: dict[str, float], after: dict[str, float]) -> dict[str,
             "sources": by("kvfuse_kv_chunk_sources_total", True)}
 
 
+def progress(msg: str) -> None:
+    print(f"[corpus {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def ingest(c: Any, docs: list[tuple[str, str]], batch: int = 8) -> float:
     """Seconds to ingest every document (batches, each waited for until ready)."""
     t0 = time.perf_counter()
+    chars = 0
     for i in range(0, len(docs), batch):
         resp = c.post("/v1/documents?wait=true", json={"documents": [
             {"id": d, "text": t, "on_conflict": "overwrite"} for d, t in docs[i:i + batch]]})
@@ -111,36 +123,47 @@ def ingest(c: Any, docs: list[tuple[str, str]], batch: int = 8) -> float:
         bad = [d for d in resp.json()["documents"] if d["status"] != "ready"]
         if bad:
             raise RuntimeError(f"not ready after ingestion: {bad}")
+        chars += sum(len(t) for _, t in docs[i:i + batch])
+        dt = time.perf_counter() - t0
+        progress(f"ingested {min(i + batch, len(docs))}/{len(docs)} documents in {dt:.0f} s "
+                 f"(about {chars / 4 / dt:.0f} tokens/s)")
     return time.perf_counter() - t0
 
 
-def ask(c: Any, doc_ids: list[str], question: str, top_k: int, method: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"query": question, "document_ids": doc_ids, "top_k": top_k, "max_tokens": 1}
+def ask(c: Any, doc_ids: list[str], question: str, top_k: int, method: str | None,
+        max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"query": question, "document_ids": doc_ids, "top_k": top_k, "max_tokens": max_tokens,
+                            "temperature": 0.0}
     if method:
         body["fusion"] = {"method": method}
     resp = c.post("/v1/query", json=body)
     resp.raise_for_status()
     a = resp.json()
-    return {"ttft_ms": a["timings"]["ttft_ms"], "kv_load_ms": a["timings"]["kv_load_ms"],
+    return {"ttft_ms": a["timings"]["ttft_ms"], "kv_load_ms": a["timings"]["kv_load_ms"], "answer": a["answer"],
             "chunks_read": a["usage"].get("chunks_read") or 0, "chunks_computed": a["usage"].get("chunks_computed") or 0}
 
 
-def run_trace(c: Any, ids: list[str], queries: list[list[int]], top_k: int, method: str | None,
-              warmup: int) -> dict[str, Any]:
-    """The trace's queries in order; the first `warmup` not counted. TTFT p50/p99 and the tier figures."""
+def run_trace(c: Any, ids: list[str], queries: list[list[int]], args: argparse.Namespace, method: str | None,
+              label: str) -> dict[str, Any]:
+    """The trace's queries in order; the first `args.warmup` not counted. TTFT p50/p99, the tier figures and
+    the answers."""
     from kvfuse.bench.load import percentile
 
-    for q, docs in enumerate(queries[:warmup]):
-        ask(c, [ids[d] for d in docs], QUESTIONS[q % len(QUESTIONS)], top_k, method)
+    for q, docs in enumerate(queries[:args.warmup]):
+        ask(c, [ids[d] for d in docs], QUESTIONS[q % len(QUESTIONS)], args.top_k, method, args.max_tokens)
     before = scrape(c)
-    rows = [ask(c, [ids[d] for d in docs], QUESTIONS[(q + warmup) % len(QUESTIONS)], top_k, method)
-            for q, docs in enumerate(queries[warmup:])]
+    rows = []
+    for q, docs in enumerate(queries[args.warmup:]):
+        rows.append(ask(c, [ids[d] for d in docs], QUESTIONS[(q + args.warmup) % len(QUESTIONS)], args.top_k,
+                        method, args.max_tokens))
+        if (q + 1) % 10 == 0 or q + 1 == len(queries) - args.warmup:
+            progress(f"{label}: {q + 1}/{len(queries) - args.warmup} queries, last TTFT {rows[-1]['ttft_ms']:.0f} ms")
     ttft = [r["ttft_ms"] for r in rows]
     return {"queries": len(rows), "ttft_p50_ms": round(percentile(ttft, 50), 1),
             "ttft_p99_ms": round(percentile(ttft, 99), 1),
             "chunks_read": sum(r["chunks_read"] for r in rows),
             "chunks_computed": sum(r["chunks_computed"] for r in rows),
-            "tiers": tier_figures(before, scrape(c)), "ttft_ms": ttft}
+            "tiers": tier_figures(before, scrape(c)), "ttft_ms": ttft, "answers": [r["answer"] for r in rows]}
 
 
 def _lmdb_file_mb(server: Any) -> float:
@@ -148,7 +171,7 @@ def _lmdb_file_mb(server: Any) -> float:
     return round(sum(f.stat().st_size for f in files) / 2**20, 2)
 
 
-def phase(env: dict[str, str], docs: list[tuple[str, str]], args: argparse.Namespace,
+def phase(name: str, env: dict[str, str], docs: list[tuple[str, str]], args: argparse.Namespace,
           queries: list[list[int]] | None, methods: list[str | None]) -> dict[str, Any]:
     """One server: ingest the corpus, then the trace once per method (None: the default)."""
     import httpx
@@ -159,6 +182,9 @@ def phase(env: dict[str, str], docs: list[tuple[str, str]], args: argparse.Names
     # the caller's prepared model copies: a fresh data dir would prepare the model again
     base = {"KVFUSE_STORE__HOT_TIER_MB": "0", "KVFUSE_STORE__DEVICE_TIER_MB": "0",
             "KVFUSE_STORE__PRECOMPUTE_AT": "ingest", "KVFUSE_MODEL_CACHE_DIR": str(get_settings().models_dir.resolve())}
+    if args.precompute_context:  # both servers alike: what a chunk's KV is computed after, not how it is read
+        base["KVFUSE_STORE__PRECOMPUTE_CONTEXT"] = args.precompute_context
+    progress(f"{name}: starting a server")
     with LocalServer(env=base | env) as server, httpx.Client(base_url=server.url, timeout=args.timeout_s) as c:
         out: dict[str, Any] = {"ingest_s": round(ingest(c, docs), 2)}
         metas = [c.get(f"/v1/documents/{d}").json() for d, _ in docs]
@@ -171,7 +197,8 @@ def phase(env: dict[str, str], docs: list[tuple[str, str]], args: argparse.Names
                             args.seed)
         out["trace"] = queries
         ids = [d for d, _ in docs]
-        out["runs"] = {m or "default": run_trace(c, ids, queries, args.top_k, m, args.warmup) for m in methods}
+        out["runs"] = {m or "default": run_trace(c, ids, queries, args, m, f"{name} {m or 'default'}")
+                       for m in methods}
         out["lmdb_file_mb"] = _lmdb_file_mb(server)
     return out
 
@@ -182,7 +209,7 @@ def run(args: argparse.Namespace, docs: list[tuple[str, str]]) -> dict[str, Any]
     from kvfuse.bench.seaweedfs import SeaweedFS
     from kvfuse.config import ObjectStoreSettings
 
-    local = phase({}, docs, args, None, [None, "vanilla"])
+    local = phase("local", {}, docs, args, None, [None, "vanilla"])
     kv_bytes = local["kv_bytes"] or local["runs"]["default"]["tiers"]["bytes"].get("lmdb", 0.0)
     if not kv_bytes:
         raise RuntimeError("the local server reported no KV bytes for the corpus")
@@ -192,7 +219,7 @@ def run(args: argparse.Namespace, docs: list[tuple[str, str]]) -> dict[str, Any]
         try:
             env = {"KVFUSE_STORE__LMDB_BUDGET_MB": str(budget_mb), "KVFUSE_OBJECT_STORE__URL": s3.url("corpus"),
                    "KVFUSE_OBJECT_STORE__ENDPOINT": s3.endpoint, **s3.env()}
-            tiered = phase(env, docs, args, local["trace"], [None])
+            tiered = phase("tiered", env, docs, args, local["trace"], [None])
             os.environ.update(s3.env())
             cfg = ObjectStoreSettings(url=s3.url("bench-gets"), endpoint=s3.endpoint)
             chunk_bytes = int(kv_bytes / max(1, local["chunks"]))
@@ -218,7 +245,8 @@ def command(args: argparse.Namespace) -> int:
     result |= {"command": cmd, "seconds": round(time.perf_counter() - t0, 1), "machine": machine_info(),
                "load": load_info(), "params": {k: getattr(args, k) for k in (
                    "tokens", "doc_chars", "budget_share", "queries", "warmup", "skew", "docs_per_query", "top_k",
-                   "seed", "prefill_tokens_per_s", "bytes_per_token_8b")}}
+                   "seed", "max_tokens", "precompute_context", "prefill_tokens_per_s", "bytes_per_token_8b")}}
+    (out / "corpus.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")  # kept if the report fails
     result["summary"] = corpus_report.summary(result)
     (out / "corpus.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     (out / "corpus.md").write_text(corpus_report.render(result), encoding="utf-8")
@@ -238,9 +266,14 @@ def register(bsub: Any) -> None:
     p.add_argument("--budget-share", type=float, default=0.1, help="LMDB budget as a share of the corpus's KV")
     p.add_argument("--queries", type=int, default=60, help="queries in the trace (counted)")
     p.add_argument("--warmup", type=int, default=3, help="queries run first and not counted")
-    p.add_argument("--skew", type=float, default=1.2, help="Zipf exponent over documents")
+    p.add_argument("--skew", type=float, default=0.8, help="Zipf exponent over documents (0.8: web-object popularity, "
+                   "the harder of the two skews bench tiers chose the policy on)")
     p.add_argument("--docs-per-query", type=int, default=2, help="documents each query names")
     p.add_argument("--top-k", type=int, default=4, help="chunks each query fuses")
+    p.add_argument("--max-tokens", type=int, default=8, help="greedy answer tokens per query (answers compared)")
+    p.add_argument("--precompute-context", default=None,
+                   help="store.precompute_context of both servers (default: the setting's); `document` spares a "
+                        "document's first chunk its neighbours' tokens, the bulk of ingestion's compute")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     p.add_argument("--get-objects", type=int, default=32, help="chunk-sized objects the GET measurement reads")
     p.add_argument("--get-threads", type=csv_list(int), default=[1, 8], help="parallel GETs measured")

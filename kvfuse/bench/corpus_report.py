@@ -27,6 +27,15 @@ def hit_rates(run: dict[str, Any]) -> dict[str, float]:
     return {t: round(n / total, 3) for t, n in sorted(reads.items())} if total else {}
 
 
+def answers_agree(a: list[str], b: list[str]) -> dict[str, Any]:
+    """How many of the same queries' answers are equal (the issue's target: at the default ratio the
+    tiered server answers as the same server with no budget does), and which differ (trace positions)."""
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} answers against {len(b)}: not the same queries")
+    differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    return {"equal": len(a) - len(differ), "of": len(a), "differ": differ}
+
+
 def break_even(result: dict[str, Any]) -> dict[str, float]:
     p = result["params"]
     bw, lat = _rates(result)
@@ -35,7 +44,12 @@ def break_even(result: dict[str, Any]) -> dict[str, float]:
     b, rate = p["bytes_per_token_8b"], p["prefill_tokens_per_s"]
     compute_s, read_s = c / rate, lat + c * b / bw
     spare = compute_s - lat
-    return {"chunk_tokens": round(c, 1), "chunk_mb_8b": round(c * b / 1e6, 2), "read_ms": round(1e3 * read_s, 2),
+    host_rate = local["tokens"] / local["ingest_s"]  # this host's precompute, document context included
+    host_bpt = result["kv_bytes"] / max(1, local["tokens"])  # the default model's KV at rest, per token
+    return {"host_tokens_per_s": round(host_rate, 1), "host_kv_bytes_per_token": round(host_bpt),
+            "host_tb_100m": round(100e6 * host_bpt / 1e12, 2), "host_precompute_days_100m": round(
+                100e6 / host_rate / 86400, 1),
+            "chunk_tokens": round(c, 1), "chunk_mb_8b": round(c * b / 1e6, 2), "read_ms": round(1e3 * read_s, 2),
             "compute_ms": round(1e3 * compute_s, 2), "read_over_compute": round(read_s / compute_s, 3),
             "break_even_mb_per_s": round(c * b / spare / 1e6, 1) if spare > 0 else None,
             "measured_mb_per_s": round(bw / 1e6, 1), "latency_ms": round(1e3 * lat, 2),
@@ -59,6 +73,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "tiered_over_vanilla_p50": round(ti["ttft_p50_ms"] / va["ttft_p50_ms"], 3),
         "hit_rate": {"local": hit_rates(lo), "tiered": hit_rates(ti)},
         "chunks_computed": {"local": lo["chunks_computed"], "tiered": ti["chunks_computed"]},
+        "answers_equal": {"tiered_vs_local": answers_agree(ti["answers"], lo["answers"]),
+                          "vanilla_vs_local": answers_agree(va["answers"], lo["answers"])},
         "bytes_mb": {name: {t: round(v / 2**20, 1) for t, v in ph["runs"]["default"]["tiers"]["bytes"].items()}
                      for name, ph in (("local", local), ("tiered", tiered))},
         "lmdb_file_mb": {"local": local["lmdb_file_mb"], "tiered": tiered["lmdb_file_mb"]},
@@ -69,7 +85,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     s = result["summary"]
-    t, h, be = s["ttft_ms"], s["hit_rate"], s["break_even"]
+    t, h, be, eq = s["ttft_ms"], s["hit_rate"], s["break_even"], s["answers_equal"]
     fmt = lambda d: ", ".join(f"{k} {v}" for k, v in d.items()) or "-"  # noqa: E731
     lines = [
         "# A corpus ten times the LMDB budget, on an object store", "", f"Command: `{result['command']}`", "",
@@ -84,7 +100,10 @@ def render(result: dict[str, Any]) -> str:
         f"| chunks computed in the trace | {s['chunks_computed']['local']} | {s['chunks_computed']['tiered']} | - |",
         f"| MB per tier after the trace | {fmt(s['bytes_mb']['local'])} | {fmt(s['bytes_mb']['tiered'])} | - |",
         f"| LMDB file MB | {s['lmdb_file_mb']['local']} | {s['lmdb_file_mb']['tiered']} | - |",
-        f"| evictions in the trace | - | {fmt(s['evictions'])} | - |", "",
+        f"| evictions in the trace | - | {fmt(s['evictions'])} | - |",
+        f"| answers equal to local's ({result['params']['max_tokens']} greedy tokens) | - | "
+        f"{eq['tiered_vs_local']['equal']}/{eq['tiered_vs_local']['of']} | "
+        f"{eq['vanilla_vs_local']['equal']}/{eq['vanilla_vs_local']['of']} |", "",
         f"Tiered over local TTFT p50: **{s['tiered_over_local_p50']}x** (target <= 1.5x); tiered over vanilla: "
         f"{s['tiered_over_vanilla_p50']}x.", "",
         "## 100M tokens at an 8B shape on a GPU host", "",
@@ -93,7 +112,10 @@ def render(result: dict[str, Any]) -> str:
         f"{be['chunk_mb_8b']} MB at 8B int8: read {be['read_ms']} ms, recompute {be['compute_ms']} ms at "
         f"{result['params']['prefill_tokens_per_s']:.0f} tokens/s ({be['read_over_compute']}x). Reading breaks "
         f"even at {be['break_even_mb_per_s']} MB/s per host. 100M tokens: {be['corpus_tb_100m']} TB of KV; "
-        f"precomputing it all takes {be['precompute_h_100m']} h of one such GPU.", "",
+        f"precomputing it all takes {be['precompute_h_100m']} h of one such GPU. This host measured "
+        f"{be['host_tokens_per_s']} tokens/s of precompute (the local ingest) and {be['host_kv_bytes_per_token']} "
+        f"bytes of the default model's KV per token: 100M tokens would be {be['host_tb_100m']} TB and "
+        f"{be['host_precompute_days_100m']} days of precompute here.", "",
     ]
     return "\n".join(lines) + "\n"
 

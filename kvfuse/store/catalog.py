@@ -31,6 +31,7 @@ from kvfuse.store.errors import DocumentNotFoundError, IndexUnavailableError, St
 from kvfuse.store.index import DocumentIndex, IndexMirror, IndexSnapshot, doctime_key
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.lmdb_tier import LmdbTier
+from kvfuse.store.object_holds import ObjectHolds, write_after_asking
 from kvfuse.store.records import (
     FIELD_NAMES,
     STAGING_PREFIX,
@@ -111,17 +112,17 @@ class DocumentCatalog:
         _check_id(doc.id)
         now = time.time()
 
-        def fn(txn: lmdb.Transaction) -> _Written:
+        def fn(txn: lmdb.Transaction, holds: ObjectHolds | None) -> _Written:
             old = self._record(txn, doc.id)
             if old is None and text is None:
                 raise ValueError(f"new document {doc.id!r} needs its text")
             created = old.created_at if old else (doc.created_at or now)
-            written = self._write(txn, old, replace(doc, created_at=created, updated_at=now), text)
+            written = self._write(txn, old, replace(doc, created_at=created, updated_at=now), text, holds)
             if also is not None:
                 written = written._replace(removed=written.removed + also(txn))
             return written
 
-        self._mirror_write(self.env.write(fn))
+        self._mirror_write(self._write_checked(fn, lambda txn: doc))
 
     def set_status(self, doc_id: str, status: str, *, error: str | None = None, **fields: Any) -> None:
         """Update a document's status (error is cleared unless given) and any other record fields,
@@ -131,13 +132,18 @@ class DocumentCatalog:
             raise ValueError(f"cannot set {sorted(unknown)}; updatable fields are {sorted(_UPDATABLE)}")
         now = time.time()
 
-        def fn(txn: lmdb.Transaction) -> _Written:
+        def fn(txn: lmdb.Transaction, holds: ObjectHolds | None) -> _Written:
             old = self._record(txn, doc_id)
             if old is None:
                 raise DocumentNotFoundError(f"no document {doc_id!r}")
-            return self._write(txn, old, replace(old, status=status, error=error, updated_at=now, **fields), None)
+            return self._write(txn, old, replace(old, status=status, error=error, updated_at=now, **fields), None,
+                               holds)
 
-        self._mirror_write(self.env.write(fn))
+        def planned(txn: lmdb.Transaction) -> DocumentRecord | None:
+            old = self._record(txn, doc_id)
+            return None if old is None else replace(old, status=status, **fields)
+
+        self._mirror_write(self._write_checked(fn, planned))
 
     def delete_document(self, doc_id: str) -> bool:
         """Remove the document, its text, its index entries, and the blobs no other document uses."""
@@ -199,17 +205,38 @@ class DocumentCatalog:
             with self._mirrored() as m:
                 m.put_chunk(info)
 
+    def _in_lmdb(self, txn: lmdb.Transaction) -> Callable[[str], bool]:
+        """Whether this host's LMDB holds a chunk's KV (stored, or evicted by its budget)."""
+        return lambda k: self.blobs.stored(txn, k) or self.blobs.evicted(txn, k)
+
+    def _write_checked(self, fn: Callable[[lmdb.Transaction, ObjectHolds | None], _Written],
+                       planned: Callable[[lmdb.Transaction], DocumentRecord | None]) -> _Written:
+        """Run `fn` in one write transaction, the object store asked first, in no LMDB transaction, about
+        the chunks LMDB does not hold of the record `planned` reads (object_holds.py)."""
+        if self.in_objects is None:
+            return self.env.write(lambda txn: fn(txn, None))
+
+        def unknown(txn: lmdb.Transaction) -> list[str]:
+            rec = planned(txn)
+            return [] if rec is None else unheld_chunks(rec, self._in_lmdb(txn))
+
+        return write_after_asking(self.env, ObjectHolds(self.in_objects), fn, unknown)
+
     def _write(
-        self, txn: lmdb.Transaction, old: DocumentRecord | None, rec: DocumentRecord, text: str | None
+        self, txn: lmdb.Transaction, old: DocumentRecord | None, rec: DocumentRecord, text: str | None,
+        holds: ObjectHolds | None,
     ) -> _Written:
-        """Write `rec` (replacing `old`) with its text and chunk refs; drop blobs no document uses now."""
+        """Write `rec` (replacing `old`) with its text and chunk refs; drop blobs no document uses now.
+        `holds`: the object store's answers, asked before this transaction (None: no object store)."""
         doc_key = _check_id(rec.id)
         if rec.status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {rec.status!r}")
         if rec.chunk_tokens and len(rec.chunk_tokens) != len(rec.chunk_keys):
             raise ValueError(f"{len(rec.chunk_keys)} chunk keys but {len(rec.chunk_tokens)} chunk token counts")
-        missing = unheld_chunks(rec, lambda k: self.blobs.stored(txn, k) or self.blobs.evicted(txn, k),
-                                self.in_objects)
+        in_lmdb = self._in_lmdb(txn)
+        if holds is not None:
+            holds.require(unheld_chunks(rec, in_lmdb))
+        missing = unheld_chunks(rec, in_lmdb, holds)
         if missing:
             raise StoreError(f"document {rec.id!r} cannot be ready: {len(missing)} chunk blobs are missing")
         txn.put(doc_key, rec.to_json(), db=self._docs)

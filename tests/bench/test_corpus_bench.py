@@ -40,13 +40,16 @@ def test_tier_figures_are_counter_deltas_and_hit_rates_their_shares() -> None:
 
 def test_break_even_is_where_reading_costs_what_recomputing_does() -> None:
     result = {"params": {"bytes_per_token_8b": 1000.0, "prefill_tokens_per_s": 1000.0},
-              "local": {"tokens": 2000, "chunks": 10},
+              "local": {"tokens": 2000, "chunks": 10, "ingest_s": 20.0}, "kv_bytes": 2000 * 11900,
               "object_gets": {"clients": {"obstore": {"200000": {
                   "gets": {"1": {"mb_per_s": 0.5}, "8": {"mb_per_s": 2.0}}, "latency_4k": {"p50_ms": 100.0}}}}}}
     be = corpus_report.break_even(result)
     # a 200-token chunk: 0.2 MB; read 0.1 s + 0.2 MB / 2 MB/s = 0.2 s, recompute 200 / 1000 = 0.2 s
     assert be["read_ms"] == pytest.approx(be["compute_ms"]) and be["read_over_compute"] == pytest.approx(1.0)
     assert be["break_even_mb_per_s"] == pytest.approx(be["measured_mb_per_s"])
+    # the host's own figures: 100 tokens/s and 11.9 kB a token, scaled to 100M tokens
+    assert be["host_tokens_per_s"] == 100.0 and be["host_tb_100m"] == pytest.approx(1.19)
+    assert be["host_precompute_days_100m"] == pytest.approx(100e6 / 100 / 86400, abs=0.1)
 
 
 @pytest.mark.slow
@@ -69,3 +72,14 @@ def test_the_bench_runs_end_to_end_at_a_tiny_setting(tmp_path, monkeypatch) -> N
         assert sum(s["hit_rate"][name].values()) == pytest.approx(1.0, abs=0.01)
     assert result["tiered"]["runs"]["default"]["queries"] == 3 and (tmp_path / "corpus.md").is_file()
     assert s["ttft_ms"]["vanilla"][0] > 0 and s["ingest_s"]["tiered"] > 0
+    # the answers are compared query by query: the tiered server's against the same server with no budget
+    eq = s["answers_equal"]["tiered_vs_local"]
+    assert eq["of"] == 3 and eq["equal"] + len(eq["differ"]) == 3
+    assert all(isinstance(a, str) for a in result["tiered"]["runs"]["default"]["answers"])
+
+
+def test_answers_agree_counts_the_equal_answers_and_names_the_others() -> None:
+    got = corpus_report.answers_agree(["a", "b", "c", "d"], ["a", "x", "c", "y"])
+    assert got == {"equal": 2, "of": 4, "differ": [1, 3]}
+    with pytest.raises(ValueError, match="not the same queries"):
+        corpus_report.answers_agree(["a"], ["a", "b"])

@@ -79,3 +79,38 @@ def test_ready_check_and_store_check_hold_a_chunk_by_the_same_rule(settings_fact
         assert check_store(store).missing == []
         store.objects.client.delete(only_object)
         assert check_store(store).missing == [("d", only_object)]
+
+
+def test_the_ready_check_asks_the_object_store_outside_any_write_transaction(settings_factory,
+                                                                             object_store_settings) -> None:
+    """object_holds.py: the ready check's HEADs run before the write transaction, so another writer is not
+    held behind them; the answer is the same rule's (a chunk only the object store holds lets its document
+    be ready, through put_document and set_status alike; one in no tier refuses it)."""
+    import threading
+
+    with _open(settings_factory, object_store_settings) as store:
+        head = store.catalog.in_objects
+        asked: list[tuple[str, bool]] = []
+
+        def probing(key: str) -> bool:  # the real HEAD, after checking that another thread can write now
+            t = threading.Thread(target=store.catalog.env.write, args=(lambda txn: None,), daemon=True)
+            t.start()
+            t.join(timeout=20)
+            asked.append((key, not t.is_alive()))
+            return head(key)
+
+        store.catalog.in_objects = probing
+        only_object, blob, *_ = make_blob(36)
+        store.objects.client.put(only_object, blob)
+        store.put_document(_doc("d", [only_object]), text="d")
+        assert store.get_document("d").status == "ready"
+        later, blob_l, *_ = make_blob(37)
+        store.objects.client.put(later, blob_l)
+        store.put_document(DocumentRecord(id="p", status="pending"), text="p")
+        store.catalog.set_status("p", "ready", chunk_keys=[later], chunk_tokens=[16], tokens=16)
+        assert store.get_document("p").status == "ready"
+        nowhere, *_ = make_blob(38)
+        with pytest.raises(StoreError, match="cannot be ready"):
+            store.put_document(_doc("e", [nowhere]), text="e")
+        assert store.get_document("e") is None
+        assert asked == [(only_object, True), (later, True), (nowhere, True)]
