@@ -166,3 +166,19 @@ def test_a_row_that_fails_fails_its_request_once_and_spares_the_others(tiny, req
     assert not [o for o in rest if getattr(o, "job_id", None) == 1 and not isinstance(o, E.Failed | E.Stepped)]
     assert _choices(out + rest, 2) == {0: _solo(tiny, req, GREEDY)}
     assert core.memory.used_tokens == 0 and core.forks == {}
+
+
+def test_forked_rows_decode_on_the_static_path_as_alone(tiny, req) -> None:
+    """The static decode path (zeroed, block-aligned memory; FlexAttention over each row's own extent),
+    run uncompiled as on the CPU tests of that path: the forks' copies are whole rows of their own there
+    too, each choice the n = 1 answer."""
+    from kvfuse.fusion.engine.runner import ModelRunner
+
+    core = EngineCore(tiny, SchedulerLimits(max_running=4, kv_budget_tokens=4 * 256, prefill_tokens_per_step=512,
+                                            ingest_share=0.25), static=True)
+    core.memory.release(("runner", id(core.runner)))  # the same path uncompiled (inductor's CPU step is not exact)
+    core.runner = ModelRunner(tiny.tf, core.memory, max_batch=4, static=True, backend=None)
+    out, held = _run(core, [_sequence(req, 1, GREEDY, 3)])
+    solo = _solo(tiny, req, GREEDY)
+    assert _choices(out, 1) == {0: solo, 1: solo, 2: solo}
+    assert max(held) <= core.memory.capacity and core.memory.align > 1
