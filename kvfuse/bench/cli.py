@@ -1,5 +1,5 @@
 """`kvfuse bench ...`: fidelity, speed, load, eviction, retriever, store, tiers, object-store, corpus, gpu,
-decode, ingest, overload and report.
+decode, ingest, overload, choices and report.
 
 Nothing heavy is imported until a subcommand runs, so `kvfuse --help` stays instant."""
 
@@ -344,3 +344,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvfuse.bench import overload
 
     overload.register(bsub)  # `bench overload`: a server flooded past every bound while queries run
+
+    from kvfuse.bench import choices
+
+    choices.register(bsub)  # `bench choices`: n choices from one fused prefill against n = 1

@@ -111,6 +111,9 @@ class ServerSettings(Section):
         "through Redis (needs redis_url)"))
     max_running_requests: int = Field(16, ge=1, description=(
         "queries decoding together in one batched step; more wait in the queue"))
+    max_choices: int = Field(8, ge=1, description=(
+        "the most choices (OpenAI's n) one request may ask for; each is a decoding row of its own, holding "
+        "prompt + max_tokens of KV"))
     kv_budget_tokens: int = Field(65536, ge=1, description=(
         "KV tokens (prompt + max_tokens) all running queries may hold; a query alone over it gets 400"))
     prefill_tokens_per_step: int = Field(2048, ge=1, description=(

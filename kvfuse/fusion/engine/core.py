@@ -21,6 +21,11 @@ Failures stay with their sequence: a prefill or KV load that raises fails that r
 step that raises is retried sequence by sequence, so only the rows that fail alone fail, and a row whose
 logits are not finite (its prefill's or a decode step's) fails without its neighbours' tokens changing
 (docs/DESIGN.md, "Decoding").
+
+A request for n choices is fused once: its n - 1 other rows are reserved at admission (scheduler.py) and
+forked from its prefill when that completes (`_fork`: a copy of the fused cache each, Sequence.fork);
+every row then decodes with the batch. Outputs carry the request's id and the row's `index`; a row that
+fails fails the whole request (one Failed), and an abort ends every row.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Token:
     job_id: RequestId
     text: str
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # the choice (n > 1) whose text this is
 
 
 @dataclass
@@ -116,6 +122,7 @@ class EngineCore:
                                   cuda_graphs=cuda_graphs)
         self.scheduler = Scheduler(limits, self.memory)
         self.step_no = 0
+        self.forks: dict[RequestId, list[RequestId]] = {}  # a request of n > 1 -> its forked rows' ids
 
     @classmethod
     def from_settings(cls, engine: FusingEngine, settings: Settings) -> EngineCore:
@@ -133,15 +140,15 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def fits(self, kv_tokens: int) -> bool:
-        """Whether a request of this many KV tokens could ever run here."""
-        return self.scheduler.fits_alone(kv_tokens)
+    def fits(self, kv_tokens: int, rows: int = 1) -> bool:
+        """Whether a request of this many KV tokens (for each of `rows` choices) could ever run here."""
+        return self.scheduler.fits_alone(kv_tokens, rows)
 
     # -- arrivals ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a query under its `request_id` (ValueError when it could never fit the KV memory)."""
         self.scheduler.add(Request(seq.request_id, kv_tokens=seq.kv_tokens, prefill_tokens=seq.prefill_tokens,
-                                   seq=seq))
+                                   seq=seq, rows=seq.n))
 
     def add_ingest(self, job_id: RequestId, piece: IngestPiece) -> None:
         """Queue ingestion work: `piece(budget_tokens)` runs one piece and returns None until the work is
@@ -152,14 +159,17 @@ class EngineCore:
         """Stop a request wherever it is; returns what that finished: a decoding one finishes as
         cancelled (its held-back text first), any other fails with Cancelled; an ingestion job is
         dropped (nothing)."""
-        req = self.scheduler.remove(job_id)
-        if req is None or req.status is Phase.INGESTING:
-            return []
-        seq = _seq(req)
-        if req.status is not Phase.DECODING:
-            return [Failed(job_id, Cancelled("cancelled"))]
-        tail = seq.generation.cancel()
-        return [*([Token(job_id, tail)] if tail else []), Finished(job_id, seq)]
+        out: list[Output] = []
+        for rid in [job_id, *self.forks.pop(job_id, [])]:  # a request of n > 1: every row
+            req = self.scheduler.remove(rid)
+            if req is None or req.status is Phase.INGESTING:
+                continue
+            seq = _seq(req)
+            if req.status is not Phase.DECODING:
+                return [Failed(job_id, Cancelled("cancelled"))]  # not prefilled: no row was forked
+            tail = seq.generation.cancel()
+            out += [*([Token(job_id, tail, index=seq.index)] if tail else []), Finished(job_id, seq)]
+        return out
 
     # -- the step ---------------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
@@ -184,8 +194,14 @@ class EngineCore:
         return out
 
     def _fail(self, job_id: RequestId, err: BaseException, emit: Emit) -> None:
-        self.scheduler.retire(job_id)
-        emit(Failed(job_id, err))
+        """A row failed: its request fails, every row of it retired (n > 1), one Failed."""
+        req = self.scheduler.running.get(job_id)
+        if req is None:  # already retired with a sibling row that failed in the same step
+            return
+        request = req.seq.request_id if req.seq is not None else job_id
+        for rid in [request, *self.forks.pop(request, [])]:
+            self.scheduler.retire(rid)
+        emit(Failed(request, err))
 
     def _start(self, req: Request, emit: Emit) -> None:
         seq = _seq(req)
@@ -218,7 +234,27 @@ class EngineCore:
             budget -= spent
             if text is not None:
                 self.scheduler.prefilled(req.job_id, kv_tokens=seq.fused_cache.capacity)  # smaller if evicted
-                self._emit(req, text, emit)
+                rows = self._fork(req, emit) if seq.n > 1 else []
+                for row, row_text in [(req, text), *rows]:
+                    self._emit(row, row_text, emit)
+
+    def _fork(self, req: Request, emit: Emit) -> list[tuple[Request, str]]:
+        """A prefilled request's other choices (n > 1): each reserved row gets a copy of its fused cache
+        and its first token from the same logits; (row, its first text) for each."""
+        seq = _seq(req)
+        rows = self.scheduler.fork(req.job_id)
+        self.forks[req.job_id] = [r.job_id for r in rows]
+        out = []
+        try:
+            for index, row in enumerate(rows, start=1):
+                assert row.extent is not None  # a reserved row holds its extent
+                row.seq, text = seq.fork(self.engine, index, seq.fused_cache.fork(self.memory, row.extent))
+                out.append((row, text))
+        except Exception as err:  # noqa: BLE001 - fails this request only
+            self._fail(req.job_id, err, emit)
+            return []
+        seq.first_logits = None
+        return out
 
     def _ingest(self, req: Request, budget_tokens: int, emit: Emit) -> None:
         assert req.piece is not None  # an ingestion request
@@ -250,6 +286,8 @@ class EngineCore:
         kept: list[Request] = []
         rows: list[torch.Tensor] = []
         for i, r in enumerate(batch):
+            if r.job_id not in self.scheduler.running:  # its request failed with another of its rows
+                continue
             try:
                 rows.append(self.runner.decode([_seq(r).fused_cache], tokens[i : i + 1]))
                 kept.append(r)
@@ -264,20 +302,26 @@ class EngineCore:
         picked = sampling.choose(safe, [_seq(r).generation.sampling for r in batch])
         chosen, ok = picked.tolist(), finite.tolist()  # the one host sync
         for i, r in enumerate(batch):
+            if r.job_id not in self.scheduler.running:  # its request failed with another of its rows
+                continue
             if not ok[i]:
                 self._fail(r.job_id, NonFiniteLogits(), emit)
                 continue
             self._emit(r, _seq(r).accept_token(chosen[i], logits[i]), emit)
 
     def _emit(self, req: Request, text: str, emit: Emit) -> None:
+        """A row's text (under its request's id and its choice index) and, when it ended, its Finished."""
         seq = _seq(req)
         gen = seq.generation
         if text:
             logprobs = gen.take_logprobs() if gen.options.logprobs is not None else None
-            emit(Token(req.job_id, text, logprobs))
+            emit(Token(seq.request_id, text, logprobs, seq.index))
         if gen.finished is not None:
             self.scheduler.retire(req.job_id)
-            emit(Finished(req.job_id, seq))
+            family = self.forks.get(seq.request_id)
+            if family is not None and not any(r in self.scheduler.running for r in [seq.request_id, *family]):
+                del self.forks[seq.request_id]
+            emit(Finished(seq.request_id, seq))
 
 
 def _seq(req: Request) -> Sequence:

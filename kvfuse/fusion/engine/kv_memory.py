@@ -240,6 +240,16 @@ class FusedCache:
         # waits for that layer first; None once every layer is in place.
         self.loader = None
 
+    def fork(self, memory: KVMemory, extent: Extent) -> FusedCache:
+        """A copy of this cache (its `length` rows of every layer) in `extent` of `memory`: a row of its
+        own for another choice of the same request (n > 1), which decodes without touching this one."""
+        twin = FusedCache.in_memory(memory, extent, self.capacity)
+        self.finish_loading()
+        twin.k[:, :, : self.length].copy_(self.k[:, :, : self.length])
+        twin.v[:, :, : self.length].copy_(self.v[:, :, : self.length])
+        twin.length, twin.position_offset = self.length, self.position_offset
+        return twin
+
     @property
     def k(self) -> torch.Tensor:
         """[L, Hkv, capacity, D]: a view into the memory (its start may move between decode steps)."""

@@ -15,6 +15,9 @@ Admission is bounded three ways, so neither memory nor a burst of arrivals can h
   still prefilling stays within `prefill_tokens_per_step` (or none is), and the worker runs at most
   that much prefill per step (a fused prefill pauses between decoder layers, `FusionEngine.fuse_steps`),
   so a long prompt delays the running streams by a bounded amount per step, not by its whole length.
+A request for n choices (`rows`) is admitted whole or not at all: n extents of prompt + max_tokens each
+and n of the `max_running` slots, reserved together at admission (`forks`), so its choices never wait
+for memory after its prefill; the core forks them into running rows when the prefill completes (`fork`).
 Admission is first come, first served: the head of the queue is never overtaken, so a large request
 cannot starve behind a stream of small ones.
 
@@ -26,12 +29,13 @@ needs the worker. So a large ingest neither blocks readers nor starves.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from kvfuse.fusion.engine.kv_memory import Extent, KVMemory
+from kvfuse.fusion.engine.kv_memory import Extent, KVMemory, MemoryFull
 from kvfuse.fusion.engine.sequence import RequestId, Sequence
 
 if TYPE_CHECKING:
@@ -78,6 +82,8 @@ class Request:
     piece: IngestPiece | None = None
     status: Phase = Phase.WAITING
     extent: Extent | None = None  # while running
+    rows: int = 1  # choices decoded from its one prefill (OpenAI's n), each holding kv_tokens
+    forks: list[Request] = field(default_factory=list)  # rows 1..n-1, reserved at admission until forked
 
 
 @dataclass
@@ -99,6 +105,7 @@ class Scheduler:
         self.ingest: deque[Request] = deque()
         self.prefill_pending = 0  # prefill tokens of running requests whose prefill is not complete
         self._credit = 0.0
+        self._row_ids = itertools.count(-1, -1)  # forked rows' ids: negative, apart from the requests' own
 
     # -- state ----------------------------------------------------------------------------------------
     @property
@@ -115,18 +122,27 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def rows_held(self) -> int:
+        """Batch rows the running requests hold: their own and those reserved for their forks."""
+        return len(self.running) + sum(len(r.forks) for r in self.running.values())
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def fits_alone(self, kv_tokens: int) -> bool:
-        """Whether a request could ever run (on an idle worker); one that cannot is refused, not queued."""
-        return kv_tokens <= self.capacity
+    def fits_alone(self, kv_tokens: int, rows: int = 1) -> bool:
+        """Whether a request (of `rows` choices) could ever run (on an idle worker); one that cannot is
+        refused, not queued."""
+        if rows == 1:
+            return kv_tokens <= self.capacity
+        align = self.memory.align
+        return rows <= self.limits.max_running and rows * (-(-kv_tokens // align) * align) <= self.capacity
 
     # -- arrivals and departures ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        if not self.fits_alone(req.kv_tokens):
-            raise ValueError(f"request {req.job_id} needs {req.kv_tokens} KV tokens, over the budget of "
-                             f"{self.capacity}")
+        if not self.fits_alone(req.kv_tokens, req.rows):
+            raise ValueError(f"request {req.job_id} needs {req.rows} x {req.kv_tokens} KV tokens and {req.rows} "
+                             f"rows, over the budget of {self.capacity} tokens and {self.limits.max_running} rows")
         self.waiting.append(req)
 
     def add_ingest(self, req: Request) -> None:
@@ -139,6 +155,9 @@ class Scheduler:
         if req is not None:
             self.memory.release(job_id)
             req.extent = None
+            for row in req.forks:  # reserved, never forked
+                self.memory.release(row.job_id)
+            req.forks = []
             if req.status is Phase.PREFILLING:
                 self.prefill_pending -= req.prefill_tokens
         return req
@@ -155,6 +174,38 @@ class Scheduler:
             self.memory.shrink(job_id, kv_tokens)
             req.kv_tokens = kv_tokens
         self.memory.settle(job_id)  # no loader writes its extent any more: compaction may move it
+
+    def fork(self, job_id: RequestId) -> list[Request]:
+        """A prefilled request's reserved rows (n > 1), running from now on: each decodes with the batch
+        over its own extent, cut to what the request holds now (`prefilled`). The caller gives each its
+        Sequence (Sequence.fork) before the next step."""
+        req = self.running[job_id]
+        rows, req.forks = req.forks, []
+        for row in rows:
+            if row.kv_tokens > req.kv_tokens:
+                self.memory.shrink(row.job_id, req.kv_tokens)
+                row.kv_tokens = req.kv_tokens
+            self.memory.settle(row.job_id)
+            row.status = Phase.DECODING
+            self.running[row.job_id] = row
+        return rows
+
+    def _reserve(self, head: Request) -> bool:
+        """The head's extent and those of its other rows, all or none (False: they do not fit now)."""
+        taken: list[Request] = []
+        try:
+            head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
+            for _ in range(head.rows - 1):
+                row = Request(next(self._row_ids), kv_tokens=head.kv_tokens)
+                row.extent = self.memory.allocate(row.job_id, row.kv_tokens)
+                taken.append(row)
+        except MemoryFull:
+            for r in [head, *taken]:
+                self.memory.release(r.job_id)
+            head.extent = None
+            return False
+        head.forks = taken
+        return True
 
     def ingest_done(self, job_id: RequestId) -> None:
         self.ingest = deque(r for r in self.ingest if r.job_id != job_id)
@@ -178,14 +229,17 @@ class Scheduler:
         """What the next step does. Admitted requests move to `running` and hold their extents."""
         lim = self.limits
         plan = StepPlan()
-        while self.waiting and len(self.running) < lim.max_running:
+        while self.waiting and self.rows_held + self.waiting[0].rows <= lim.max_running:
             head = self.waiting[0]
             if not self.memory.can_allocate(head.kv_tokens):
                 break
             if self.prefill_pending and self.prefill_pending + head.prefill_tokens > lim.prefill_tokens_per_step:
                 break
+            if head.rows > 1 and not self._reserve(head):
+                break
             self.waiting.popleft()
-            head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
+            if head.rows == 1:
+                head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
             head.status = Phase.PREFILLING
             self.running[head.job_id] = head
             self.prefill_pending += head.prefill_tokens

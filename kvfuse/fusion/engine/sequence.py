@@ -6,10 +6,17 @@ to read its store) and sets up the fused prefill over the cache the scheduler's 
 `advance` runs the prefill for a budget of rows x layers and takes the first token when it completes;
 after that each batched decode step hands it one token (`accept_token`). Everything that makes a request
 *that* request lives here or in its `Generation`, so it decodes the same tokens alone or in a batch.
+
+A request for `n` choices (OpenAI's `n`) is one Sequence through its prefill; when that completes, the
+core forks n - 1 more rows from it (`fork`), as vLLM's parallel sampling forks child requests from a
+parent: each gets a copy of the fused cache in an extent of its own and a Generation of its own, whose
+first token is chosen from the same prefill logits. Choice i samples with seed `choice_seed(seed, i)`,
+so choice 0 is the n = 1 answer and every choice is reproducible alone (docs/DESIGN.md, "Decoding").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
@@ -30,10 +37,18 @@ FusionChoice = Any
 NewCache = Callable[[int], FusedCache]  # a cache for this many tokens (the engine core: a view of the extent)
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice `index` of a request samples with: `seed + index` (vLLM v1's rule for `n`), so
+    choice 0 is the request's n = 1 answer and choice i is a solo run with seed + i; None stays None
+    (each row's generator then seeds itself from OS entropy)."""
+    return None if seed is None else seed + index
+
+
 class Sequence:
     """A query for the engine core. `prefix` and `chunks`: the loaded KV (or override `load_kv`);
     `kv_tokens`: the cache it needs (prompt + max_tokens, and any rows its method adds); `prefill_tokens`:
-    an estimate of its prefill work; `on_logits(row)`: sees every logits row it takes a token from.
+    an estimate of its prefill work; `on_logits(row)`: sees every logits row it takes a token from; `n`: the
+    choices decoded from its one prefill (each row holds `kv_tokens`); `index`: which choice this row is.
 
     `forced`: teacher forcing -- the first tokens it takes, whatever its logits choose (then the sampler's
     as usual); a forced sequence has no stop tokens or strings of the model's (an answer is fed whole, an
@@ -44,10 +59,13 @@ class Sequence:
     def __init__(self, request_id: RequestId, prefix_ids: list[int], question_ids: list[int], fusion: FusionChoice,
                  gen_options: GenerationOptions, *, kv_tokens: int, prefill_tokens: int,
                  prefix: ChunkKV | None = None, chunks: list[ChunkKV] | None = None,
-                 forced: list[int] | None = None, model_stops: bool = True) -> None:
+                 forced: list[int] | None = None, model_stops: bool = True, n: int = 1) -> None:
         if forced is not None and (gen_options.presence_penalty or gen_options.frequency_penalty):
             raise ValueError("forced tokens cannot be taken with penalties (they count the sampler's choices)")
         self.request_id = request_id
+        self.n, self.index = n, 0
+        self.parent: Sequence | None = None  # the row it was forked from (choices 1..n-1)
+        self.first_logits: torch.Tensor | None = None  # the prefill's, kept for the forks (n > 1)
         self.prefix_ids = prefix_ids
         self.question_ids = question_ids
         self.fusion = fusion
@@ -98,6 +116,7 @@ class Sequence:
         if not bool(torch.isfinite(fused.logits).all()):
             raise NonFiniteLogits()
         self.cache, self.stats = fused.cache, fused.stats
+        self.first_logits = fused.logits if self.n > 1 else None
         stops, stop_strings = (engine.stop_token_ids, engine.stop_strings) if self.model_stops else (set(), ())
         self.gen = Generation(engine.tokenizer, stops, self.gen_options, engine.device, stop_strings)
         text = self.accept(fused.logits)
@@ -105,6 +124,23 @@ class Sequence:
         # ttft_s counts from the loaded KV to the first token, including steps spent on other sequences.
         self.timings.update(fused.timings, ttft_s=self._t_first - self._t_loaded)
         return spent, text
+
+    def fork(self, engine: FusingEngine, index: int, cache: FusedCache) -> tuple[Sequence, str]:
+        """Choice `index` of this request, over `cache` (a copy of this one's fused cache, FusedCache.fork)
+        and a Generation of its own (seed `choice_seed(seed, index)`): the row and its first token's text,
+        chosen from the prefill's logits as this row's was."""
+        if self.first_logits is None:
+            raise RuntimeError(f"request {self.request_id} has no prefill to fork from")
+        opts = dataclasses.replace(self.gen_options, seed=choice_seed(self.gen_options.seed, index))
+        row = Sequence(self.request_id, self.prefix_ids, self.question_ids, self.fusion, opts,
+                       kv_tokens=self.kv_tokens, prefill_tokens=0, model_stops=self.model_stops, n=self.n)
+        row.index, row.parent, row.cache, row.stats = index, self, cache, self.stats
+        row.timings, row._t_loaded = dict(self.timings), self._t_loaded
+        stops, stop_strings = (engine.stop_token_ids, engine.stop_strings) if self.model_stops else (set(), ())
+        row.gen = Generation(engine.tokenizer, stops, opts, engine.device, stop_strings)
+        text = row.accept(self.first_logits)
+        row._t_first = time.perf_counter()
+        return row, text
 
     @property
     def generation(self) -> Generation:

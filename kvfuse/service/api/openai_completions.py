@@ -31,6 +31,7 @@ from kvfuse.service.api.openai_conventions import (
     check_logit_bias,
     check_model,
     check_sampling,
+    choices_of,
     completion_logprobs,
     openai_error,
     served_names,
@@ -100,7 +101,7 @@ async def _complete(request: Request, state: Any, queries: QueryService, caller:
     arrived = time.monotonic()
     body = validate(CompletionIn, parse_json(await request.body()))
     names = served_names(state.settings)
-    check_sampling(body)
+    check_sampling(body, state.settings.server.max_choices)
     prompt = _prompt(body)
     check_model(body.model, names, "completions")
     gen = _Sampling(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, stop=body.stop,
@@ -120,9 +121,10 @@ async def _complete(request: Request, state: Any, queries: QueryService, caller:
     answer = await collect_answer(queries, run, request, what="request")
     if answer is None:
         return Response(status_code=CLIENT_CLOSED)
-    choice = CompletionChoice(text=answer.answer, finish_reason=_finish(answer.finish_reason),
-                              logprobs=completion_logprobs(tokenizer, run.logprobs))
-    return TextCompletion(**head, choices=[choice], usage=ChatUsage.of(answer.usage), sources=answer.sources,
+    choices = [CompletionChoice(text=text, index=i, finish_reason=_finish(reason),
+                                logprobs=completion_logprobs(tokenizer, entries))
+               for i, text, reason, entries in choices_of(answer.answer, answer.finish_reason, run)]
+    return TextCompletion(**head, choices=choices, usage=ChatUsage.of(answer.usage), sources=answer.sources,
                           dropped_sources=answer.dropped_sources, warning=answer.warning, timings=answer.timings,
                           fusion=answer.fusion)
 
@@ -134,23 +136,28 @@ async def _stream(queries: QueryService, run: QueryRun, head: dict, include_usag
         c = TextCompletion(**head, object="text_completion", choices=choices, **extra)
         return sse.event(c.model_dump(mode="json", exclude_unset=True))
 
-    def choice(text: str, finish: Literal["stop", "length"] | None, entries: list | None, at: int
+    def choice(text: str, finish: Literal["stop", "length"] | None, entries: list | None, at: int, index: int = 0
                ) -> list[CompletionChoice]:
-        return [CompletionChoice(text=text, index=0, finish_reason=finish, logprobs=completion_logprobs(tokenizer, entries, at))]
+        return [CompletionChoice(text=text, index=index, finish_reason=finish,
+                                 logprobs=completion_logprobs(tokenizer, entries, at))]
 
+    # Each event carries one choice (OpenAI's shape for n > 1), its index naming it.
     retrieved = sources_of(run)
     yield event(choice("", None, None, 0), sources=retrieved.sources, warning=retrieved.warning)
-    sent, chars = 0, 0  # tokens whose logprobs went out with their text; characters sent
+    n = run.plan.n
+    sent, chars = [0] * n, [0] * n  # per choice: tokens whose logprobs went out with their text; characters sent
     try:
         async for kind, p in queries.stream(run):
             if kind == "delta":
-                yield event(choice(p["text"], None, p["logprobs"], chars))
-                sent += len(p["logprobs"] or [])
-                chars += len(p["text"])
+                i = p["index"]
+                yield event(choice(p["text"], None, p["logprobs"], chars[i], i))
+                sent[i] += len(p["logprobs"] or [])
+                chars[i] += len(p["text"])
             else:
                 a = answer_of(run, p)
-                rest = None if run.logprobs is None else run.logprobs[sent:]
-                yield event(choice("", _finish(a.finish_reason), rest, chars), timings=a.timings, fusion=a.fusion)
+                for i, _, reason, entries in choices_of(a.answer, a.finish_reason, run):
+                    rest = None if entries is None else entries[sent[i]:]
+                    yield event(choice("", _finish(reason), rest, chars[i], i), timings=a.timings, fusion=a.fusion)
                 if include_usage:
                     yield event([], usage=ChatUsage.of(a.usage))
     except APIError as err:

@@ -74,16 +74,16 @@ def check_model(model: str, names: list[str], what: str = "this endpoint") -> No
                        code="model_not_found", param="model")
 
 
-def check_sampling(body: OpenAIGenerationIn) -> None:
+def check_sampling(body: OpenAIGenerationIn, max_choices: int) -> None:
     """400 naming the field for what OpenAI refuses too (stream_options without stream, a logit_bias key
-    that is no token id or a bias past +-100) and for what this service does not do yet (n > 1). The
-    penalties and biases are applied by the sampler (fusion/engine/sampling.py)."""
+    that is no token id or a bias past +-100) and for an `n` over `max_choices` (server.max_choices). The
+    penalties and biases are applied by the sampler (fusion/engine/sampling.py), to every choice."""
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", code="invalid_value",
                        param="stream_options")
-    if body.n != 1:
-        raise APIError(400, f"n={body.n}: one choice per request is served (n must be 1)", code="invalid_value",
-                       param="n")
+    if body.n > max_choices:
+        raise APIError(400, f"n={body.n}: at most {max_choices} choices per request are served "
+                       "(server.max_choices)", code="invalid_value", param="n")
     for key, bias in (body.logit_bias or {}).items():
         if not key.isdigit() or not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
             raise APIError(400, f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias}",
@@ -92,6 +92,13 @@ def check_sampling(body: OpenAIGenerationIn) -> None:
     if not body.use_retrieval and knobs:
         raise APIError(400, f"use_retrieval: false uses no documents: {', '.join(knobs)} cannot be given with it",
                        code="invalid_value", param="use_retrieval")
+
+
+def choices_of(text: str, finish_reason: str, run: Any) -> list[tuple[int, str, str, list | None]]:
+    """(index, text, finish_reason, logprob entries) of every choice of a finished run: choice 0's from
+    its answer, the others' (n > 1) from the worker's Result (rag/query.py QueryRun.choices)."""
+    return [(0, text, finish_reason, run.logprobs),
+            *((c["index"], c["text"], c["finish_reason"], c["logprobs"]) for c in run.choices)]
 
 
 def check_logit_bias(body: OpenAIGenerationIn, vocab: int) -> dict[int, float]:
@@ -120,7 +127,7 @@ def check_content_parts(body: ChatIn) -> None:
                                param=f"messages[{i}].content[{j}].text")
 
 
-def check_request(body: ChatIn, names: list[str]) -> None:
+def check_request(body: ChatIn, names: list[str], max_choices: int) -> None:
     """A chat request: 400 for parameters this service does not implement (named) and for a
     `response_format` it cannot follow (openai_structured.py), 404 for a model it does not serve."""
     extra = body.model_extra or {}
@@ -131,7 +138,7 @@ def check_request(body: ChatIn, names: list[str]) -> None:
                        code="unsupported_parameter", param=refused[0])
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
-    check_sampling(body)
+    check_sampling(body, max_choices)
     check_content_parts(body)
     check_model(body.model, names, "chat completions")
     body._grammar = response_grammar(body.response_format)

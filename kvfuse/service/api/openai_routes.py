@@ -28,6 +28,7 @@ from kvfuse.service.api.openai_conventions import (
     check_logit_bias,
     check_request,
     choice_logprobs,
+    choices_of,
     embedder_names,
     openai_error,
     served_names,
@@ -86,6 +87,7 @@ async def start_openai_query(queries: QueryService, request: Request, body: Any,
                                  document_ids=body.document_ids, filters=body.filters, retrieval=body.retrieval,
                                  fusion=body.fusion, gen=gen, arrived=arrived, turns=turns,
                                  visible=caller.allowed_collections, retrieve=body.use_retrieval)
+    plan.n = body.n  # every choice decoded from the one fused prefill (fusion/engine/sequence.py)
     return await queries.start(plan, request.is_disconnected)
 
 
@@ -119,7 +121,7 @@ async def _complete(request: Request, state: Any, queries: QueryService, caller:
     arrived = time.monotonic()
     body = validate(ChatIn, parse_json(await request.body()))
     names = served_names(state.settings)
-    check_request(body, names)
+    check_request(body, names, state.settings.server.max_choices)
     check_logit_bias(body, len(state.corpus.chunker.tokenizer))
     question, turns, system = _conversation(body)
     if body.max_completion_tokens is not None:
@@ -139,9 +141,10 @@ async def _complete(request: Request, state: Any, queries: QueryService, caller:
     answer = await collect_answer(queries, run, request, what="request")
     if answer is None:
         return Response(status_code=CLIENT_CLOSED)
-    choice = ChatChoice(message=AssistantMessage(content=answer.answer), finish_reason=_finish(answer.finish_reason),
-                        logprobs=choice_logprobs(tokenizer, run.logprobs))
-    return ChatCompletion(id=cid, created=created, model=names[0], choices=[choice], usage=ChatUsage.of(answer.usage),
+    choices = [ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=_finish(reason),
+                          logprobs=choice_logprobs(tokenizer, entries))
+               for i, text, reason, entries in choices_of(answer.answer, answer.finish_reason, run)]
+    return ChatCompletion(id=cid, created=created, model=names[0], choices=choices, usage=ChatUsage.of(answer.usage),
                           sources=answer.sources, dropped_sources=answer.dropped_sources, warning=answer.warning,
                           timings=answer.timings, fusion=answer.fusion)
 
@@ -155,21 +158,27 @@ async def _stream(queries: QueryService, run: QueryRun, cid: str, created: int, 
         return sse.event(c.model_dump(mode="json", exclude_unset=True))
 
     def choice(delta: ChunkDelta, finish: Literal["stop", "length"] | None = None,
-               logprobs: list | None = None) -> list[ChunkChoice]:
-        return [ChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=choice_logprobs(tokenizer, logprobs))]
+               logprobs: list | None = None, index: int = 0) -> list[ChunkChoice]:
+        return [ChunkChoice(index=index, delta=delta, finish_reason=finish,
+                            logprobs=choice_logprobs(tokenizer, logprobs))]
 
+    # Each chunk carries one choice (OpenAI's shape for n > 1): its role first, then its deltas, then its end.
     retrieved = sources_of(run)
     yield chunk(choice(ChunkDelta(role="assistant", content="")), sources=retrieved.sources, warning=retrieved.warning)
-    sent = 0  # tokens whose logprobs went out with their text
+    for i in range(1, run.plan.n):
+        yield chunk(choice(ChunkDelta(role="assistant", content=""), index=i))
+    sent = [0] * run.plan.n  # per choice, tokens whose logprobs went out with their text
     try:
         async for kind, p in queries.stream(run):
             if kind == "delta":
-                sent += len(p["logprobs"] or [])
-                yield chunk(choice(ChunkDelta(content=p["text"]), logprobs=p["logprobs"]))
+                sent[p["index"]] += len(p["logprobs"] or [])
+                yield chunk(choice(ChunkDelta(content=p["text"]), logprobs=p["logprobs"], index=p["index"]))
             else:
                 a = answer_of(run, p)
-                rest = None if run.logprobs is None else run.logprobs[sent:]
-                yield chunk(choice(ChunkDelta(), _finish(a.finish_reason), rest), timings=a.timings, fusion=a.fusion)
+                for i, _, reason, entries in choices_of(a.answer, a.finish_reason, run):
+                    rest = None if entries is None else entries[sent[i]:]
+                    yield chunk(choice(ChunkDelta(), _finish(reason), rest, index=i), timings=a.timings,
+                                fusion=a.fusion)
                 if include_usage:
                     yield chunk([], usage=ChatUsage.of(a.usage))
     except APIError as err:

@@ -32,6 +32,7 @@ from kvfuse.service.rag.prompt_size import check_prompt_fits, context_limit
 from kvfuse.service.rag.retrieval import RetrievalOptions, check_question, retrieval_options
 from kvfuse.service.rag.sources import SourceChunk, Sources
 from kvfuse.service.wire.protocol import (
+    ERR_CHOICES,
     ERR_CONTEXT_OVERFLOW,
     ERR_INDEX_UNAVAILABLE,
     ERR_INVALID,
@@ -96,6 +97,7 @@ class QueryPlan:
     prompt_order: str = "best-first"  # where the retrieved chunks went (model.prompt_order)
     filters: dict | None = None  # the request's metadata filters (retrieved chunks only)
     top_k: int = 0  # chunks retrieved (named documents: unused)
+    n: int = 1  # choices decoded from the one fused prefill (the OpenAI endpoints' n)
 
 
 @dataclass
@@ -109,6 +111,7 @@ class QueryRun:
     sources: list[SourceChunk]
     dropped: list[SourceChunk]
     logprobs: list | None = None  # every generated token's (fusion/engine/logprobs.py), once the Result came, if asked
+    choices: list[dict] = dataclasses.field(default_factory=list)  # n > 1: choices 1..n-1 (wire Result.choices)
 
     @property
     def warning(self) -> str | None:
@@ -261,7 +264,8 @@ class QueryService:
         message = QueryJob(question=plan.question, system_prompt=plan.system_prompt, explicit=plan.explicit,
                            fusion=plan.fusion, generation=plan.generation,
                            chunks=[ChunkRef(c.key, c.token_ids, c.score, c.name, c.context) for c in plan.chunks],
-                           history=[list(t) for t in plan.conversation.history] if plan.conversation else [])
+                           history=[list(t) for t in plan.conversation.history] if plan.conversation else [],
+                           n=plan.n)
         try:
             job = self.dispatcher.submit(message)
         except QueueFull as err:
@@ -289,6 +293,8 @@ class QueryService:
         """The HTTP error for a failure of a running query (other exceptions pass through)."""
         if isinstance(err, WorkerJobError):
             self.metrics.requests.labels("refused").inc()
+            if err.kind == ERR_CHOICES:
+                return APIError(400, err.message, code=err.kind, param="n")
             if err.kind in (ERR_CONTEXT_OVERFLOW, ERR_MAX_TOKENS, ERR_KV_BUDGET):
                 return APIError(400, err.message, code=err.kind,
                                 param="document_ids" if err.kind == ERR_CONTEXT_OVERFLOW else "max_tokens")
@@ -317,7 +323,7 @@ class QueryService:
         return err
 
     async def stream(self, run: QueryRun) -> AsyncIterator[tuple[str, Any]]:
-        """("delta", {"text"}) messages, then ("result", QueryOutcome). Raises the mapped APIError on failure;
+        """("delta", {"text", "logprobs", "index"}) messages (index: the choice, n > 1), then ("result", QueryOutcome). Raises the mapped APIError on failure;
         cancels the job if the consumer stops early (client gone, timeout)."""
         m = self.metrics
         first_at: float | None = None
@@ -333,10 +339,10 @@ class QueryService:
                     else:
                         m.itl.observe(now - last_at)
                     last_at = now
-                    yield "delta", {"text": msg.text, "logprobs": msg.logprobs}
+                    yield "delta", {"text": msg.text, "logprobs": msg.logprobs, "index": msg.index}
                 elif isinstance(msg, Result):
                     finished = True
-                    run.logprobs = msg.logprobs
+                    run.logprobs, run.choices = msg.logprobs, msg.choices
                     p = dataclasses.asdict(msg)
                     u = p["usage"]
                     outcome = QueryOutcome(p, first_at, now, cached_tokens(run.plan, u))

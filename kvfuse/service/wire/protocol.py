@@ -24,6 +24,7 @@ from typing import Any
 ERR_CONTEXT_OVERFLOW = "context_overflow"   # explicit documents do not fit -> 400
 ERR_MAX_TOKENS = "max_tokens_overflow"      # prompt + max_tokens alone exceed the context -> 400
 ERR_KV_BUDGET = "kv_budget_exceeded"        # prompt + max_tokens alone exceed the worker's KV budget -> 400
+ERR_CHOICES = "choices_exceed_budget"       # n choices together exceed the KV budget or the batch rows -> 400
 ERR_INVALID = "invalid_request"             # the engine refused the options -> 422
 ERR_INTERNAL = "internal"                   # anything else -> 500
 ERR_WORKER_LOST = "worker_lost"             # a fleet worker died after the answer had started -> 503
@@ -73,6 +74,7 @@ class QueryJob:
     chunks: list[ChunkRef]
     job_id: int = 0  # assigned by the supervisor
     history: list[list[str]] = field(default_factory=list)  # earlier turns, [role, text] oldest first
+    n: int = 1  # choices decoded from the one fused prefill (OpenAI's n; engine/sequence.py)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class Delta:
     step: int = 0
     # with generation["logprobs"] set: per token kept since the last Delta, [id, logprob, [[id, logprob]...]]
     logprobs: list | None = None
+    index: int = 0  # the choice whose text this is (QueryJob.n > 1)
 
 
 @dataclass
@@ -145,6 +148,9 @@ class Result:
     # the device tier's bytes after it, and per tier "bytes:<tier>" held and "evictions:<tier>" so far
     # (kvfuse_kv_tier_* metrics)
     kv_reads: dict[str, int] = field(default_factory=dict)
+    # QueryJob.n > 1: choices 1..n-1, each {"index", "text", "finish_reason", "logprobs", "generated_tokens"};
+    # text / finish_reason / logprobs above are choice 0's, usage["generated_tokens"] the sum over all
+    choices: list[dict] = field(default_factory=list)
 
 
 def prompt_tokens(usage: dict[str, int]) -> int:

@@ -156,12 +156,15 @@ class WorkerCore:
         from kvfuse.fusion.engine import core as E
 
         if isinstance(out, E.Token):
-            self.send(P.Delta(out.job_id, out.text, self.step_no, out.logprobs))
+            self.send(P.Delta(out.job_id, out.text, self.step_no, out.logprobs, out.index))
         elif isinstance(out, E.Admitted):
             self.send(out.seq.plan_message(self.step_no))
         elif isinstance(out, E.Finished):
-            self.send(out.seq.result(self.step_no))
-            for msg in self.shadow.offer(out.seq, self.step_no):
+            query = out.seq.parent or out.seq  # n > 1: one Result once every row has finished
+            if not query.finished_row(out.seq):
+                return
+            self.send(query.result(self.step_no))
+            for msg in self.shadow.offer(query, self.step_no):  # choice 0's answer: one check per query
                 self.send(msg)
         elif isinstance(out, E.Failed):
             self.send(self.error(out.job_id, out.error))

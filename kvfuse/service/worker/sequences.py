@@ -3,7 +3,8 @@
 A query is checked on arrival (does it fit the context and the KV memory at all?) and planned (which
 retrieved chunks fit); it becomes the engine's Sequence (kvfuse/fusion/engine/sequence.py), which loads
 its chunk KV from this worker's store on admission (`QuerySequence.load_kv`) and reports back in the
-wire's messages (`plan_message`, `result`). An ingestion job is precomputed a piece at a time (up to the
+wire's messages (`plan_message`, `result`). A query for n choices is one sequence fused once; its other
+rows are forked by the engine core and their ends gathered into one Result (`Choices`). An ingestion job is precomputed a piece at a time (up to the
 step's token budget), so a large document shares the worker with running queries instead of holding it.
 """
 
@@ -64,6 +65,13 @@ def plan_query(job: P.QueryJob, engine: Any, core: EngineCore, limit: int, step:
                                              job.history)[1]
     kv_tokens = fixed + total
     kv_budget = core.scheduler.capacity
+    if job.n > 1 and not core.fits(kv_tokens, job.n):
+        rows = core.scheduler.limits.max_running
+        return P.Error(job.job_id, P.ERR_CHOICES,
+                       f"n={job.n} choices of {kv_tokens} KV tokens each (prompt plus max_tokens) need "
+                       f"{job.n * kv_tokens} tokens and {job.n} batch rows; the server holds {kv_budget} tokens "
+                       f"(server.kv_budget_tokens) and {rows} rows (server.max_running_requests): lower n or "
+                       "max_tokens", job.n * kv_tokens - kv_budget, step)
     if not core.fits(kv_tokens):
         return P.Error(job.job_id, P.ERR_KV_BUDGET,
                        f"the prompt plus max_tokens ({kv_tokens} tokens) exceed the server's KV budget of "
@@ -73,7 +81,7 @@ def plan_query(job: P.QueryJob, engine: Any, core: EngineCore, limit: int, step:
     prompt = len(prefix_ids) + total + len(question_ids)
     prefill = prompt if full_prefill else int(fusion.recompute_ratio * total) + len(question_ids)
     return QuerySequence(job, prefix_ids, question_ids, kept, dropped, total, fusion, gen, full_prefill, kv,
-                         kv_tokens=kv_tokens, prefill_tokens=prefill)
+                         kv_tokens=kv_tokens, prefill_tokens=prefill, n=job.n)
 
 
 class QuerySequence(Sequence):
@@ -81,9 +89,9 @@ class QuerySequence(Sequence):
 
     def __init__(self, job: P.QueryJob, prefix_ids: list[int], question_ids: list[int], kept: list[int],
                  dropped: list[int], context_tokens: int, fusion: Any, gen: Any, full_prefill: bool, kv: ChunkCache,
-                 *, kv_tokens: int, prefill_tokens: int) -> None:
+                 *, kv_tokens: int, prefill_tokens: int, n: int = 1) -> None:
         super().__init__(job.job_id, prefix_ids, question_ids, fusion, gen, kv_tokens=kv_tokens,
-                         prefill_tokens=prefill_tokens)
+                         prefill_tokens=prefill_tokens, n=n)
         self.job = job
         self.kept = kept
         self.dropped = dropped
@@ -94,6 +102,7 @@ class QuerySequence(Sequence):
         self.kv_reads: dict[str, int] = {}  # chunks served per store tier (ChunkCache.last_reads)
         self.computed: dict[str, float] = {}  # chunks computed here and read, seconds (ChunkCache.last_computed)
         self.shadow_steps: list[Any] | None = None  # the answer's logits, kept for a shadow check (shadow.py)
+        self.ended: dict[int, Sequence] = {}  # n > 1: the rows that finished, by choice index
 
     def plan_message(self, step: int) -> P.Plan:
         return P.Plan(self.job.job_id, self.kept, self.dropped, self.context_tokens, len(self.prefix_ids),
@@ -117,19 +126,31 @@ class QuerySequence(Sequence):
             self.computed = dict(kv.last_computed)
         return kv.prefix_kv(self.prefix_ids), loaded
 
+    def finished_row(self, row: Sequence) -> bool:
+        """A row of this query finished (itself or a fork): True once all n have, the Result due."""
+        self.ended[row.index] = row
+        return len(self.ended) == self.n
+
     def result(self, step: int) -> P.Result:
         timings = {k: float(v) for k, v in self.timings.items()}
-        timings["decode_s"] = self.decode_s
+        timings["decode_s"] = max([self.decode_s, *(r.decode_s for r in self.ended.values())])
         timings["kv_compute_s"] = float(self.computed.get("compute_s", 0.0))
-        r = self.gen.result(self.stats, timings)
+        r = self.generation.result(self.stats, timings)
         logprobs = r.logprobs if self.gen_options.logprobs is not None else None
         usage = dict(r.usage)
+        choices = []
+        for i in range(1, self.n):  # the forked rows' answers (engine/sequence.py, Sequence.fork)
+            c = self.ended[i].generation.result(self.stats, timings)
+            choices.append({"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                            "logprobs": c.logprobs if logprobs is not None else None,
+                            "generated_tokens": c.usage["generated_tokens"]})
+            usage["generated_tokens"] += c.usage["generated_tokens"]  # OpenAI's usage: summed over choices
         if self.computed:  # the chunks whose KV was computed for this query (in no tier, or a slow one) and read
             usage["chunks_computed"] = int(self.computed["chunks_computed"])
             usage["chunks_read"] = int(self.computed["chunks_read"])
             usage["computed_chunk_tokens"] = int(self.computed["computed_tokens"])
         return P.Result(self.job.job_id, r.text, r.finish_reason, usage, r.timings, self.rebuilt, step,
-                        logprobs=logprobs, kv_reads=self.kv_reads)
+                        logprobs=logprobs, kv_reads=self.kv_reads, choices=choices)
 
 
 class IngestTask:

@@ -44,20 +44,20 @@ def _chat(**extra) -> ChatIn:
 
 @pytest.mark.parametrize(("extra", "code", "param"), [
     ({"stream_options": {"include_usage": True}}, "invalid_value", "stream_options"),
-    ({"n": 2}, "invalid_value", "n"),
+    ({"n": 9}, "invalid_value", "n"),
     ({"logit_bias": {"x": 1}}, "invalid_value", "logit_bias"),
     ({"logit_bias": {"504": -101}}, "invalid_value", "logit_bias"),
     ({"use_retrieval": False, "document_ids": ["a"]}, "invalid_value", "use_retrieval"),
 ])
 def test_sampling_refusals_name_the_field(extra: dict, code: str, param: str) -> None:
-    err = _refused(check_sampling, _chat(**extra))
+    err = _refused(check_sampling, _chat(**extra), 8)
     assert (err.status, err.code, err.param) == (400, code, param), err.message
 
 
 def test_penalties_and_biases_within_openais_bounds_pass_with_token_ids_of_the_model() -> None:
     body = _chat(presence_penalty=0.5, frequency_penalty=-2, logit_bias={"504": -100, "7": 100}, stream=True,
                  stream_options={"include_usage": True})
-    check_sampling(body)
+    check_sampling(body, 8)
     assert check_logit_bias(body, 49152) == {504: -100.0, 7: 100.0}
     err = _refused(check_logit_bias, _chat(logit_bias={"49152": 1}), 49152)  # past the model's vocabulary
     assert (err.status, err.code, err.param) == (400, "invalid_value", "logit_bias")

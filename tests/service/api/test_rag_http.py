@@ -29,6 +29,7 @@ SERVER_ENV = {
     "KVFUSE_GENERATION__HISTORY_MAX_TOKENS": "60",
     "KVFUSE_SERVER__SSE_PING_S": "0.02",
     "KVFUSE_SERVER__MAX_BODY_BYTES": "400000",
+    "KVFUSE_SERVER__KV_BUDGET_TOKENS": "4096",  # n choices that cannot fit together are refused (test_n_choices_*)
 }
 NOTES = [
     {"id": "n1999", "text": "The zanzibarite crystal was found in a quarry near the coast. Miners kept it in a box.",
@@ -240,7 +241,7 @@ def test_invalid_parameters_are_bad_requests_for_the_official_client(holder: Hol
     oa = _openai(holder)
     user = [{"role": "user", "content": QUESTION}]
     cases = [
-        ({"n": 2}, "invalid_value", "n"),
+        ({"n": 9}, "invalid_value", "n"),  # over server.max_choices
         ({"temperature": 9}, "invalid_value", "temperature"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "unsupported_parameter",
          "tools"),
@@ -303,8 +304,8 @@ def test_structured_answers_parse_and_validate_through_the_clients_response_form
 def test_the_official_client_reaches_every_endpoint(holder: Holder) -> None:
     """docs/usage.md, "The official openai client", line by line: models list and retrieve, chat (JSON and
     streamed: the same greedy text, usage last), completions (chat's answer to the same question), embeddings
-    (the embedder's unit vectors, one per input), response_format, and n > 1 refused by name while one
-    choice per request is served."""
+    (the embedder's unit vectors, one per input), response_format, and n > 1 (greedy: n copies of the
+    answer), with an n over server.max_choices refused by name."""
     import openai
 
     oa = _openai(holder)
@@ -329,9 +330,96 @@ def test_the_official_client_reaches_every_endpoint(holder: Holder) -> None:
         "type": "json_schema", "json_schema": {"name": "who", "schema": schema, "strict": True}})
     value = json.loads(shaped.choices[0].message.content)
     assert set(value) == {"who"} and isinstance(value["who"], str) and len(value["who"]) <= 30
+    two = oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=6, n=2)
+    assert [(c.index, c.message.content) for c in two.choices] == [(0, text), (1, text)]
+    assert two.usage.completion_tokens == 2 * chat.usage.completion_tokens
+    assert [c.text for c in oa.completions.create(model="kvfuse", prompt=QUESTION, max_tokens=6, n=2).choices] == \
+        [text, text]
     with pytest.raises(openai.BadRequestError) as err:
-        oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=2, n=2)
+        oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=2, n=9)
     assert err.value.param == "n"
+
+
+def _streamed(chunks) -> tuple[dict[int, str], dict[int, str], dict[int, list], object]:
+    """Per choice index: the text, the finish reason and the logprob tokens a stream carried; its usage."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    logprobs: dict[int, list] = {}
+    usage = None
+    for chunk in chunks:
+        assert len(chunk.choices) <= 1  # OpenAI's shape: each chunk carries one choice
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            delta = getattr(c, "delta", None)
+            texts[c.index] = texts.get(c.index, "") + ((delta.content or "") if delta is not None else c.text)
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+            content = getattr(c.logprobs, "content", None) or []
+            logprobs.setdefault(c.index, []).extend(t.token for t in content)
+    return texts, finish, logprobs, usage
+
+
+def test_n_choices_are_each_a_solo_answer_streamed_or_not(holder: Holder) -> None:
+    """n = 3 sampled with a seed: choice i is the n = 1 answer with seed + i (docs/usage.md), the choices
+    differ, each carries its own logprobs and finish reason; streamed, the per-choice deltas reassemble to
+    the same choices; usage counts the prompt once and the completion tokens of every choice."""
+    oa = _openai(holder)
+    kw = {"model": "kvfuse", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8,
+          "temperature": 1.0, "seed": 21, "logprobs": True}
+    many = oa.chat.completions.create(**kw, n=3)
+    solo = [oa.chat.completions.create(**{**kw, "seed": 21 + i}) for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    texts = [c.message.content for c in many.choices]
+    assert texts == [s.choices[0].message.content for s in solo] and len(set(texts)) > 1
+    assert [c.finish_reason for c in many.choices] == [s.choices[0].finish_reason for s in solo]
+    for c in many.choices:
+        assert "".join(t.token for t in c.logprobs.content) == c.message.content
+    assert many.usage.prompt_tokens == solo[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in solo)
+    streamed, finish, logprobs, usage = _streamed(oa.chat.completions.create(
+        **kw, n=3, stream=True, stream_options={"include_usage": True}))
+    assert streamed == dict(enumerate(texts))
+    assert finish == {c.index: c.finish_reason for c in many.choices}
+    assert logprobs == {c.index: [t.token for t in c.logprobs.content] for c in many.choices}
+    assert usage.completion_tokens == many.usage.completion_tokens
+    legacy = oa.completions.create(model="kvfuse", prompt=QUESTION, max_tokens=8, temperature=1.0, seed=21, n=3)
+    assert [c.text for c in legacy.choices] == texts  # the same rows behind the legacy endpoint
+    streamed, _, _, _ = _streamed(oa.completions.create(model="kvfuse", prompt=QUESTION, max_tokens=8,
+                                                        temperature=1.0, seed=21, n=3, stream=True))
+    assert streamed == dict(enumerate(texts))
+
+
+def test_n_choices_follow_response_format_and_logit_bias_and_fit_together_or_are_refused(
+        holder: Holder, default_llm_path: str) -> None:
+    import openai
+
+    oa = _openai(holder)
+    user = [{"role": "user", "content": QUESTION + " Answer in JSON."}]
+    schema = {"type": "object", "properties": {"who": {"type": "string", "maxLength": 30}}, "required": ["who"],
+              "additionalProperties": False}
+    shaped = oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=32, n=3, temperature=1.0, seed=3,
+                                        response_format={"type": "json_schema", "json_schema": {
+                                            "name": "who", "schema": schema, "strict": True}})
+    for c in shaped.choices:  # every row decodes under the grammar
+        value = json.loads(c.message.content)
+        assert set(value) == {"who"} and isinstance(value["who"], str) and len(value["who"]) <= 30
+    plain = oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=4, logprobs=True)
+    first = plain.choices[0].logprobs.content[0].token
+    biased = oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=4, n=2, logprobs=True,
+                                        logit_bias={str(_token_id(default_llm_path, first)): -100})
+    assert all(t.token != first for c in biased.choices for t in c.logprobs.content)
+    with pytest.raises(openai.BadRequestError) as err:  # 8 rows of prompt + 600 tokens: over the 4096 budget
+        oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=600, n=8)
+    assert (err.value.code, err.value.param) == ("choices_exceed_budget", "n") and "n=8" in err.value.message
+    alone = oa.chat.completions.create(model="kvfuse", messages=user, max_tokens=2, n=1)  # and nothing was lost
+    assert alone.choices[0].message.content is not None
+
+
+def _token_id(llm_path: str, text: str) -> int:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(llm_path).encode(text, add_special_tokens=False)
+    assert len(ids) == 1
+    return ids[0]
 
 
 def test_logprobs_are_the_models_own_and_agree_between_json_and_stream(holder: Holder) -> None:
@@ -412,7 +500,7 @@ def test_what_openai_refuses_or_this_service_does_not_do_is_a_bad_request_by_nam
         ("completions", {"echo": True}, "unsupported_parameter", "echo"),
         ("completions", {"suffix": "done."}, "unsupported_parameter", "suffix"),
         ("completions", {"best_of": 2}, "unsupported_parameter", "best_of"),
-        ("completions", {"n": 2}, "invalid_value", "n"),
+        ("completions", {"n": 9}, "invalid_value", "n"),
         ("completions", {"prompt": ["one", "two"]}, "invalid_value", "prompt"),
         ("completions", {"temperature": 3}, "invalid_value", "temperature"),
         ("completions", {"stream_options": {"include_usage": True}}, "invalid_value", "stream_options"),

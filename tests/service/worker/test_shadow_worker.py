@@ -117,3 +117,17 @@ def test_a_fused_answer_that_is_the_full_prefill_checks_as_agreeing_with_no_kl(h
     assert verdict.agreed is True and verdict.recompute_ratio == 1.0
     assert verdict.answer_tokens == out.result.usage["generated_tokens"] + (out.result.finish_reason == "stop")
     assert verdict.answer_kl < 1e-4
+
+
+def test_n_choices_get_one_check_of_choice_0(harness: Harness, chunks) -> None:
+    """A query of n = 3 is fused once and checked at most once: one verdict, of choice 0's answer."""
+    job = query(chunks, [0, 1], max_tokens=5)
+    job.n = 3
+    before = len(harness.verdicts)
+    done = harness.call(harness.collect(harness.sup.submit(job)))
+    assert isinstance(done, Outcome) and [c["index"] for c in done.result.choices] == [1, 2]
+    (verdict,) = until_verdicts(harness, before + 1)[before:]
+    assert verdict.method == "anchor"
+    assert verdict.answer_tokens <= done.result.usage["generated_tokens"] // 3 + 1  # one choice's answer
+    harness.call(asyncio.sleep(2.0))  # the worker is idle: no further check of the same query arrives
+    assert len(harness.verdicts) == before + 1

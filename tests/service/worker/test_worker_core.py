@@ -80,3 +80,56 @@ def test_a_query_that_can_never_fit_is_refused_at_once(worker, essays, default_l
     job.job_id = 30
     out = drive(worker, job)
     assert len(out) == 1 and isinstance(out[0], P.Error) and out[0].kind in (P.ERR_KV_BUDGET, P.ERR_MAX_TOKENS)
+
+
+def _texts(out: list, job_id: int) -> dict[int, str]:
+    """Each choice's text as its Deltas carried it."""
+    texts: dict[int, str] = {}
+    for m in out:
+        if isinstance(m, P.Delta) and m.job_id == job_id:
+            texts[m.index] = texts.get(m.index, "") + m.text
+    return texts
+
+
+def test_n_choices_come_from_one_prefill_each_a_solo_run_with_its_seed(worker, essays, default_llm_path) -> None:
+    """n = 3 sampled with a seed: one Plan, Deltas per choice that reassemble to the Result's choices, each
+    choice the answer of an n = 1 job with seed + index, usage summed, the KV memory within its budget."""
+    chunks = essay_chunks(essays, default_llm_path, 2)
+    sampled = {"max_tokens": 8, "temperature": 1.0, "top_p": 0.95, "logprobs": 0}
+    job = query(chunks, [0, 1], **{**sampled, "seed": 5})
+    job.job_id, job.n = 40, 3
+    out = drive(worker, job)
+    mine = [m for m in out if getattr(m, "job_id", None) == 40]
+    assert [type(m) for m in mine if not isinstance(m, P.Delta)] == [P.Plan, P.Result]
+    result = mine[-1]
+    answers = {0: result.text, **{c["index"]: c["text"] for c in result.choices}}
+    assert _texts(out, 40) == answers and sorted(answers) == [0, 1, 2]
+    solo = []
+    for i in range(3):
+        alone = query(chunks, [0, 1], **{**sampled, "seed": 5 + i})
+        alone.job_id = 41 + i
+        solo.append(next(m for m in drive(worker, alone) if isinstance(m, P.Result)))
+    assert [answers[i] for i in range(3)] == [s.text for s in solo]
+    assert len(set(answers.values())) > 1  # sampled choices differ
+    lengths = [result.usage["generated_tokens"] - sum(c["generated_tokens"] for c in result.choices),
+               *(c["generated_tokens"] for c in result.choices)]
+    assert lengths == [s.usage["generated_tokens"] for s in solo]  # usage: the sum over choices
+    assert [len(result.logprobs), *(len(c["logprobs"]) for c in result.choices)] == lengths
+    assert result.usage["context_tokens"] == solo[0].usage["context_tokens"]  # the prompt counted once
+    steps = [m for m in out if isinstance(m, P.Step)]
+    budget = worker.info()["kv_budget_bytes"]
+    assert all(s.kv_bytes <= budget for s in steps) and max(s.batch_size for s in steps) == 3
+    assert worker.core.memory.used_tokens == 0
+
+
+def test_n_choices_that_cannot_fit_together_are_refused_naming_n(worker, essays, default_llm_path) -> None:
+    chunks = essay_chunks(essays, default_llm_path, 2)
+    job = query(chunks, [0, 1], max_tokens=900)  # one fits the 3000-token budget, three do not
+    job.job_id, job.n = 50, 3
+    out = drive(worker, job)
+    assert len(out) == 1 and out[0].kind == P.ERR_CHOICES and "n=3" in out[0].message, out
+    job = query(chunks, [0], max_tokens=4)
+    job.job_id, job.n = 51, 5  # more rows than max_running_requests (4)
+    out = drive(worker, job)
+    assert len(out) == 1 and out[0].kind == P.ERR_CHOICES
+    assert worker.core.memory.used_tokens == 0 and not worker.has_work
