@@ -57,7 +57,8 @@ def _fidelity(args: argparse.Namespace) -> int:
                               timeout_s=settings.server.request_timeout_s)
     else:
         ref_dir = None if args.no_reference_cache else (args.reference_dir or settings.bench.reference_dir)
-        backend = engine_backend.EngineBackend(settings, max_tokens=args.max_tokens, reference_dir=ref_dir)
+        backend = engine_backend.EngineBackend(settings, max_tokens=args.max_tokens, reference_dir=ref_dir,
+                                               chunk_kv=args.chunk_kv)
     methods = args.methods or backend.methods()
     plan = fidelity.method_plan(methods, args.ratios, floor=not (args.url or args.no_floor),
                                 kv_formats=args.kv_formats or ())
@@ -66,7 +67,7 @@ def _fidelity(args: argparse.Namespace) -> int:
               "doc_orders": args.doc_order if "multidoc" in layout_tasks else None,
               "n": args.n, "docs": args.docs, "doc_tokens": args.doc_tokens,
               "methods": methods, "ratios": args.ratios, "seed": args.seed, "max_tokens": args.max_tokens,
-              "kv_formats": args.kv_formats,
+              "kv_formats": args.kv_formats, "chunk_kv": args.chunk_kv,
               "url": args.url, "model": settings.model.llm, "prompt_layout": settings.model.prompt_layout, "fusion": settings.fusion.model_dump(),
               "precompute_context": {k: v for k, v in settings.store.model_dump().items()
                                      if k.startswith("precompute_")}}
@@ -251,6 +252,10 @@ def _add_fidelity(bsub: argparse._SubParsersAction) -> None:
                      help="where vanilla's outputs are kept and reused between runs (default: bench.reference_dir)")
     fid.add_argument("--precompute-context", choices=context_modes, default=None,
                      help="what each chunk's KV is computed after (default: store.precompute_context)")
+    fid.add_argument("--chunk-kv", choices=("ingestion", "first-prompt"), default="ingestion",
+                     help="each chunk's KV: ingestion (after store.precompute_context, as eager ingestion and "
+                          "first use with the recorded context compute it) or first-prompt (kept from the "
+                          "vanilla prefill of the same chunks in reverse order: first use's option (b))")
     fid.add_argument("--layout", type=csv_list(str), default=None,
                      help="haystack (one text's consecutive chunks, in order), multidoc (short documents of "
                           "one chunk each, distinct essays; tasks needle, multikey, multivalue; rows named "

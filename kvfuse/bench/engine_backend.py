@@ -39,14 +39,25 @@ class GreedyAnswer:
         """The first token's logits (fp32, CPU): what first-token KL compares."""
         return self.fused.logits.detach().float().cpu()
 
+# Where a chunk's KV comes from in the fidelity bench: computed as ingestion computes it
+# (store.precompute_context; first use with the recorded context, option (a), is the same KV), or
+# FIRST_PROMPT, option (b): kept from the vanilla prefill of another prompt over the same chunks.
+FIRST_PROMPT = "first-prompt"
+CHUNK_KV_SOURCES = ("ingestion", FIRST_PROMPT)
+
+
 class EngineBackend:
     """The fusion engine in this process: load once, precompute each example once."""
 
-    def __init__(self, settings: Any, *, max_tokens: int | None, reference_dir: Any = None):
+    def __init__(self, settings: Any, *, max_tokens: int | None, reference_dir: Any = None,
+                 chunk_kv: str = "ingestion"):
         """max_tokens: answer budget for every example (None: each example's own); reference_dir: where
-        vanilla's outputs are kept between runs (None: computed every run, kept nowhere)."""
+        vanilla's outputs are kept between runs (None: computed every run, kept nowhere); chunk_kv: where
+        each chunk's KV comes from (CHUNK_KV_SOURCES)."""
         from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
 
+        if chunk_kv not in CHUNK_KV_SOURCES:
+            raise ValueError(f"chunk KV from {chunk_kv!r}: choose from {', '.join(CHUNK_KV_SOURCES)}")
         m = settings.model
         self.settings = settings
         self.engine = FusionEngine.from_settings(settings, max_context_tokens=0)
@@ -56,6 +67,7 @@ class EngineBackend:
         self.system_prompt = m.system_prompt
         self.prompt_layout = m.prompt_layout  # kvfuse/fusion/prompt.py
         self.references = ReferenceCache(reference_dir) if reference_dir is not None else None
+        self.chunk_kv = chunk_kv
         from kvfuse.fusion import chunk_context
 
         st = settings.store
@@ -106,7 +118,10 @@ class EngineBackend:
         prefix = self.engine.precompute([prefix_ids])[0]
         contexts = self.contexts(ex, prefix_ids, chunk_ids)
         t = time.perf_counter()
-        if self.context_mode == "none":
+        if self.chunk_kv == FIRST_PROMPT:
+            chunks = self.first_prompt_kv(prefix_ids, chunk_ids)
+            contexts = [[] for _ in chunk_ids]  # no context of its own: the first prompt's chunks before it
+        elif self.context_mode == "none":
             chunks = self.engine.precompute(chunk_ids)
         else:
             chunks = [self.engine.precompute_after(c, ids) for c, ids in zip(contexts, chunk_ids, strict=True)]
@@ -114,6 +129,19 @@ class EngineBackend:
         self.ingest["chunk_tokens"] += sum(map(len, chunk_ids))
         self.ingest["context_tokens"] += sum(map(len, contexts))
         return prefix, chunks, question_ids
+
+    def first_prompt_kv(self, prefix_ids: list[int], chunk_ids: list[list[int]]) -> list[Any]:
+        """Option (b) of docs/DESIGN.md, "KV when it pays": each chunk's KV as the vanilla prefill of the
+        query that first met it cold left it, kept and reused by a later query over the same chunks in
+        another order. The first query here has the example's chunks in reverse order (each chunk after
+        the system prefix and the chunks that follow it in this prompt); one pass, each chunk's slice
+        rotated back to positions 0..n-1 (FusionEngine.precompute_run)."""
+        order = list(reversed(range(len(chunk_ids))))
+        got = self.engine.precompute_run(list(prefix_ids), [chunk_ids[i] for i in order])
+        out: list[Any] = [None] * len(chunk_ids)
+        for i, kv in zip(order, got, strict=True):
+            out[i] = kv
+        return out
 
     def contexts(self, ex: Example, prefix_ids: list[int], chunk_ids: list[list[int]]) -> list[list[int]]:
         """Each chunk's precompute context in this run's mode, as the service would choose it: the

@@ -151,6 +151,12 @@ class StoreSettings(Section):
         "document is ready once its text, chunks, embeddings and keyword index are stored; each chunk's KV "
         "is computed, after the context recorded for it, the first time a query needs it, and kept); a "
         'request may set it for its documents (docs/DESIGN.md, "KV when it pays")'))
+    precompute_runs: bool = Field(False, description=(
+        "compute consecutive chunks whose contexts start at the same token (a document's chunks while the "
+        "context budget reaches its start) in one prefill instead of one each: fewer tokens at ingestion and "
+        "on a query's cold chunks, the same KV only to rounding (kernels depend on the pass's length), so a "
+        "chunk computed at first use is no longer eager ingestion's byte for byte (docs/DESIGN.md, \"KV when "
+        'it pays")'))
 
 
 class RetrievalRequestSettings(Section):

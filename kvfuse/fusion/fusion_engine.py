@@ -179,6 +179,30 @@ class FusionEngine:
         self.tf.shift_keys_(k, -c)
         return ChunkKV(list(chunk), k, v, after_context=True)
 
+    @torch.inference_mode()
+    def precompute_run(self, context: list[int], chunks: list[list[int]]) -> list[ChunkKV]:
+        """Consecutive chunks in one prefill of context + chunks[0] + chunks[1] + ...: each chunk's K/V
+        after the context and the chunks before it, its keys rotated back to positions 0..n-1. Causal
+        attention makes chunk i's K/V here those of `precompute_after(context + chunks[:i], chunks[i])`:
+        the same tokens at the same positions (equal to rounding in general; docs/DESIGN.md, "KV when it
+        pays", says where it is bit for bit). The same pass is a vanilla prefill's KV of each chunk when
+        the context is the prompt's prefix."""
+        if not chunks:
+            return []
+        if len(chunks) == 1:
+            return [self.precompute_after(context, chunks[0])]
+        ids = torch.tensor([list(context) + [t for c in chunks for t in c]], dtype=torch.long, device=self.device)
+        layers = self._hf_cache(ids).layers
+        out, pos = [], len(context)
+        for c in chunks:
+            k = torch.stack([layer.keys[0, :, pos : pos + len(c)] for layer in layers]).contiguous()
+            v = torch.stack([layer.values[0, :, pos : pos + len(c)] for layer in layers]).contiguous()
+            if pos:
+                self.tf.shift_keys_(k, -pos)
+            out.append(ChunkKV(list(c), k, v, after_context=pos > 0))
+            pos += len(c)
+        return out
+
     def _hf_cache(self, ids: torch.Tensor):
         """The model's own forward over `ids` [B, n]: its cache, every layer's K/V of every position. The
         cache is built without the config, so a sliding-window layer keeps all its keys (one built from

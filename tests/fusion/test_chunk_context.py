@@ -151,3 +151,34 @@ def test_the_speed_bench_cold_store_keeps_whether_a_chunk_was_cached_after_a_con
         store.close()
     assert [c.after_context for c in loaded] == [False, True, False]
     assert torch.equal(loaded[1].k, after.k.to(loaded[1].k.dtype))
+
+
+def test_a_run_of_chunks_in_one_prefill_is_each_chunk_after_its_own_context(engine: FusionEngine, prompt: Prompt):
+    """precompute_run: chunk i of one pass over context + chunks is precompute_after(context + chunks[:i],
+    chunks[i]): the same tokens at the same positions under a causal mask, equal to fp32 rounding (the
+    bound asserted), not bit for bit (the kernels depend on the pass's length), hence store.precompute_runs
+    being off by default."""
+    context = list(prompt.prefix.token_ids)
+    ids = [c.token_ids for c in prompt.chunks[:3]]
+    run = engine.precompute_run(context, ids)
+    for i, got in enumerate(run):
+        want = engine.precompute_after(context + [t for c in ids[:i] for t in c], ids[i])
+        assert got.token_ids == ids[i] and got.after_context
+        torch.testing.assert_close(got.k, want.k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.v, want.v, atol=1e-5, rtol=1e-5)
+    assert engine.precompute_run(context, []) == []
+
+
+def test_context_runs_group_the_chunks_one_pass_computes_exactly():
+    from kvfuse.service.worker.chunk_kv import context_runs
+
+    doc = [[1, 2], [3, 4], [5, 6], [7, 8]]
+    # the budget reaches the document's start: chunks 1..3 one run, in document order whatever the order asked
+    ctx = document_contexts(doc, 8)
+    assert context_runs(doc[1:], ctx[1:]) == [[0, 1, 2]]
+    assert context_runs([doc[3], doc[1], doc[2]], [ctx[3], ctx[1], ctx[2]]) == [[1, 2, 0]]
+    # a cap of 4 tokens: chunk 3's context starts later (its own pass); chunk 0 is alone (left out)
+    capped = document_contexts(doc, 4)
+    assert context_runs(doc, capped) == [[1, 2], [3]]
+    # a gap (chunk 2 warm, not asked): chunk 3 cannot follow chunk 1 in one pass
+    assert context_runs([doc[1], doc[3]], [ctx[1], ctx[3]]) == [[0], [1]]

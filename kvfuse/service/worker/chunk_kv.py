@@ -93,15 +93,22 @@ class ChunkCache:
 
     def compute(self, chunks: list[list[int]], contexts: list[list[int]]) -> list[Any]:
         """Each chunk's ChunkKV after its context: chunks alone batched, each with a context one prefill of
-        context + chunk (`precompute_after`). Ingestion and a query's cold chunks both compute this way, so a
-        chunk computed at first use is the chunk ingestion would have stored."""
+        context + chunk. Ingestion and a query's cold chunks both compute this way, so a chunk computed at
+        first use is the chunk ingestion would have stored, bit for bit. With `store.precompute_runs` the
+        chunks with a context go in runs (`context_runs`: a chunk whose context is another's context + that
+        chunk, consecutive chunks of a document while the budget reaches its start), one prefill of context
+        + chunks each (`precompute_run`): fewer tokens, the same KV to rounding only (docs/DESIGN.md, "KV
+        when it pays")."""
         alone = [i for i, c in enumerate(contexts) if not c]
         computed = dict(zip(alone, self._precompute([chunks[i] for i in alone]), strict=True))
-        for i, context in enumerate(contexts):
-            if context:
-                t0 = time.perf_counter()
-                computed[i] = self.engine.precompute_after(context, chunks[i])
-                self.rates.observe_precompute(len(context) + len(chunks[i]), time.perf_counter() - t0)
+        runs = (context_runs(chunks, contexts) if self.settings.store.precompute_runs
+                else [[i] for i, c in enumerate(contexts) if c])
+        for run in runs:
+            t0 = time.perf_counter()
+            got = self.engine.precompute_run(contexts[run[0]], [chunks[i] for i in run])
+            self.rates.observe_precompute(len(contexts[run[0]]) + sum(len(chunks[i]) for i in run),
+                                          time.perf_counter() - t0)
+            computed.update(zip(run, got, strict=True))
         return [computed[i] for i in range(len(chunks))]
 
     def compute_and_store(self, chunks: list[list[int]], contexts: list[list[int]] | None = None, *,
@@ -276,3 +283,19 @@ class ChunkCache:
 def _wanted(chunk: Wanted) -> tuple[str, list[int], list[int] | None]:
     """(key, token ids, context) of a chunk to load; a pair's context is [] (alone)."""
     return (chunk[0], chunk[1], chunk[2]) if len(chunk) > 2 else (chunk[0], chunk[1], [])
+
+
+def context_runs(chunks: list[list[int]], contexts: list[list[int]]) -> list[list[int]]:
+    """The chunks with a context (indices) in runs one prefill computes exactly: each run's chunks in
+    order, every one's context the first's context followed by the run's chunks before it, so in one
+    causal pass each sits after exactly its own context at its own positions. Chunks alone are left out."""
+    runs: list[list[int]] = []
+    ends: dict[tuple[int, ...], int] = {}  # a run's tokens so far (context + its chunks) -> the run
+    for i in sorted((i for i, c in enumerate(contexts) if c), key=lambda i: len(contexts[i])):
+        at = ends.pop(tuple(contexts[i]), None)
+        if at is None:
+            at = len(runs)
+            runs.append([])
+        runs[at].append(i)
+        ends[tuple(contexts[i]) + tuple(chunks[i])] = at
+    return runs

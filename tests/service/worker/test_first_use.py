@@ -12,6 +12,7 @@ chunk_kv.py), in the whole worker (WorkerCore) with the real default model and a
 from __future__ import annotations
 
 import pytest
+import torch
 from test_scheduler_worker import MODEL_CACHE, essay_chunks, query
 
 from kvfuse.config import load_settings
@@ -95,3 +96,56 @@ def test_an_evicted_chunk_is_computed_after_its_context_as_ingestion_did(worker,
     assert res.usage["chunks_computed"] == 2
     assert res.kv_reads.get("source:recompute:first_use") == 1 and res.kv_reads.get("source:recompute:miss") == 1
     assert blobs(w, okeys) == [None, None]
+
+
+
+@pytest.fixture(scope="module")
+def runs_worker(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("first-use-runs")
+    settings = load_settings(data_dir=root / "data", model_cache_dir=MODEL_CACHE, log_level="warning",
+                             model={"max_context_tokens": 4096, "threads": 1}, store={"precompute_runs": True},
+                             server={"max_running_requests": 2, "kv_budget_tokens": 3000})
+    sent: list = []
+    w = WorkerCore(settings, sent.append)
+    w.sent = sent
+    yield w
+    w.store.close()
+
+
+def test_with_precompute_runs_a_documents_cold_chunks_share_one_prefill_equal_to_rounding(
+        runs_worker, essays, default_llm_path) -> None:
+    """`store.precompute_runs`: consecutive cold chunks whose contexts reach back to their document's
+    start are one run (chunk_kv.context_runs), one prefill of the document's span. Their KV is the
+    separate prefills' to fp32 rounding, and their int8 blobs within one quantization step of those
+    (not byte for byte: the bound is what the setting promises); the chunks are written back, and the
+    next query reads them and answers as the cold one did."""
+    from kvfuse import kvblob
+    from kvfuse.service.worker.chunk_kv import context_runs
+
+    w = runs_worker
+    doc = essay_chunks(essays, default_llm_path, 4)
+    chunks, contexts = doc[1:], document_contexts(doc, 1000)[1:]
+    assert context_runs(chunks, contexts) == [[0, 1, 2]]
+    separate = [w.engine.precompute_after(ctx, ids) for ids, ctx in zip(chunks, contexts, strict=True)]
+    for got, want in zip(w.kv.compute(chunks, contexts), separate, strict=True):
+        torch.testing.assert_close(got.k, want.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.v, want.v, atol=1e-4, rtol=1e-4)
+    keys = [w.kv.key_of(ids, ctx) for ids, ctx in zip(chunks, contexts, strict=True)]
+    w.store.put_document(DocumentRecord(id="apple-runs", status="ready", chunk_keys=keys, precompute_at="first_use",
+                                        chunk_tokens=[len(c) for c in chunks]), text="apple")
+    cold = ask(w, chunks, keys, contexts, 20)
+    assert cold.usage["chunks_computed"] == 3 and cold.kv_reads.get("source:recompute:first_use") == 3
+    for blob, ids, ctx, want in zip(blobs(w, keys), chunks, contexts, separate, strict=True):
+        assert blob is not None
+        k, v, _ = kvblob.decode(blob, verify=True, copy=True)
+        ref_k, ref_v, _ = kvblob.decode(w.kv._at_rest(ids, ctx, want)[0], verify=True, copy=True)
+        for got, ref in ((k, ref_k), (v, ref_v)):
+            got, ref = _floats(got), _floats(ref)
+            step = float(ref.abs().amax()) / 127  # one int8 step at the largest scale
+            assert float((got - ref).abs().max()) <= step * 1.01
+    warm = ask(w, chunks, keys, contexts, 21)
+    assert warm.usage["chunks_computed"] == 0 and warm.text == cold.text
+
+
+def _floats(t) -> torch.Tensor:
+    return t.dequantize() if hasattr(t, "dequantize") else t.float()
