@@ -1,6 +1,6 @@
 """Tables of the prompt study (docs/results/prompt/README.md) from `kvfuse bench fidelity` result files.
 
-    python studies/prompt_tables.py LABEL=FILE[#ORDER] [LABEL=FILE[#ORDER] ...] [--plot OUT.png] [--pair A B ...]
+    python studies/prompt_tables.py LABEL=FILE[#ORDER][+FILE...] [LABEL=FILE[#ORDER] ...] [--plot OUT.png] [--pair A B ...]
 
 Each file's tasks are pooled by document order (needle-docs and multikey-docs -> `retrieval`,
 ...-best-last -> `best-last`, single-haystack tasks -> `haystack`) and re-aggregated with the bench's own
@@ -32,7 +32,10 @@ def group(task: str) -> str:
 
 
 def outcomes(spec: str) -> list[Outcome]:
-    """A file's outcomes; FILE#ORDER keeps one document order's (retrieval, best-last, haystack)."""
+    """A file's outcomes; FILE#ORDER keeps one document order's (retrieval, best-last, haystack);
+    FILE+FILE... pools several runs' (each spec part may have its own #ORDER)."""
+    if "+" in spec:
+        return [o for part in spec.split("+") for o in outcomes(part)]
     path, _, order = spec.partition("#")
     outs = [Outcome(**o) for o in json.loads(Path(path).read_text(encoding="utf-8"))["outcomes"]]
     return [o for o in outs if not order or group(o.task) == order]

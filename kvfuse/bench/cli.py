@@ -34,6 +34,8 @@ def _fidelity(args: argparse.Namespace) -> int:
     if args.prompt_layout:
         model = settings.model.model_copy(update={"prompt_layout": args.prompt_layout})
         settings = settings.model_copy(update={"model": model})
+    if args.doc_order is None:  # the order the service puts retrieved documents in
+        args.doc_order = [service_doc_order(settings.model.prompt_order)]
     data_dir = resolve_data_dir(args.data_dir)
     try:
         layout_tasks = _fidelity_tasks(args)
@@ -58,7 +60,7 @@ def _fidelity(args: argparse.Namespace) -> int:
     else:
         ref_dir = None if args.no_reference_cache else (args.reference_dir or settings.bench.reference_dir)
         backend = engine_backend.EngineBackend(settings, max_tokens=args.max_tokens, reference_dir=ref_dir,
-                                               chunk_kv=args.chunk_kv)
+                                               chunk_kv=args.chunk_kv, answer_prefix=args.answer_prefix)
     methods = args.methods or backend.methods()
     plan = fidelity.method_plan(methods, args.ratios, floor=not (args.url or args.no_floor),
                                 kv_formats=args.kv_formats or ())
@@ -67,6 +69,7 @@ def _fidelity(args: argparse.Namespace) -> int:
               "doc_orders": args.doc_order if "multidoc" in layout_tasks else None,
               "n": args.n, "docs": args.docs, "doc_tokens": args.doc_tokens,
               "methods": methods, "ratios": args.ratios, "seed": args.seed, "max_tokens": args.max_tokens,
+              "answer_prefix": args.answer_prefix, "system_prompt": settings.model.system_prompt,
               "kv_formats": args.kv_formats, "chunk_kv": args.chunk_kv,
               "url": args.url, "model": settings.model.llm, "prompt_layout": settings.model.prompt_layout, "fusion": settings.fusion.model_dump(),
               "precompute_context": {k: v for k, v in settings.store.model_dump().items()
@@ -100,13 +103,19 @@ def _fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def service_doc_order(prompt_order: str) -> str:
+    """The multidoc document order (multidoc.ORDERS) of the service's `model.prompt_order`: its hits best
+    first (`retrieval`) or reversed (`best-last`)."""
+    return "retrieval" if prompt_order == "best-first" else "best-last"
+
+
 def _fidelity_tasks(args: argparse.Namespace) -> dict[str, list[str]]:
     """The tasks of each requested layout; ValueError naming what is unknown or unsupported."""
     from kvfuse.bench import multidoc, tasks
 
     layouts = args.layout or ["haystack"]
     unknown = [x for x in layouts if x not in multidoc.LAYOUTS]
-    unknown += [x for x in args.doc_order if x not in multidoc.ORDERS]
+    unknown += [x for x in args.doc_order or [] if x not in multidoc.ORDERS]
     asked = _flat(args.task)
     unknown += [t for t in asked if t not in tasks.TASKS]
     if unknown:
@@ -260,10 +269,13 @@ def _add_fidelity(bsub: argparse._SubParsersAction) -> None:
                      help="haystack (one text's consecutive chunks, in order), multidoc (short documents of "
                           "one chunk each, distinct essays; tasks needle, multikey, multivalue; rows named "
                           "TASK-docs), or both (default haystack)")
-    fid.add_argument("--doc-order", type=csv_list(str), default=["retrieval"],
-                     help="multidoc: retrieval (by the embedder's similarity to the question, highest first, "
-                          "as the service fuses its hits), best-last (the same, reversed: the best next to the "
-                          "question) and/or shuffled (default retrieval)")
+    fid.add_argument("--doc-order", type=csv_list(str), default=None,
+                     help="multidoc: retrieval (by the embedder's similarity to the question, highest first), "
+                          "best-last (the same, reversed: the best next to the question) and/or shuffled "
+                          "(default: the service's, model.prompt_order)")
+    fid.add_argument("--answer-prefix", action="store_true",
+                     help="continue each answer with the task's answer prefix (RULER's), which the service "
+                          "never sends (default: the service's prompt, none)")
     fid.add_argument("--prompt-layout", choices=("plain", "labelled"), default=None,
                      help="how chunks are rendered (default: model.prompt_layout; kvfuse/fusion/prompt.py)")
     fid.add_argument("--no-floor", action="store_true",

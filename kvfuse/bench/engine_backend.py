@@ -50,10 +50,12 @@ class EngineBackend:
     """The fusion engine in this process: load once, precompute each example once."""
 
     def __init__(self, settings: Any, *, max_tokens: int | None, reference_dir: Any = None,
-                 chunk_kv: str = "ingestion"):
+                 chunk_kv: str = "ingestion", answer_prefix: bool = False):
         """max_tokens: answer budget for every example (None: each example's own); reference_dir: where
         vanilla's outputs are kept between runs (None: computed every run, kept nowhere); chunk_kv: where
-        each chunk's KV comes from (CHUNK_KV_SOURCES)."""
+        each chunk's KV comes from (CHUNK_KV_SOURCES); answer_prefix: continue the answer with the task's
+        answer prefix (RULER's), which no request through the service can give: off, the prompt is the one
+        the service sends (the worker's `prompt_parts`)."""
         from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
 
         if chunk_kv not in CHUNK_KV_SOURCES:
@@ -63,6 +65,7 @@ class EngineBackend:
         self.engine = FusionEngine.from_settings(settings, max_context_tokens=0)
         self._options_cls = FusionOptions
         self.max_tokens = max_tokens
+        self.answer_prefix = answer_prefix
         self.gen = GenerationOptions(max_tokens=max_tokens or 32, temperature=0.0, top_p=1.0)
         self.system_prompt = m.system_prompt
         self.prompt_layout = m.prompt_layout  # kvfuse/fusion/prompt.py
@@ -98,23 +101,30 @@ class EngineBackend:
         return self._options_cls(**base)
 
     def question_ids(self, ex: Example, order: list[int] | None = None) -> tuple[list[int], list[int]]:
-        """(prefix_ids, question_ids) of the example with its chunks in `order` (default: as they are);
-        the answer prefix, if any, continues the assistant turn (more question tokens, always recomputed)."""
+        """(prefix_ids, question_ids) of the example with its chunks in `order` (default: as they are), as
+        the worker builds them for a query (kvfuse/service/worker/sequences.py: the engine's `prompt_parts`
+        with the configured system prompt and layout); with `answer_prefix` on, the task's answer prefix
+        continues the assistant turn (more question tokens, always recomputed)."""
         names = ex.names()
         if order is not None:
             names = [names[i] for i in order]
         prefix_ids, question_ids = self.engine.prompt_parts(ex.question, self.system_prompt, names,
                                                             self.prompt_layout)
-        if ex.answer_prefix:
+        if self.answer_prefix and ex.answer_prefix:
             question_ids = question_ids + self.engine.tokenize(ex.answer_prefix)
         return prefix_ids, question_ids
 
-    def prepare(self, ex: Example) -> Any:
+    def chunk_ids(self, ex: Example) -> list[list[int]]:
+        """Each chunk's token ids as cached and fused: its text's ids in the layout's block, as the
+        service's corpus renders a one-chunk document (`Corpus.prompt_blocks`)."""
         from kvfuse.fusion.prompt import block_ids
 
-        prefix_ids, question_ids = self.question_ids(ex)
         tok = self.engine.tokenize
-        chunk_ids = [block_ids(tok, tok(c), name, self.prompt_layout) for c, name in zip(ex.chunks, ex.names(), strict=True)]
+        return [block_ids(tok, tok(c), name, self.prompt_layout) for c, name in zip(ex.chunks, ex.names(), strict=True)]
+
+    def prepare(self, ex: Example) -> Any:
+        prefix_ids, question_ids = self.question_ids(ex)
+        chunk_ids = self.chunk_ids(ex)
         prefix = self.engine.precompute([prefix_ids])[0]
         contexts = self.contexts(ex, prefix_ids, chunk_ids)
         t = time.perf_counter()

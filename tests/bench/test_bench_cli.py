@@ -63,7 +63,8 @@ def test_fidelity_layouts_and_their_tasks():
                                                             "musique"],
                                                "multidoc": ["needle", "multikey", "multivalue"]}
     args = parse(["bench", "fidelity", "--task", "needle"])
-    assert args.doc_order == ["retrieval"] and bench_cli._fidelity_tasks(args) == {"haystack": ["needle"]}
+    assert args.doc_order is None and not args.answer_prefix  # the service's order and prompt (set at run time)
+    assert bench_cli._fidelity_tasks(args) == {"haystack": ["needle"]}
     args = parse(["bench", "fidelity", "--layout", "multidoc", "--task", "multikey"])
     assert bench_cli._fidelity_tasks(args) == {"multidoc": ["multikey"]}
     for bad, says in ((["--layout", "multidoc", "--task", "vartrack"], "multidoc layout has the tasks"),

@@ -210,11 +210,15 @@ def check_model(engine) -> CheckReport:
     ids = canned_ids(engine, n + DECODE_STEPS)
     report = CheckReport(engine.family.model_type, n)
     ref = _reference(engine, ids)
-    report.results.append(_forward(engine, ids[:n], ref))
-    report.results.append(_decode(engine, ids, n, ref))
-    parts = _parts(n)
-    report.results.append(_recovery(engine, ids[:n], parts, ref))
-    report.results += _fused(engine, ids[:n], parts)
+    overflow = _out_of_range(engine, ref)
+    if overflow is not None:  # nothing to compare: the reference itself is inf / NaN
+        report.results.append(overflow)
+    else:
+        report.results.append(_forward(engine, ids[:n], ref))
+        report.results.append(_decode(engine, ids, n, ref))
+        parts = _parts(n)
+        report.results.append(_recovery(engine, ids[:n], parts, ref))
+        report.results += _fused(engine, ids[:n], parts)
     report.seconds = time.perf_counter() - t
     log.log(logging.INFO if report.ok else logging.ERROR, "model check %s in %.2f s (%d checks, %d tokens)%s",
             "passed" if report.ok else "FAILED", report.seconds, len(report.results), n,
@@ -239,6 +243,27 @@ def _reference(engine, ids: list[int]) -> _Reference:
     layers = out.past_key_values.layers
     return _Reference(tuple(h[0] for h in out.hidden_states), out.logits[0].float(),
                       [layer.keys[0] for layer in layers], [layer.values[0] for layer in layers])
+
+
+def _out_of_range(engine, ref: _Reference) -> CheckResult | None:
+    """A FAILED `range` result when transformers' own forward leaves the dtype's range (inf, then NaN),
+    naming the first hidden state that does; None when every one is finite. Some models' residual
+    stream grows past float16's largest value (65504): Gemma 3's does (docs/models.md, "Dtypes"), and
+    its checkpoints are meant to run in bfloat16 or float32. No engine can serve such a model in that
+    dtype, so the check says so instead of reporting a NaN error at some layer."""
+    states = [*ref.hidden, ref.logits]
+    bad = next((i for i, h in enumerate(states) if not bool(torch.isfinite(h).all())), None)
+    if bad is None:
+        return None
+    where = ("the embedding" if bad == 0 else "the logits" if bad == len(states) - 1
+             else f"the hidden state after layer {bad - 1}")
+    peak = max(float(h.float().abs().max()) for h in states[:bad]) if bad else float("nan")
+    limit = torch.finfo(engine.dtype).max
+    return CheckResult("range", "FAILED",
+                       f"transformers' own forward in {str(engine.dtype).removeprefix('torch.')} overflows at "
+                       f"{where} (the hidden states before it reach {peak:.3g}; the dtype's largest value is "
+                       f"{limit:.4g}): the model's activations leave this dtype's range; serve it in bfloat16 "
+                       "or float32", None if bad == len(states) - 1 else max(bad - 1, 0))
 
 
 def _forward(engine, ids: list[int], ref: _Reference) -> CheckResult:
