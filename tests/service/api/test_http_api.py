@@ -339,8 +339,8 @@ BAD_INPUTS = [
      {"json": {"model": "kvfuse", "messages": [{"role": "system", "content": "hi"}]}}, 400, "invalid_value"),
     ("chat unknown model", "POST", "/v1/chat/completions",
      {"json": {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}}, 404, "model_not_found"),
-    ("chat n=2", "POST", "/v1/chat/completions",
-     {"json": {"model": "kvfuse", "n": 2, "messages": [{"role": "user", "content": "hi"}]}}, 400, "invalid_value"),
+    ("chat n over server.max_choices", "POST", "/v1/chat/completions",
+     {"json": {"model": "kvfuse", "n": 9, "messages": [{"role": "user", "content": "hi"}]}}, 400, "invalid_value"),
 ]
 
 
