@@ -170,7 +170,6 @@ class ShadowChecks:
         return verdict
 
     def _check(self, check: ShadowCheck) -> Generator[tuple[int, bool], None, P.ShadowResult]:
-
         from kvfuse.fusion.engine import solo
         from kvfuse.fusion.piecewise_prefill import prefill_steps
         from kvfuse.fusion.teacher_forcing import answer_kl, teacher_forced_steps
@@ -178,9 +177,9 @@ class ShadowChecks:
 
         engine = self.engine
         room = max(check.max_tokens, len(check.answer_tokens))
-        fused = yield from _within_slices(prefill_steps(engine, check.prompt, self.piece_rows, max_tokens=room))
+        fused = yield from _tagged(prefill_steps(engine, check.prompt, self.piece_rows, max_tokens=room), False)
         prompt_len = fused.cache.length
-        logits = yield from _within_slices(teacher_forced_steps(engine, fused, check.answer_tokens))
+        logits = yield from _tagged(teacher_forced_steps(engine, fused, check.answer_tokens), False)
         kl = answer_kl(logits, check.fused_steps.float())
         agreed = None
         if check.greedy:
@@ -195,27 +194,18 @@ class ShadowChecks:
                 diverged = FusedPrefill(fused.cache, logits[j], fused.selected, fused.stats, {})
                 opts = GenerationOptions(max_tokens=check.max_tokens, temperature=0.0, stop=check.stop)
                 # decoded on an engine core (the runner's step is under inference_mode), a step per slice
-                text = yield from _slice_each(solo.replay_steps(engine, diverged, logits[:j], opts))
+                text = yield from _tagged(solo.replay_steps(engine, diverged, logits[:j], opts), ENDS_SLICE)
                 agreed = same_answer(check.answer_text, text, self.metric)
         return P.ShadowResult(check.method, check.recompute_ratio, check.context_tokens, agreed, kl,
                               len(check.answer_tokens))
 
 
-def _within_slices(steps: Generator[int, None, Any]) -> Generator[tuple[int, bool], None, Any]:
-    """A layer-stepped generator's work, tagged as sharing a slice with what follows; returns its value."""
+def _tagged(steps: Generator[int, None, Any], ends_slice: bool) -> Generator[tuple[int, bool], None, Any]:
+    """A stepped generator's work, each unit tagged `ends_slice` (True: a slice of its own, as an engine
+    step is; False: sharing a slice with what follows, as a decoder layer does); returns its value."""
     while True:
         try:
             work = next(steps)
         except StopIteration as done:
             return done.value
-        yield work, False
-
-
-def _slice_each(steps: Generator[int, None, Any]) -> Generator[tuple[int, bool], None, Any]:
-    """An engine-stepped generator's work, each step a slice of its own; returns its value."""
-    while True:
-        try:
-            work = next(steps)
-        except StopIteration as done:
-            return done.value
-        yield work, ENDS_SLICE
+        yield work, ends_slice
