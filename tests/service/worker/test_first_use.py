@@ -24,15 +24,21 @@ from kvfuse.store.records import DocumentRecord
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("first-use")
+def _worker(tmp_path_factory: pytest.TempPathFactory, name: str, **store: object):
+    """A worker over a data dir of its own (`store`: its store settings), recording what it sends."""
+    root = tmp_path_factory.mktemp(name)
     settings = load_settings(data_dir=root / "data", model_cache_dir=MODEL_CACHE, log_level="warning",
-                             model={"max_context_tokens": 4096, "threads": 1},
+                             model={"max_context_tokens": 4096, "threads": 1}, store=store,
                              server={"max_running_requests": 2, "kv_budget_tokens": 3000})
     sent: list = []
     w = WorkerCore(settings, sent.append)
     w.sent = sent
+    return w
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory):
+    w = _worker(tmp_path_factory, "first-use")
     yield w
     w.store.close()
 
@@ -101,13 +107,7 @@ def test_an_evicted_chunk_is_computed_after_its_context_as_ingestion_did(worker,
 
 @pytest.fixture(scope="module")
 def runs_worker(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("first-use-runs")
-    settings = load_settings(data_dir=root / "data", model_cache_dir=MODEL_CACHE, log_level="warning",
-                             model={"max_context_tokens": 4096, "threads": 1}, store={"precompute_runs": True},
-                             server={"max_running_requests": 2, "kv_budget_tokens": 3000})
-    sent: list = []
-    w = WorkerCore(settings, sent.append)
-    w.sent = sent
+    w = _worker(tmp_path_factory, "first-use-runs", precompute_runs=True)
     yield w
     w.store.close()
 
