@@ -2,20 +2,24 @@
 API, in one run (docs/DESIGN.md, "KV when it pays").
 
 One server (`kvfuse serve` on a free loopback port with a fresh data dir, its settings from the
-environment): the same essay openings are ingested twice, first with `precompute_at: first_use` (ready
-once chunked, embedded and indexed), then, once those documents are deleted (their blobs with them), with
-`ingest` (every chunk's KV computed before ready). Per document one query names it
-(`document_ids`), so every chunk of a first-use document is cold at its first query:
+environment, its RAM and device tiers off: `COLD_ENV`): the same essay openings are ingested with
+`precompute_at: first_use` (ready once chunked, embedded and indexed), deleted (their blobs with them) and
+ingested with first_use again, then deleted and ingested with `ingest` (every chunk's KV computed before
+ready); `run` lists the queries of each phase. Per document one query names it (`document_ids`), so
+every chunk of a first-use document is cold at its first query:
 
 - ingest seconds of each mode over the same documents (the targets: first_use <= 0.2x ingest's);
-- TTFT of the first query over each first-use document (all its chunks cold, computed within the query
-  after their recorded contexts), of the same query with `vanilla` (a full prefill: no stored KV at all)
-  and again after that first query (its chunks now read), and over the eagerly ingested document (warm);
-- whether each answer over first-use chunks is the one over the eagerly ingested chunks, token for token.
+- TTFT of the first query over each first-use document, all its chunks cold, both ways `fusion.cold_chunks`
+  offers: `compute` (computed within the query after their recorded contexts) and the default `auto` (a
+  full prefill when that is sooner, the chunks computed after it at ingestion's share); of the same query
+  with `vanilla` (a full prefill: no stored KV at all); again after each first query (its chunks now
+  read); and over the eagerly ingested document (warm);
+- whether each answer over first-use chunks is the one over the eagerly ingested chunks, token for token,
+  and auto's cold answer vanilla's.
 
 TTFT is the server's (`timings.ttft_ms`: arrival to first token). A first-use query's TTFT against
 vanilla's is the ratio the targets name (within 1.3x). The plot (the optional extra `kvfuse[bench]`)
-shows the ingest times and the four TTFTs.
+shows the ingest times and the six TTFTs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from typing import Any
 from kvfuse.bench.plots import plot_if_possible
 
 QUESTION = "What is the main point of this essay?"
+# The worker's RAM and device tiers off: a deleted document's blobs would stay cached there (content-addressed,
+# still correct KV), so the documents ingested again would not start cold; the chunks are read from LMDB.
+COLD_ENV = {"KVFUSE_STORE__HOT_TIER_MB": "0", "KVFUSE_STORE__DEVICE_TIER_MB": "0"}
 
 
 def _docs(data_dir: Path, n: int, chars: int) -> list[tuple[str, str]]:
@@ -52,75 +59,124 @@ def _ingest(c: Any, docs: list[tuple[str, str]], mode: str) -> float:
     return seconds
 
 
-def _ask(c: Any, doc_id: str, method: str | None = None, max_tokens: int | None = None) -> dict[str, Any]:
+def _ask(c: Any, doc_id: str, method: str | None = None, max_tokens: int | None = None,
+         cold_chunks: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"query": QUESTION, "document_ids": [doc_id]}
     if max_tokens:
         body["max_tokens"] = max_tokens
-    if method:
-        body["fusion"] = {"method": method}
+    fusion = {k: v for k, v in (("method", method), ("cold_chunks", cold_chunks)) if v}
+    if fusion:
+        body["fusion"] = fusion
     resp = c.post("/v1/query", json=body)
     resp.raise_for_status()
     a = resp.json()
     return {"ttft_ms": a["timings"]["ttft_ms"], "kv_compute_ms": a["timings"].get("kv_compute_ms", 0.0),
-            "chunks_computed": a["usage"].get("chunks_computed"), "answer": a["answer"]}
+            "chunks_computed": a["usage"].get("chunks_computed"), "chunks_deferred": a["usage"].get("chunks_deferred"),
+            "method": a["fusion"]["method"], "answer": a["answer"]}
+
+
+def _wait_for_kv(c: Any, doc_id: str, chunks: int, timeout_s: float) -> float:
+    """Seconds until every chunk of the document holds KV (a deferred computation stored them)."""
+    t0 = time.perf_counter()
+    while c.get(f"/v1/documents/{doc_id}").json()["kv_chunks"] < chunks:
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"{doc_id}: its chunks' KV was not stored within {timeout_s} s")
+        time.sleep(0.2)
+    return time.perf_counter() - t0
 
 
 def run(url: str, docs: list[tuple[str, str]], timeout_s: float = 1800, max_tokens: int | None = None) -> dict[str, Any]:
-    """Both phases against the server at `url`; the rows per document and the summary. `max_tokens`: the
-    answers' budget (None: the server's `generation.max_tokens`)."""
+    """The phases against the server at `url`; the rows per document and the summary. `max_tokens`: the
+    answers' budget (None: the server's `generation.max_tokens`).
+
+    1. first_use ingestion (timed); per document the first query with `fusion.cold_chunks: compute` (every
+       chunk computed in its prefill after its recorded context), the same query with `vanilla`, and again
+       (its chunks now read);
+    2. the documents deleted and ingested again with first_use; per document the first query with the
+       default `cold_chunks` (auto: a full prefill when that is sooner, the chunks computed after it), the
+       seconds until its chunks hold KV, and the query again (reading them);
+    3. the documents deleted and ingested eagerly (timed); per document the query over its stored chunks."""
     import functools
 
     import httpx
 
-    _q = functools.partial(_ask, max_tokens=max_tokens)
-
+    q = functools.partial(_ask, max_tokens=max_tokens)
     rows = {d: {"document": d} for d, _ in docs}
     with httpx.Client(base_url=url, timeout=timeout_s) as c:
         first_use_s = _ingest(c, docs, "first_use")
         for d, _ in docs:
             rows[d]["chunks"] = c.get(f"/v1/documents/{d}").json()["chunks"]
-            rows[d]["cold"] = _q(c, d)
-            rows[d]["vanilla"] = _q(c, d, "vanilla")
-            rows[d]["after_warm_up"] = _q(c, d)
+            rows[d]["cold"] = q(c, d, cold_chunks="compute")
+            rows[d]["vanilla"] = q(c, d, "vanilla")
+            rows[d]["after_warm_up"] = q(c, d)
+        for d, _ in docs:
+            c.delete(f"/v1/documents/{d}").raise_for_status()
+        _ingest(c, docs, "first_use")
+        for d, _ in docs:
+            rows[d]["cold_auto"] = q(c, d)
+            rows[d]["deferred_s"] = round(_wait_for_kv(c, d, rows[d]["chunks"], timeout_s), 2)
+            rows[d]["after_auto"] = q(c, d)
         for d, _ in docs:
             c.delete(f"/v1/documents/{d}").raise_for_status()
         ingest_s = _ingest(c, docs, "ingest")
         for d, _ in docs:
-            rows[d]["warm"] = _q(c, d)
+            rows[d]["warm"] = q(c, d)
+    return {"summary": _summary(rows, first_use_s, ingest_s), "rows": list(rows.values())}
+
+
+def _summary(rows: dict[str, dict[str, Any]], first_use_s: float, ingest_s: float) -> dict[str, Any]:
     med = lambda key: statistics.median(r[key]["ttft_ms"] for r in rows.values())  # noqa: E731
-    summary = {
-        "documents": len(docs), "chunks": sum(r["chunks"] for r in rows.values()),
+    over_vanilla = lambda key: round(statistics.median(  # noqa: E731
+        r[key]["ttft_ms"] / r["vanilla"]["ttft_ms"] for r in rows.values()), 3)
+    same = lambda a, b: sum(r[a]["answer"] == r[b]["answer"] for r in rows.values())  # noqa: E731
+    return {
+        "documents": len(rows), "chunks": sum(r["chunks"] for r in rows.values()),
         "ingest_s": {"first_use": round(first_use_s, 2), "ingest": round(ingest_s, 2),
                      "ratio": round(first_use_s / ingest_s, 3)},
-        "ttft_ms_median": {k: round(med(k), 1) for k in ("cold", "vanilla", "after_warm_up", "warm")},
-        "cold_over_vanilla": round(statistics.median(r["cold"]["ttft_ms"] / r["vanilla"]["ttft_ms"]
-                                                     for r in rows.values()), 3),
-        "answers_same_as_eager": sum(r["cold"]["answer"] == r["warm"]["answer"] for r in rows.values()),
+        "ttft_ms_median": {k: round(med(k), 1) for k in ("cold", "cold_auto", "vanilla", "after_warm_up",
+                                                          "after_auto", "warm")},
+        "cold_over_vanilla": over_vanilla("cold"),
+        "cold_auto_over_vanilla": over_vanilla("cold_auto"),
+        "cold_auto_methods": sorted({r["cold_auto"]["method"] for r in rows.values()}),
+        "deferred_s_median": statistics.median(r["deferred_s"] for r in rows.values()),
+        "answers_same_as_eager": same("cold", "warm"),
+        "cold_auto_same_as_vanilla": same("cold_auto", "vanilla"),
+        "after_auto_same_as_eager": same("after_auto", "warm"),
         "after_warm_up_computed": sum(r["after_warm_up"]["chunks_computed"] or 0 for r in rows.values()),
+        "after_auto_computed": sum(r["after_auto"]["chunks_computed"] or 0 for r in rows.values()),
     }
-    return {"summary": summary, "rows": list(rows.values())}
 
 
 def render(result: dict[str, Any], command: str) -> str:
     s = result["summary"]
     t = s["ttft_ms_median"]
+    n = s["documents"]
     lines = [
         "# First use against eager ingestion", "", f"Command: `{command}`", "",
-        f"{s['documents']} documents, {s['chunks']} chunks; one query per document naming it.", "",
+        f"{n} documents, {s['chunks']} chunks; one query per document naming it.", "",
         "| | first_use | ingest | ratio |", "|---|---|---|---|",
         f"| ingest seconds | {s['ingest_s']['first_use']} | {s['ingest_s']['ingest']} | {s['ingest_s']['ratio']} |", "",
-        "| TTFT ms (median over documents) | value |", "|---|---|",
-        f"| first query, every chunk cold | {t['cold']} |", f"| vanilla (full prefill) | {t['vanilla']} |",
-        f"| the same query after the first | {t['after_warm_up']} |", f"| eagerly ingested (warm) | {t['warm']} |",
-        "",
-        f"Cold over vanilla (median of per-document ratios): {s['cold_over_vanilla']}x. Chunks computed by "
-        f"the queries after the first: {s['after_warm_up_computed']}. Answers over first-use chunks the same "
-        f"as over eager ones: {s['answers_same_as_eager']} of {s['documents']}.", "",
-        "| document | chunks | cold | vanilla | after | warm | cold kv_compute ms |", "|---|---|---|---|---|---|---|",
+        "| TTFT ms (median over documents) | value | over vanilla |", "|---|---|---|",
+        f"| first query, every chunk cold, `cold_chunks: compute` | {t['cold']} | {s['cold_over_vanilla']}x |",
+        f"| first query, every chunk cold, `cold_chunks: auto` (default) | {t['cold_auto']} | "
+        f"{s['cold_auto_over_vanilla']}x |",
+        f"| vanilla (full prefill) | {t['vanilla']} | 1.0x |",
+        f"| the same query after the first (compute) | {t['after_warm_up']} | |",
+        f"| the same query once auto's deferred chunks are stored | {t['after_auto']} | |",
+        f"| eagerly ingested (warm) | {t['warm']} | |", "",
+        f"auto ran {', '.join(s['cold_auto_methods'])} for the cold queries; their chunks held KV a median "
+        f"{s['deferred_s_median']} s after the answer. Chunks computed by the queries after the first: "
+        f"{s['after_warm_up_computed']} (compute), {s['after_auto_computed']} (auto). Answers the same as over "
+        f"eager chunks: {s['answers_same_as_eager']} of {n} (cold, compute), {s['after_auto_same_as_eager']} of "
+        f"{n} (after auto's deferred chunks); auto's cold answers the same as vanilla's: "
+        f"{s['cold_auto_same_as_vanilla']} of {n}.", "",
+        "| document | chunks | cold compute | cold auto | vanilla | after | after auto | warm | cold kv_compute ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        lines.append(f"| {r['document']} | {r['chunks']} | {r['cold']['ttft_ms']} | {r['vanilla']['ttft_ms']} | "
-                     f"{r['after_warm_up']['ttft_ms']} | {r['warm']['ttft_ms']} | {r['cold']['kv_compute_ms']} |")
+        lines.append(f"| {r['document']} | {r['chunks']} | {r['cold']['ttft_ms']} | {r['cold_auto']['ttft_ms']} | "
+                     f"{r['vanilla']['ttft_ms']} | {r['after_warm_up']['ttft_ms']} | {r['after_auto']['ttft_ms']} | "
+                     f"{r['warm']['ttft_ms']} | {r['cold']['kv_compute_ms']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -129,17 +185,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     plt = pyplot()
     s = result["summary"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1, 2.2]})
     a.bar(["first_use", "ingest"], [s["ingest_s"]["first_use"], s["ingest_s"]["ingest"]], color=["tab:green", "tab:blue"])
     a.set_ylabel("seconds")
     a.set_title(f"ingest, {s['documents']} documents ({s['chunks']} chunks)")
     t = s["ttft_ms_median"]
-    names = ["cold (first use)", "vanilla", "after first", "eager (warm)"]
-    b.bar(names, [t["cold"], t["vanilla"], t["after_warm_up"], t["warm"]],
-          color=["tab:orange", "tab:gray", "tab:green", "tab:blue"])
+    names = ["cold\ncompute", "cold\nauto", "vanilla", "after\ncompute", "after\nauto", "eager\n(warm)"]
+    keys = ["cold", "cold_auto", "vanilla", "after_warm_up", "after_auto", "warm"]
+    b.bar(names, [t[k] for k in keys], color=["tab:orange", "tab:red", "tab:gray", "tab:green", "tab:olive", "tab:blue"])
     b.set_ylabel("TTFT ms (median)")
     b.set_title("one query per document")
-    b.tick_params(axis="x", labelrotation=15)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -154,7 +209,7 @@ def command(args: argparse.Namespace) -> int:
     if args.url:
         result = run(args.url, docs, max_tokens=args.max_tokens)
     else:
-        with LocalServer() as server:
+        with LocalServer(env=COLD_ENV) as server:
             result = run(server.url, docs, max_tokens=args.max_tokens)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

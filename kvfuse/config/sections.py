@@ -228,6 +228,12 @@ class FusionRequestSettings(Section):
         "samkv: keep at most (middle blocks of all documents / documents) middle blocks"))
     link_tokens: int = Field(5, ge=0, description=(
         "kvlink: trained link tokens after each chunk (a count the artifact was trained for, or 0 = pie)"))
+    # A query whose chunks are in no tier (first use, or evicted with no object store beneath): computing
+    # them after their recorded contexts can cost several full prefills (docs/DESIGN.md, "KV when it pays").
+    cold_chunks: Literal["auto", "compute", "full_prefill"] = Field("auto", description=(
+        "a query meeting chunks in no tier: compute them in its prefill after their recorded contexts "
+        "(compute), answer with a full prefill and compute them afterwards at ingestion's share "
+        "(full_prefill), or whichever prefills fewer tokens before the first (auto)"))
 
 
 class FusionSettings(FusionRequestSettings):

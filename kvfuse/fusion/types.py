@@ -125,6 +125,7 @@ class FusionOptions:
     samkv_min_p: float = _FUSION_DEFAULTS.samkv_min_p
     samkv_cross_cut: bool = _FUSION_DEFAULTS.samkv_cross_cut
     link_tokens: int = _FUSION_DEFAULTS.link_tokens
+    cold_chunks: Literal["auto", "compute", "full_prefill"] = _FUSION_DEFAULTS.cold_chunks
 
 
 def request_knobs(fusion_settings: FusionRequestSettings) -> dict:

@@ -40,8 +40,8 @@ def _service_prompt(settings, engine, ranked: tasks.Example) -> tuple[list[int],
             ids = corpus.prompt_blocks([corpus.chunker.encode(text)], corpus.prompt_name(rec))[0]
             hits.append(P.ChunkRef(f"key{i}", ids, 1.0 - i / 10, corpus.prompt_name(rec)))
     chunks = in_prompt_order(hits, settings.model.prompt_order)
-    job = P.QueryJob(ranked.question, settings.model.system_prompt, False, {"method": "anchor"},
-                     {"max_tokens": 4}, chunks, 1)
+    job = P.QueryJob(ranked.question, settings.model.system_prompt, False, {"method": "anchor", "cold_chunks": "compute"},
+                     {"max_tokens": 4}, chunks, 1)  # compute: the plan looks up no tier
     core = EngineCore(engine, SchedulerLimits(max_running=4, kv_budget_tokens=100_000, prefill_tokens_per_step=2048,
                                               ingest_share=0.25))
     seq = plan_query(job, engine, core, 8192, 0, kv=None)  # planning reads no KV

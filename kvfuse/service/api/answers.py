@@ -46,8 +46,9 @@ def search_results(found: list[FoundChunk], opts: RetrievalOptions, elapsed_s: f
 def sources_of(run: QueryRun) -> QuerySources:
     """What the answer is built on."""
     plan = run.plan
-    fusion = FusionUsed(method=plan.fusion["method"], recompute_ratio=plan.fusion["recompute_ratio"],
-                        ratio_source=plan.ratio_source, size_bucket=plan.size_bucket)
+    fusion = FusionUsed(method=run.method or plan.fusion["method"], recompute_ratio=plan.fusion["recompute_ratio"],
+                        ratio_source=plan.ratio_source, size_bucket=plan.size_bucket,
+                        requested_method=plan.fusion["method"] if run.method else None)
     retrieval = RetrievalUsed(mode="explicit" if plan.explicit else plan.retrieval.mode,
                               collections=plan.retrieval.searched)
     # a kept source's number is its place in the prompt (the [n] the labelled prompt gives it); retrieved
@@ -73,7 +74,7 @@ def answer_of(run: QueryRun, outcome: QueryOutcome) -> QueryAnswer:
         usage=Usage(prompt_tokens=prompt_tokens(u), completion_tokens=u.get("generated_tokens", 0),
                     context_tokens=u.get("context_tokens", 0), cached_tokens=outcome.cached_tokens,
                     recomputed_tokens=u.get("recomputed_tokens", 0), chunks_read=u.get("chunks_read"),
-                    chunks_computed=u.get("chunks_computed")),
+                    chunks_computed=u.get("chunks_computed"), chunks_deferred=u.get("chunks_deferred")),
         timings=Timings(retrieval_ms=ms(run.plan.retrieval_s), queue_ms=ms((job.started_at or end) - job.enqueued_at),
                         kv_load_ms=ms(t.get("kv_load_s", 0.0)), assemble_ms=ms(t.get("assemble_s", 0.0)),
                         select_ms=ms(t.get("select_s", 0.0)), recompute_ms=ms(t.get("recompute_s", 0.0)),

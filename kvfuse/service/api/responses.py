@@ -232,6 +232,9 @@ class Usage(BaseModel):
     chunks_computed: int | None = _optional(
         "chunks whose KV was computed for this query, after their recorded contexts: in no tier (first use, "
         "or evicted: then kept for the next query) or behind a tier slower than computing them")
+    chunks_deferred: int | None = _optional(
+        "chunks in no tier that this answer did not wait for: it came from a full prefill (fusion.method "
+        "says vanilla) and they are computed after it, for the next query (fusion.cold_chunks)")
 
 
 class Timings(BaseModel):
@@ -255,6 +258,9 @@ class FusionUsed(BaseModel):
     ratio_source: Literal["request", "config", "auto"] = Field("request", description=(
         "where the ratio came from: the request, the configuration, or held for fidelity.target_agreement"))
     size_bucket: str | None = Field(None, description="the prompt-size bucket an auto ratio was held for")
+    requested_method: str | None = _optional(
+        "the request's method when another ran: a query whose chunks were in no tier was answered by a full "
+        "prefill (fusion.cold_chunks)")
 
 
 class RetrievalUsed(BaseModel):

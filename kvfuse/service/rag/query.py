@@ -112,6 +112,7 @@ class QueryRun:
     dropped: list[SourceChunk]
     logprobs: list | None = None  # every generated token's (fusion/engine/logprobs.py), once the Result came, if asked
     choices: list[dict] = dataclasses.field(default_factory=list)  # n > 1: choices 1..n-1 (wire Result.choices)
+    method: str | None = None  # the method the worker ran when not the plan's (wire Plan.method: cold chunks)
 
     @property
     def warning(self) -> str | None:
@@ -137,10 +138,11 @@ class QueryOutcome:
     cached_tokens: int
 
 
-def cached_tokens(plan: QueryPlan, usage: dict) -> int:
-    """Reused = prompt tokens whose stored KV went into the answer unchanged (vanilla reuses nothing): not
-    those the fusion recomputed, nor the chunks computed for this query (in no tier: first use)."""
-    if plan.fusion["method"] == "vanilla":
+def cached_tokens(plan: QueryPlan, usage: dict, served: str | None = None) -> int:
+    """Reused = prompt tokens whose stored KV went into the answer unchanged (vanilla reuses nothing, nor
+    does a query the worker answered by a full prefill, `served`): not those the fusion recomputed, nor the
+    chunks computed for this query (in no tier: first use)."""
+    if (served or plan.fusion["method"]) == "vanilla":
         return 0
     return max(0, usage.get("prefix_tokens", 0) + usage.get("context_tokens", 0) - usage.get("recomputed_tokens", 0)
                - usage.get("computed_chunk_tokens", 0))
@@ -287,7 +289,7 @@ class QueryService:
             raise APIError(500, f"unexpected worker message {type(first).__name__}", code="internal_error")
         kept = [plan.chunks[i] for i in first.kept]
         dropped = [plan.chunks[i] for i in first.dropped]
-        return QueryRun(plan=plan, job=job, events=events, sources=kept, dropped=dropped)
+        return QueryRun(plan=plan, job=job, events=events, sources=kept, dropped=dropped, method=first.method)
 
     def api_error(self, err: BaseException) -> BaseException:
         """The HTTP error for a failure of a running query (other exceptions pass through)."""
@@ -345,7 +347,7 @@ class QueryService:
                     run.logprobs, run.choices = msg.logprobs, msg.choices
                     p = dataclasses.asdict(msg)
                     u = p["usage"]
-                    outcome = QueryOutcome(p, first_at, now, cached_tokens(run.plan, u))
+                    outcome = QueryOutcome(p, first_at, now, cached_tokens(run.plan, u, run.method))
                     m.e2e.observe(now - run.plan.arrived)
                     m.kv_load.observe(p["timings"].get("kv_load_s", 0.0))
                     m.hit_tokens.inc(outcome.cached_tokens)

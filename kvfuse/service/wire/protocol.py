@@ -121,6 +121,7 @@ class Plan:
     prefix_tokens: int
     question_tokens: int
     step: int = 0
+    method: str | None = None  # the method that runs when it is not the request's (fusion.cold_chunks)
 
 
 @dataclass

@@ -157,6 +157,24 @@ class ChunkCache:
                                     len(ids) + len(context or ())))
         return policy.plan(out, self.rates, parallel=self.settings.store.read_threads)
 
+    def cold(self, chunks: list[Wanted]) -> list[int]:
+        """The indices of the chunks no tier holds (what a query would compute: chunk_kv's first use)."""
+        return [i for i, (key, _, _) in enumerate(map(_wanted, chunks)) if self.store.chunks.locate(key)[0] is None]
+
+    def compute_and_keep(self, chunks: list[Wanted]) -> int:
+        """Compute chunks a query found in no tier, after their recorded contexts, and keep them (`_keep`), as
+        `load_all` does for the cold chunks it computes: for a query answered by a full prefill instead
+        (reload_policy.full_prefill_first), afterwards at ingestion's share. A chunk a tier holds by now
+        (another query kept it) is skipped. Returns the chunks computed."""
+        wanted = [w for w in map(_wanted, chunks) if w[2] is not None and self.store.chunks.locate(w[0])[0] is None]
+        if not wanted:
+            return 0
+        computed = self.compute([ids for _, ids, _ in wanted], [ctx or [] for _, _, ctx in wanted])
+        self._keep([(key, ids, ctx, self._at_rest(ids, ctx or [], ckv)[0])
+                    for (key, ids, ctx), ckv in zip(wanted, computed, strict=True)])
+        self.rebuilt += len(wanted)
+        return len(wanted)
+
     def load_all(self, chunks: list[Wanted]) -> list[tuple[Any, bool]]:
         """The ChunkKV of every (key, token ids[, context]) and whether it was computed here. The plan's
         reads go to the store's thread pool at once (KVStore.load_chunks); the chunks a slow tier would

@@ -71,6 +71,8 @@ class WorkerCore:
 
         ll_tokenizer(self.engine.tokenizer, self.engine.stop_token_ids)  # response_format's, made once (grammar.py)
         self.shadow = ShadowChecks(settings.fidelity, self.engine)  # run only when the engine is idle
+        self._deferring: set[str] = set()  # keys of cold chunks a deferred computation holds (`defer`)
+        self._internal = 0  # the last internal job's id: negative, never an API job's
 
     @property
     def scheduler(self) -> Any:
@@ -133,6 +135,7 @@ class WorkerCore:
                 else:
                     self.core.add(seq)
                     self.shadow.watch(seq)
+                    self.defer(seq.deferred)
             elif isinstance(msg, P.PrecomputeJob):
                 task = IngestTask(msg)
                 self.core.add_ingest(msg.job_id, lambda budget, task=task: task.run_piece(self.kv, budget))
@@ -144,6 +147,34 @@ class WorkerCore:
         except Exception as err:  # noqa: BLE001 - a bad job must not kill the worker
             self.send(self.error(getattr(msg, "job_id", 0), err))
         return True
+
+    def defer(self, chunks: list[P.ChunkRef]) -> None:
+        """Compute, at ingestion's share of the engine steps, the cold chunks of a query answered by a full
+        prefill instead (sequences.plan_query), so the next query over them reads them. An internal job (a
+        negative id: nothing is reported to the API) of the chunks not already deferred, a piece of up to
+        the step's token budget (a chunk's tokens and its context's) at a time."""
+        todo = [c for c in chunks if c.key not in self._deferring]
+        if not todo:
+            return
+        self._deferring.update(c.key for c in todo)
+        self._internal -= 1
+
+        def piece(budget: int) -> int | None:
+            part, tokens = [], 0
+            while todo and (not part or tokens + len(todo[0].token_ids) + len(todo[0].context or ()) <= budget):
+                c = todo.pop(0)
+                part.append(c)
+                tokens += len(c.token_ids) + len(c.context or ())
+            try:
+                self.kv.compute_and_keep([(c.key, c.token_ids, c.context) for c in part])
+            except BaseException:
+                self._deferring.difference_update(c.key for c in todo)  # the job ends here: none held
+                raise
+            finally:
+                self._deferring.difference_update(c.key for c in part)
+            return None if todo else len(chunks)
+
+        self.core.add_ingest(self._internal, piece)
 
     # -- the engine step -------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -166,8 +197,12 @@ class WorkerCore:
             self.send(query.result(self.step_no))
             for msg in self.shadow.offer(query, self.step_no):  # choice 0's answer: one check per query
                 self.send(msg)
+        elif isinstance(out, E.Failed) and out.job_id < 0:  # a deferred computation: logged, the query answered
+            log.error("deferred chunk computation failed: %s", "".join(traceback.format_exception(out.error)))
         elif isinstance(out, E.Failed):
             self.send(self.error(out.job_id, out.error))
+        elif isinstance(out, E.Ingested) and out.job_id < 0:
+            pass  # the deferred chunks are kept: nothing to report
         elif isinstance(out, E.Ingested):
             out.value.step = self.step_no
             self.send(out.value)

@@ -36,6 +36,7 @@ UNMEASURED = "unmeasured"  # a rate is not known yet: read (what the worker did 
 SLOWER = "read_slower"  # its tier would take longer than computing it again
 MISS = "miss"  # in no tier: computed from its tokens (as always)
 PROBE = "probe"  # judged slower, read anyway now and then to measure its tier again (Rates.probe_due)
+DEFERRED = "deferred"  # in no tier, the query answered by a full prefill: computed after it (full_prefill_first)
 
 
 class Ewma:
@@ -210,3 +211,23 @@ def plan(chunks: Sequence[Chunk], rates: Rates, parallel: int = 1) -> list[Choic
 def counts(choices: Sequence[Choice]) -> dict[str, int]:
     """{"<decision>:<reason>": chunks} of a plan (the worker reports them; the API counts them)."""
     return dict(Counter(f"{c.decision}:{c.reason}" for c in choices))
+
+
+def full_prefill_first(mode: str, cold_tokens: int, fused_tokens: int, prompt_tokens: int) -> bool:
+    """Whether a query whose cold chunks (in no tier) cost `cold_tokens` to compute (their tokens and their
+    recorded contexts', chunk_kv.py) is answered by a full prefill of its `prompt_tokens` instead of the
+    fused prefill of `fused_tokens` (its method's recomputed rows and question) after computing them
+    (`fusion.cold_chunks`: compute, full_prefill, or auto). Tokens stand for time: a chunk's precompute
+    and a full prefill are the same causal forward.
+
+    The cold chunks are computed either way (by the full-prefill path after the answer, at ingestion's
+    share, and written back as the fused path writes them), so the full prefill saves the query
+    cold + fused - prompt tokens of time to its first token and adds prompt - fused tokens of engine work
+    that other requests wait for. auto takes it when what it saves exceeds what it adds: with a recorded
+    document context as long as a chunk or longer, an all-cold query saves several times the work; with
+    chunks cached alone it never does (cold <= prompt). The full prefill is vanilla's answer, the one fusion
+    approximates (docs/DESIGN.md, "KV when it pays")."""
+    if mode == "compute" or cold_tokens == 0:
+        return False
+    saved, added = cold_tokens + fused_tokens - prompt_tokens, prompt_tokens - fused_tokens
+    return mode == "full_prefill" or saved > added

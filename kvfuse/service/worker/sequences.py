@@ -10,10 +10,12 @@ step's token budget), so a large document shares the worker with running queries
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.service.wire import protocol as P
+from kvfuse.service.worker import reload_policy as policy
 
 if TYPE_CHECKING:
     from kvfuse.fusion.engine.core import EngineCore
@@ -64,6 +66,23 @@ def plan_query(job: P.QueryJob, engine: Any, core: EngineCore, limit: int, step:
             question_ids = engine.prompt_parts(job.question, job.system_prompt, [names[i] for i in kept], layout,
                                              job.history)[1]
     kv_tokens = fixed + total
+    # Prefill work: a full prefill runs every prompt token; a fusion method mainly its recomputed rows.
+    prompt = len(prefix_ids) + total + len(question_ids)
+    prefill = prompt if full_prefill else int(fusion.recompute_ratio * total) + len(question_ids)
+    deferred: list[P.ChunkRef] = []
+    if not full_prefill and not method.own_pipeline and fusion.cold_chunks != "compute":
+        # Chunks with a recorded context only (first use, evictions): one whose context is not known (a
+        # record from before contexts were recorded) is computed alone and never kept, as before.
+        wanted = [chunks[i] for i in kept]
+        known = [c for c in wanted if c.context is not None]
+        cold = [known[i] for i in kv.cold([(c.key, c.token_ids, c.context) for c in known])] if known else []
+        plain = sum(len(c.token_ids) for c in wanted)  # the context a full prefill runs: no method rows
+        whole = len(prefix_ids) + plain + len(question_ids)
+        cost = sum(len(c.token_ids) + len(c.context or ()) for c in cold)
+        if policy.full_prefill_first(fusion.cold_chunks, cost, prefill, whole):
+            fusion = dataclasses.replace(fusion, method="vanilla")  # vanilla: the reference fusion approximates
+            full_prefill, total, prompt, prefill, kv_tokens = True, plain, whole, whole, fixed + plain
+            deferred = cold
     kv_budget = core.scheduler.capacity
     if job.n > 1 and not core.fits(kv_tokens, job.n):
         rows = core.scheduler.limits.max_running
@@ -77,11 +96,10 @@ def plan_query(job: P.QueryJob, engine: Any, core: EngineCore, limit: int, step:
                        f"the prompt plus max_tokens ({kv_tokens} tokens) exceed the server's KV budget of "
                        f"{kv_budget} tokens (server.kv_budget_tokens): lower max_tokens or use fewer documents",
                        kv_tokens - kv_budget, step)
-    # Prefill work: a full prefill runs every prompt token; a fusion method mainly its recomputed rows.
-    prompt = len(prefix_ids) + total + len(question_ids)
-    prefill = prompt if full_prefill else int(fusion.recompute_ratio * total) + len(question_ids)
-    return QuerySequence(job, prefix_ids, question_ids, kept, dropped, total, fusion, gen, full_prefill, kv,
-                         kv_tokens=kv_tokens, prefill_tokens=prefill, n=job.n)
+    seq = QuerySequence(job, prefix_ids, question_ids, kept, dropped, total, fusion, gen, full_prefill, kv,
+                        kv_tokens=kv_tokens, prefill_tokens=prefill, n=job.n)
+    seq.deferred, seq.cold_full_prefill = deferred, fusion.method != method.name
+    return seq
 
 
 class QuerySequence(Sequence):
@@ -103,10 +121,15 @@ class QuerySequence(Sequence):
         self.computed: dict[str, float] = {}  # chunks computed here and read, seconds (ChunkCache.last_computed)
         self.shadow_steps: list[Any] | None = None  # the answer's logits, kept for a shadow check (shadow.py)
         self.ended: dict[int, Sequence] = {}  # n > 1: the rows that finished, by choice index
+        # chunks in no tier this query did not compute: it is answered by a full prefill instead
+        # (reload_policy.full_prefill_first), and the worker computes them afterwards (WorkerCore.defer)
+        self.deferred: list[P.ChunkRef] = []
+        self.cold_full_prefill = False
 
     def plan_message(self, step: int) -> P.Plan:
+        served = self.fusion.method if self.cold_full_prefill else None  # not the request's: say which ran
         return P.Plan(self.job.job_id, self.kept, self.dropped, self.context_tokens, len(self.prefix_ids),
-                      len(self.question_ids), step)
+                      len(self.question_ids), step, method=served)
 
     def load_kv(self) -> tuple[Any, list[Any]]:
         """The chunks' KV from the store (rebuilt from their tokens on a miss), the system prompt's cached."""
@@ -149,7 +172,12 @@ class QuerySequence(Sequence):
             usage["chunks_computed"] = int(self.computed["chunks_computed"])
             usage["chunks_read"] = int(self.computed["chunks_read"])
             usage["computed_chunk_tokens"] = int(self.computed["computed_tokens"])
-        return P.Result(self.job.job_id, r.text, r.finish_reason, usage, r.timings, self.rebuilt, step,
+        if self.cold_full_prefill:  # in no tier, computed after this answer (its full prefill read none of them)
+            usage["chunks_deferred"] = len(self.deferred)
+            self.kv_reads[f"source:{policy.RECOMPUTE}:{policy.DEFERRED}"] = len(self.deferred)
+        # deferred chunks are rebuilt for this query too, after its answer (kvfuse_rebuilt_chunks_total)
+        rebuilt = self.rebuilt + len(self.deferred)
+        return P.Result(self.job.job_id, r.text, r.finish_reason, usage, r.timings, rebuilt, step,
                         logprobs=logprobs, kv_reads=self.kv_reads, choices=choices)
 
 

@@ -207,7 +207,8 @@ def test_chunks_computed_on_one_worker_are_served_on_another_from_the_shared_tie
             keys = list(r.scan_iter(match=f"{env['KVFUSE_FLEET__NAMESPACE']}:kv:*"))
             assert keys
             r.delete(*keys)
-            body = c.post("/v1/query", json={"query": QUESTIONS[1], "max_tokens": 8, "document_ids": ["nft"]}).json()
+            body = c.post("/v1/query", json={"query": QUESTIONS[1], "max_tokens": 8, "document_ids": ["nft"],
+                                             "fusion": {"cold_chunks": "compute"}}).json()  # read, missed, rebuilt
             assert body["worker"] == "b" and body["answer"]
             _wait_for(lambda: live_workers(api.url)["b"]["kv"]["rebuilt"] >= 1, 10, "the rebuild counted")
             assert live_workers(api.url)["b"]["kv"]["hits_miss"] >= 1

@@ -2,9 +2,13 @@
 
 - a document ingested with `precompute_at: first_use` is ready with none of its chunks' KV (GET says so,
   and its job), the record names each chunk's context;
-- the first query over it computes its chunks within its load, all at once, reports them in its usage
+- the first query over it, asked to (`fusion.cold_chunks: compute`), computes its chunks within its load, all at once, reports them in its usage
   and timings and in kvfuse_kv_chunk_sources_total{reason="first_use"}, and writes them back: GET then
   counts them, and the next query reads them all and answers the same;
+- by default (`fusion.cold_chunks: auto`) a query whose chunks are all cold, each after a context longer
+  than itself, is answered by a full prefill (vanilla's answer; `fusion.method` says vanilla, the request's
+  method beside it), its chunks computed afterwards (`chunks_deferred`, reason="deferred"), and the next
+  query reads them all;
 - the same text ingested eagerly into another collection finds every chunk already stored: first use
   stored the very keys (chunk and context) eager ingestion computes;
 - POST /v1/documents/{id}/precompute computes a first-use document's chunks ahead (a query then computes
@@ -13,6 +17,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -34,8 +39,11 @@ def _sources(client: httpx.Client, reason: str) -> float:
     return 0.0
 
 
-def _ask(client: httpx.Client, doc_id: str) -> dict:
-    resp = client.post("/v1/query", json={"query": "What is this essay about?", "document_ids": [doc_id]})
+def _ask(client: httpx.Client, doc_id: str, **fusion: str) -> dict:
+    body = {"query": "What is this essay about?", "document_ids": [doc_id]}
+    if fusion:
+        body["fusion"] = fusion
+    resp = client.post("/v1/query", json=body)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -56,7 +64,8 @@ def test_first_use_documents_are_ready_without_kv_and_queries_compute_and_keep_i
             assert n >= 3 and doc["kv_chunks"] == 0 and doc["precompute_at"] == "first_use", doc
             assert c.get(f"/v1/jobs/{done['documents'][0]['job_id']}").json()["kv_chunks"] == 0
 
-            cold = _ask(c, "lazy")
+            cold = _ask(c, "lazy", cold_chunks="compute")
+            assert cold["fusion"]["method"] == "anchor" and "requested_method" not in cold["fusion"]
             assert cold["usage"]["chunks_computed"] == n and cold["usage"]["chunks_read"] == 0, cold["usage"]
             assert cold["usage"]["cached_tokens"] < cold["usage"]["context_tokens"]
             assert 0 < cold["timings"]["kv_compute_ms"] <= cold["timings"]["kv_load_ms"]
@@ -66,6 +75,24 @@ def test_first_use_documents_are_ready_without_kv_and_queries_compute_and_keep_i
             assert warm["usage"]["chunks_computed"] == 0 and warm["usage"]["chunks_read"] == n, warm["usage"]
             assert warm["answer"] == cold["answer"]  # what it computed is what it now reads
             assert _sources(c, "first_use") == n
+
+            # The default: a cold query answered by a full prefill, its chunks computed after it.
+            ingest(c, [{"id": "later", "text": essays3["nft"][:1200], "collection": "d",
+                        "precompute_at": "first_use"}])
+            m = c.get("/v1/documents/later").json()["chunks"]
+            vanilla = _ask(c, "later", method="vanilla")
+            first = _ask(c, "later")
+            assert first["fusion"]["method"] == "vanilla" and first["fusion"]["requested_method"] == "anchor"
+            assert first["usage"]["chunks_deferred"] == m and first["usage"]["cached_tokens"] == 0, first["usage"]
+            assert first["answer"] == vanilla["answer"]
+            deadline = time.monotonic() + 120
+            while c.get("/v1/documents/later").json()["kv_chunks"] < m:  # computed at ingestion's share
+                assert time.monotonic() < deadline, "the deferred chunks were never stored"
+                time.sleep(0.2)
+            assert _sources(c, "deferred") == m
+            read = _ask(c, "later")
+            assert read["fusion"]["method"] == "anchor" and read["usage"]["chunks_read"] == m, read["usage"]
+            assert read["usage"]["chunks_computed"] == 0 and "chunks_deferred" not in read["usage"]
 
             # Eagerly, the same text elsewhere: every chunk key is already stored, none is computed.
             again = ingest(c, [{"id": "eager", "text": text, "collection": "c"}])["documents"][0]

@@ -56,14 +56,26 @@ def blobs(w: WorkerCore, keys: list[str]) -> list[bytes | None]:
         return [None if (b := txn.get(k.encode(), db=w.store.env.db("chunks"))) is None else bytes(b) for k in keys]
 
 
-def ask(w: WorkerCore, chunks, keys, contexts, job_id: int) -> P.Result:
-    job = query(chunks, list(range(len(chunks))), max_tokens=6)
+def ask(w: WorkerCore, chunks, keys, contexts, job_id: int, cold_chunks: str = "compute", method: str = "anchor",
+        sent: list | None = None) -> P.Result:
+    """One query over the chunks, run until the worker has nothing left to do (a deferred computation
+    included); `sent` gets every message it sent."""
+    job = query(chunks, list(range(len(chunks))), max_tokens=6, method=method)
+    job.fusion["cold_chunks"] = cold_chunks
     job.chunks = [P.ChunkRef(k, ids, 1.0, context=ctx) for k, ids, ctx in zip(keys, chunks, contexts, strict=True)]
     job.job_id = job_id
     out = drive(w, job)
+    if sent is not None:
+        sent += out
     results = [m for m in out if isinstance(m, P.Result)]
     assert len(results) == 1, out
     return results[0]
+
+
+def evict(w: WorkerCore, keys: list[str]) -> None:
+    for key in keys:  # evicted: gone from every tier, still referenced by its document
+        assert w.store.blobs.remove(key)
+        w.store.chunks.evict([key])
 
 
 def test_an_evicted_chunk_is_computed_after_its_context_as_ingestion_did(worker, essays, default_llm_path) -> None:
@@ -81,9 +93,7 @@ def test_an_evicted_chunk_is_computed_after_its_context_as_ingestion_did(worker,
     warm = ask(w, chunks, keys, contexts, 10)
     assert warm.usage["chunks_computed"] == 0 and warm.usage["chunks_read"] == 3
 
-    for key in keys:  # evicted: gone from every tier, still referenced by the document
-        assert w.store.blobs.remove(key)
-        w.store.chunks.evict([key])
+    evict(w, keys)
     assert blobs(w, keys) == [None] * 3
     cold = ask(w, chunks, keys, contexts, 11)
     assert cold.usage["chunks_computed"] == 3 and cold.usage["chunks_read"] == 0 and cold.rebuilt_chunks == 3
@@ -103,6 +113,41 @@ def test_an_evicted_chunk_is_computed_after_its_context_as_ingestion_did(worker,
     assert res.kv_reads.get("source:recompute:first_use") == 1 and res.kv_reads.get("source:recompute:miss") == 1
     assert blobs(w, okeys) == [None, None]
 
+
+
+def test_a_query_whose_chunks_are_cold_is_answered_by_a_full_prefill_and_computes_them_after(
+        worker, essays, default_llm_path) -> None:
+    """`fusion.cold_chunks: auto`: three cold chunks, each after a context as long as itself, cost more to
+    compute than the whole prompt's full prefill, so the query is vanilla's (its Plan says so; its answer is
+    vanilla's token for token), and the worker computes them after it at ingestion's share: eager's blobs
+    byte for byte, which the next query reads. One cold chunk of three costs less than the full prefill:
+    computed within the query, as `compute` does."""
+    w = worker
+    doc = essay_chunks(essays, default_llm_path, 5)
+    chunks, contexts = doc[2:], document_contexts(doc, 96)[2:]
+    done = next(m for m in drive(w, P.PrecomputeJob(chunks=chunks, contexts=contexts, job_id=30)) if isinstance(m, P.Done))
+    keys = done.keys
+    w.store.put_document(DocumentRecord(id="apple-auto", status="ready", chunk_keys=keys,
+                                        chunk_tokens=[len(c) for c in chunks]), text="apple")
+    eager = blobs(w, keys)
+    vanilla = ask(w, chunks, keys, contexts, 31, method="vanilla")
+    evict(w, keys)
+    sent: list = []
+    cold = ask(w, chunks, keys, contexts, 32, cold_chunks="auto", sent=sent)
+    plan = next(m for m in sent if isinstance(m, P.Plan))
+    assert plan.method == "vanilla" and cold.usage["chunks_deferred"] == 3 and "chunks_computed" not in cold.usage
+    assert cold.rebuilt_chunks == 3
+    assert cold.kv_reads.get("source:recompute:deferred") == 3, cold.kv_reads
+    assert cold.text == vanilla.text
+    assert blobs(w, keys) == eager  # computed after the answer (drive ran the worker dry), as ingestion did
+    warm = ask(w, chunks, keys, contexts, 33, cold_chunks="auto")
+    assert warm.usage["chunks_read"] == 3 and warm.usage["chunks_computed"] == 0 and "chunks_deferred" not in warm.usage
+
+    evict(w, keys[:1])
+    sent.clear()
+    one = ask(w, chunks, keys, contexts, 34, cold_chunks="auto", sent=sent)
+    assert next(m for m in sent if isinstance(m, P.Plan)).method is None
+    assert one.usage["chunks_computed"] == 1 and one.text == warm.text and blobs(w, keys) == eager
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ def engine(default_llm_path: str):
 
 
 def _plan(engine, chunks: list[P.ChunkRef], limit: int):
-    job = P.QueryJob("Where?", None, False, {"method": "anchor"}, {"max_tokens": 4}, chunks, 1)
+    # cold_chunks "compute": the plan looks up no tier (auto asks the store which chunks are cold)
+    job = P.QueryJob("Where?", None, False, {"method": "anchor", "cold_chunks": "compute"}, {"max_tokens": 4}, chunks, 1)
     core = EngineCore(engine, SchedulerLimits(max_running=4, kv_budget_tokens=100_000, prefill_tokens_per_step=2048,
                                               ingest_share=0.25))
     seq = plan_query(job, engine, core, limit, 0, kv=None)  # planning reads no KV

@@ -128,3 +128,19 @@ def test_the_bytes_a_chunk_reads_are_those_of_its_own_format() -> None:
     float16, int4 = P.Chunk("lmdb", 6 * MB, 512), P.Chunk("lmdb", int(0.3 * 6 * MB), 512)
     assert P.plan([float16], rates)[0].decision == P.RECOMPUTE  # 0.6 s against 0.512 s
     assert P.plan([int4], rates)[0].decision == P.READ  # 0.18 s
+
+
+def test_a_cold_query_takes_the_full_prefill_when_the_time_it_saves_exceeds_the_work_it_adds() -> None:
+    """full_prefill_first: saved = cold + fused - prompt tokens before the first token, added = prompt -
+    fused tokens of engine work; auto takes the full prefill only when saved > added."""
+    from kvfuse.service.worker.reload_policy import full_prefill_first
+
+    # three 64-token chunks after 96-token contexts, a 240-token prompt, 44 fused rows: saves 284, adds 196
+    assert full_prefill_first("auto", 3 * (64 + 96), 44, 240)
+    assert not full_prefill_first("auto", 64 + 96, 44, 240)  # one cold chunk: the fused path is sooner
+    # chunks cached alone, every one cold: cold = the context's tokens, within the prompt: never
+    assert not full_prefill_first("auto", 192, 44, 240)
+    assert not full_prefill_first("auto", 392, 44, 240)  # the boundary: saves 196, adds 196
+    assert full_prefill_first("auto", 393, 44, 240)
+    assert full_prefill_first("full_prefill", 1, 44, 240) and not full_prefill_first("compute", 10_000, 44, 240)
+    assert not full_prefill_first("full_prefill", 0, 44, 240)  # nothing cold: the method runs

@@ -124,7 +124,9 @@ def query(chunks: list[list[int]], picks: list[int], *, method: str = "anchor", 
           question: str = "What does the author think of the App Store?", system_prompt: str | None = None,
           **gen) -> P.QueryJob:
     refs = [P.ChunkRef(f"missing-{i}", chunks[i], 1.0) for i in picks]
-    fusion = {"method": method, "recompute_ratio": 0.15}
+    # every chunk is in no tier: computed within the query (the fused path these tests are about), never
+    # answered by a full prefill instead (fusion.cold_chunks auto: tests/service/worker/test_first_use.py)
+    fusion = {"method": method, "recompute_ratio": 0.15, "cold_chunks": "compute"}
     return P.QueryJob(question=question, system_prompt=system_prompt, explicit=True, fusion=fusion,
                       generation={"max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "seed": None,
                                   "stop": [], **gen}, chunks=refs)
