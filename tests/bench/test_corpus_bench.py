@@ -83,3 +83,38 @@ def test_answers_agree_counts_the_equal_answers_and_names_the_others() -> None:
     assert got == {"equal": 2, "of": 4, "differ": [1, 3]}
     with pytest.raises(ValueError, match="not the same queries"):
         corpus_report.answers_agree(["a"], ["a", "b"])
+
+
+def test_the_schedule_gives_every_arm_every_block_in_turn_its_order_rotated() -> None:
+    from kvfuse.bench.corpus_arms import schedule
+
+    got = schedule(7, 3, ("a", "b", "c"))
+    # blocks of 3, 3 and 1 queries; each block run by all three arms before the next one starts
+    assert [(b, arm, qs) for b, arm, qs in got] == [
+        (0, "a", [0, 1, 2]), (0, "b", [0, 1, 2]), (0, "c", [0, 1, 2]),
+        (1, "b", [3, 4, 5]), (1, "c", [3, 4, 5]), (1, "a", [3, 4, 5]),
+        (2, "c", [6]), (2, "a", [6]), (2, "b", [6])]
+    # every arm sends every query once, in trace order
+    for arm in "abc":
+        assert [q for _, a, qs in got if a == arm for q in qs] == list(range(7))
+    assert schedule(0, 5) == []
+    with pytest.raises(ValueError, match="block"):
+        schedule(4, 0)
+
+
+def test_an_arms_figures_sum_its_blocks_counters_and_keep_the_last_bytes() -> None:
+    from kvfuse.bench.corpus_arms import add_figures
+
+    acc: dict = {}
+    add_figures(acc, {"reads": {"lmdb": 3.0}, "bytes": {"lmdb": 100.0}, "evictions": {}})
+    add_figures(acc, {"reads": {"lmdb": 1.0, "object": 5.0}, "bytes": {"lmdb": 80.0}, "evictions": {"lmdb": 2.0}})
+    assert acc == {"reads": {"lmdb": 4.0, "object": 5.0}, "bytes": {"lmdb": 80.0}, "evictions": {"lmdb": 2.0}}
+
+
+def test_block_ratios_compare_two_arms_on_each_block_and_give_the_spread() -> None:
+    blocks = [{"block": 0, "arm": "local", "ttft_p50_ms": 100.0}, {"block": 0, "arm": "tiered", "ttft_p50_ms": 120.0},
+              {"block": 1, "arm": "tiered", "ttft_p50_ms": 300.0}, {"block": 1, "arm": "local", "ttft_p50_ms": 200.0},
+              {"block": 2, "arm": "local", "ttft_p50_ms": 50.0}, {"block": 2, "arm": "tiered", "ttft_p50_ms": 45.0}]
+    got = corpus_report.block_ratios(blocks, "tiered", "local")
+    assert got == {"blocks": 3, "min": 0.9, "median": 1.2, "max": 1.5, "ratios": [1.2, 1.5, 0.9]}
+    assert corpus_report.block_ratios(blocks, "tiered", "vanilla") == {"blocks": 0, "ratios": []}
