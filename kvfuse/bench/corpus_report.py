@@ -58,7 +58,10 @@ def break_even(result: dict[str, Any]) -> dict[str, float]:
     b, rate = p["bytes_per_token_8b"], p["prefill_tokens_per_s"]
     compute_s, read_s = c / rate, lat + c * b / bw
     spare = compute_s - lat
-    host_rate = local["tokens"] / local["ingest_s"]  # this host's precompute, document context included
+    # this host's precompute, document context included: every server's tokens over the wall time of their
+    # ingestions, which ran at once (corpus.ingest_both)
+    phases = [result[n] for n in ("local", "tiered") if n in result]
+    host_rate = sum(p["tokens"] for p in phases) / max(p["ingest_s"] for p in phases)
     host_bpt = result["kv_bytes"] / max(1, local["tokens"])  # the default model's KV at rest, per token
     return {"host_tokens_per_s": round(host_rate, 1), "host_kv_bytes_per_token": round(host_bpt),
             "host_tb_100m": round(100e6 * host_bpt / 1e12, 2), "host_precompute_days_100m": round(

@@ -50,6 +50,9 @@ def test_break_even_is_where_reading_costs_what_recomputing_does() -> None:
     # the host's own figures: 100 tokens/s and 11.9 kB a token, scaled to 100M tokens
     assert be["host_tokens_per_s"] == 100.0 and be["host_tb_100m"] == pytest.approx(1.19)
     assert be["host_precompute_days_100m"] == pytest.approx(100e6 / 100 / 86400, abs=0.1)
+    # two servers ingesting at once: the host's rate is both corpora over the longer ingestion's wall time
+    result["tiered"] = {"tokens": 2000, "chunks": 10, "ingest_s": 25.0}
+    assert corpus_report.break_even(result)["host_tokens_per_s"] == 160.0
 
 
 @pytest.mark.slow
