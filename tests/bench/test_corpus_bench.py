@@ -1,6 +1,7 @@
 """`kvfuse bench corpus` (kvfuse/bench/corpus.py, corpus_report.py): the trace is the tiers bench's Zipf draw
 over documents, the tier figures are the counters' deltas, the break-even is the read and recompute
-costs' crossing; and the whole bench at a tiny setting (two real servers, a real SeaweedFS) so it cannot
+costs' crossing, the arms take turns a block at a time (corpus_arms.py) and the TTFT ratio is given per
+block; and the whole bench at a tiny setting (two real servers, a real SeaweedFS) so it cannot
 rot."""
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_the_bench_runs_end_to_end_at_a_tiny_setting(tmp_path, monkeypatch) -> N
     parser = argparse.ArgumentParser()
     corpus.register(parser.add_subparsers())
     args = parser.parse_args(["corpus", "--tokens", "600", "--doc-chars", "1200", "--queries", "3", "--warmup", "1",
-                              "--get-objects", "4", "--out", str(tmp_path)])
+                              "--block", "2", "--get-objects", "4", "--out", str(tmp_path)])
     assert args.func(args) == 0
     result = json.loads((tmp_path / "corpus.json").read_text())
     s = result["summary"]
@@ -79,6 +80,9 @@ def test_the_bench_runs_end_to_end_at_a_tiny_setting(tmp_path, monkeypatch) -> N
     eq = s["answers_equal"]["tiered_vs_local"]
     assert eq["of"] == 3 and eq["equal"] + len(eq["differ"]) == 3
     assert all(isinstance(a, str) for a in result["tiered"]["runs"]["default"]["answers"])
+    # the arms took turns: 3 counted queries in blocks of 2 make 2 blocks, each run by all three arms
+    assert [(b["block"], len(b["queries"])) for b in result["blocks"]] == [(0, 2)] * 3 + [(1, 1)] * 3
+    assert s["per_block"]["tiered_over_local"]["blocks"] == 2
 
 
 def test_answers_agree_counts_the_equal_answers_and_names_the_others() -> None:
