@@ -120,7 +120,7 @@ def render(result: dict[str, Any]) -> str:
         f"budget {s['budget_mb']} MB ({s['corpus_over_budget']}x smaller). {s['queries']} queries, "
         f"{s['documents_touched']} documents touched. Run took {result['seconds']} s.", "",
         "| | local (no budget) | tiered (budget + object store) | vanilla |", "|---|---|---|---|",
-        f"| ingest s | {s['ingest_s']['local']} | {s['ingest_s']['tiered']} | - |",
+        f"| ingest s (both at once) | {s['ingest_s']['local']} | {s['ingest_s']['tiered']} | - |",
         f"| TTFT p50 ms | {t['local'][0]} | {t['tiered'][0]} | {t['vanilla'][0]} |",
         f"| TTFT p99 ms | {t['local'][1]} | {t['tiered'][1]} | {t['vanilla'][1]} |",
         f"| reads per tier (share of chunk reads) | {fmt(h['local'])} | {fmt(h['tiered'])} | - |",
@@ -144,7 +144,7 @@ def render(result: dict[str, Any]) -> str:
         f"{result['params']['prefill_tokens_per_s']:.0f} tokens/s ({be['read_over_compute']}x). Reading breaks "
         f"even at {be['break_even_mb_per_s']} MB/s per host. 100M tokens: {be['corpus_tb_100m']} TB of KV; "
         f"precomputing it all takes {be['precompute_h_100m']} h of one such GPU. This host measured "
-        f"{be['host_tokens_per_s']} tokens/s of precompute (the local ingest) and {be['host_kv_bytes_per_token']} "
+        f"{be['host_tokens_per_s']} tokens/s of precompute (both servers' ingestions at once, document context included) and {be['host_kv_bytes_per_token']} "
         f"bytes of the default model's KV per token: 100M tokens would be {be['host_tb_100m']} TB and "
         f"{be['host_precompute_days_100m']} days of precompute here.", "",
     ]
