@@ -293,17 +293,17 @@ def register(bsub: Any) -> None:
 
     p = bsub.add_parser("corpus", help="a corpus 10x the LMDB budget on an object store vs all local vs vanilla")
     p.add_argument("--tokens", type=int, default=24000, help="corpus size in tokens (about)")
-    p.add_argument("--doc-chars", type=int, default=3000, help="characters per document")
+    p.add_argument("--doc-chars", type=int, default=1500, help="characters per document")
     p.add_argument("--budget-share", type=float, default=0.1, help="LMDB budget as a share of the corpus's KV")
-    p.add_argument("--queries", type=int, default=60, help="queries in the trace (counted)")
+    p.add_argument("--queries", type=int, default=50, help="queries in the trace (counted)")
     p.add_argument("--warmup", type=int, default=3, help="queries run first and not counted")
     p.add_argument("--skew", type=float, default=0.8, help="Zipf exponent over documents (0.8: web-object popularity, "
                    "the harder of the two skews bench tiers chose the policy on)")
     p.add_argument("--block", type=int, default=5, help="queries per block: the arms take turns a block at a time "
                    "(corpus_arms.py), so the host's load drifting lands on every arm alike")
-    p.add_argument("--docs-per-query", type=int, default=2, help="documents each query names")
+    p.add_argument("--docs-per-query", type=int, default=3, help="documents each query names")
     p.add_argument("--top-k", type=int, default=4, help="chunks each query fuses")
-    p.add_argument("--max-tokens", type=int, default=8, help="greedy answer tokens per query (answers compared)")
+    p.add_argument("--max-tokens", type=int, default=4, help="greedy answer tokens per query (answers compared)")
     p.add_argument("--precompute-context", default=None,
                    help="store.precompute_context of both servers (default: the setting's); `document` spares a "
                         "document's first chunk its neighbours' tokens, the bulk of ingestion's compute")
