@@ -131,7 +131,7 @@ class EngineBackend:
         if self.chunk_kv == FIRST_PROMPT:
             chunks = self.first_prompt_kv(prefix_ids, chunk_ids)
             contexts = [[] for _ in chunk_ids]  # no context of its own: the first prompt's chunks before it
-        elif self.context_mode == "none":
+        elif not any(contexts):  # `none` for a tokenizer that adds no BOS
             chunks = self.engine.precompute(chunk_ids)
         else:
             chunks = [self.engine.precompute_after(c, ids) for c, ids in zip(contexts, chunk_ids, strict=True)]
@@ -156,7 +156,16 @@ class EngineBackend:
     def contexts(self, ex: Example, prefix_ids: list[int], chunk_ids: list[list[int]]) -> list[list[int]]:
         """Each chunk's precompute context in this run's mode, as the service would choose it: the
         single haystack's chunks stand for one document (in their order); in the multi-document layout
-        (kvfuse.bench.multidoc) each chunk is a document of its own, so `document` gives it nothing."""
+        (kvfuse.bench.multidoc) each chunk is a document of its own, so `document` gives it nothing.
+        Each starts with the sequence's BOS where the tokenizer adds one (`chunk_context.starting_with`),
+        as the service's do."""
+        from kvfuse.fusion import chunk_context
+
+        start = chunk_context.sequence_start(self.tokenizer)
+        return chunk_context.starting_with(start, self._mode_contexts(ex, prefix_ids, chunk_ids),
+                                           self.context_tokens)
+
+    def _mode_contexts(self, ex: Example, prefix_ids: list[int], chunk_ids: list[list[int]]) -> list[list[int]]:
         from kvfuse.fusion import chunk_context
 
         mode, budget = self.context_mode, self.context_tokens

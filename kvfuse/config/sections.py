@@ -140,8 +140,9 @@ class StoreSettings(Section):
     precompute_context: Literal["none", "document", "neighbours", "prefix", "sink", "document_or_neighbours"] = Field(
         "document_or_neighbours", description=(
             "what a chunk's KV is computed after, at ingestion: none | document | neighbours | prefix | sink | "
-            "document_or_neighbours (its document's text before it, or its neighbours where there is none; "
-            'docs/DESIGN.md, "Context-carrying chunk caches")'))
+            "document_or_neighbours (its document's text before it, or its neighbours where there is none); "
+            "each starts with the BOS where the model's tokenizer adds one (Gemma's), none included "
+            '(docs/DESIGN.md, "Context-carrying chunk caches")'))
     precompute_context_tokens: int = Field(1024, ge=0, description=(
         "token budget of that context (document, neighbours)"))
     precompute_neighbours: int = Field(2, ge=1, description=(

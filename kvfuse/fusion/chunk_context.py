@@ -18,10 +18,25 @@ fusion recovers positions exactly as for a chunk cached alone. Modes:
   context on consecutive chunks, `neighbours` the only one a chunk with nothing before it can have
   (docs/results/prompt/README.md, "Chunks cached after their neighbours").
 
+**The sequence's BOS first, for a tokenizer that adds one** (`sequence_start`, applied by `starting_with`
+to every mode's contexts: ingestion, first use through the recorded context, and the fidelity bench).
+Where the tokenizer puts a BOS before what it encodes and the served prompt starts with it (Gemma's,
+Llama's), every context starts with that BOS: `none` becomes [BOS], `document`, `neighbours` and
+`document_or_neighbours` get it before their tokens (the whole within the budget: BOS and the last
+`budget - 1` tokens; at a budget of 0 or 1, BOS alone), and `prefix` and `sink`, which start with it
+already, are kept as they are (never two). Why: in the served prompt every chunk comes after that BOS,
+which is where the model keeps its attention sink. A chunk cached without it starts a sequence of its
+own, so its first token becomes a sink and every later token's K/V is computed against it; after BOS the
+chunk's K/V are the ones it has in the prompt, less only the text between (CacheBlend's reference code
+likewise computes each chunk after BOS; docs/results/fidelity-gemma3/). A tokenizer that adds no BOS
+(SmolLM2's, the default model's: its prompt starts with the chat template's first token, not an added
+BOS) gets its contexts unchanged, so its chunk keys are unchanged.
+
 The context is part of the chunk's identity: `kvblob.chunk_key(..., context_ids)` folds its tokens into
 the chunk key (and the blob header records its hash), so a chunk computed after another context is
-another cache. See docs/DESIGN.md, "Context-carrying chunk
-caches", for what happens to stored caches when the neighbourhood changes.
+another cache: a store of a BOS-adding model (Gemma) ingested before the BOS was added misses every
+chunk and computes it again. See docs/DESIGN.md, "Context-carrying chunk caches", for what happens to
+stored caches when the neighbourhood changes.
 """
 
 from __future__ import annotations
@@ -45,6 +60,31 @@ def sink_context(tokenizer: Any) -> list[int]:
     from kvfuse.fusion.prompt import template_halves
 
     return list(tokenizer(template_halves(tokenizer, None)[0], add_special_tokens=False)["input_ids"][:1])
+
+
+def sequence_start(tokenizer: Any) -> list[int]:
+    """[BOS] when the tokenizer adds one and the served prompt starts with it, else [] (see the module's
+    docstring): what every chunk context starts with."""
+    from kvfuse.fusion.prompt import template_halves
+    from kvfuse.fusion.prompt_style import adds_bos
+
+    if not adds_bos(tokenizer):
+        return []
+    bos = int(tokenizer.bos_token_id)
+    before = tokenizer(template_halves(tokenizer, None)[0], add_special_tokens=False)["input_ids"]
+    return [bos] if list(before[:1]) == [bos] else []
+
+
+def starting_with(start: Sequence[int], contexts: Sequence[Sequence[int]], budget: int) -> list[list[int]]:
+    """Each context with `start` (`sequence_start`) first, within `budget` tokens: one that already starts
+    with it as it is, any other `start` + its last `budget - len(start)` tokens (`start` alone at a
+    smaller budget). No `start`: the contexts unchanged."""
+    head = [int(t) for t in start]
+    if not head:
+        return [list(c) for c in contexts]
+    keep = max(0, budget - len(head))
+    return [list(c) if list(c[: len(head)]) == head else head + (list(c)[-keep:] if keep else [])
+            for c in contexts]
 
 
 def fill_empty(contexts: list[list[int]], fallback: Callable[[list[int]], list[list[int]]]) -> list[list[int]]:

@@ -84,10 +84,14 @@ def choose(tokenizer: Any) -> PromptStyle:
         return base(tokenizer, f"{failed}, and it cannot render a user turn ({err})")
 
 
-def base(tokenizer: Any, why: str) -> PromptStyle:
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer puts its BOS before what it encodes (Gemma's, Llama's do; SmolLM2's does not)."""
     bos_id, bos = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "bos_token", None)
-    adds_bos = bos_id is not None and bos and list(tokenizer("a")["input_ids"][:1]) == [bos_id]
-    return PromptStyle(BASE, f"{why}: the base-model prompt", bos if adds_bos else "")
+    return bool(bos_id is not None and bos and list(tokenizer("a")["input_ids"][:1]) == [bos_id])
+
+
+def base(tokenizer: Any, why: str) -> PromptStyle:
+    return PromptStyle(BASE, f"{why}: the base-model prompt", tokenizer.bos_token if adds_bos(tokenizer) else "")
 
 
 def base_halves(style: PromptStyle, system_prompt: str | None) -> tuple[str, str]:

@@ -189,3 +189,42 @@ def test_the_benchmark_picks_contexts_as_the_service_would(small, tokenizer, sha
     backend.context_mode = "document_or_neighbours"
     mixed = backend.contexts(hay, [], ids)
     assert first and mixed == [first, *document_contexts(ids, backend.context_tokens)[1:]]
+
+
+@pytest.mark.slow
+def test_the_benchmark_starts_every_context_of_a_bos_adding_model_with_its_bos(
+        tmp_path_factory: pytest.TempPathFactory, essays, settings_factory, gemma3_path: Path) -> None:
+    """Gemma 3's tokenizer adds a BOS: every mode's context starts with it once (`none` is it alone), as
+    the service's do, and `none` caches each chunk after it: its slice of a prefill of BOS + chunk."""
+    import torch
+
+    from kvfuse.bench.engine_backend import EngineBackend
+    from kvfuse.fusion.chunk_context import MODES
+
+    backend = EngineBackend(settings_factory(redis_url="", model={"llm": str(gemma3_path)}), max_tokens=4)
+    tok, budget = backend.tokenizer, backend.context_tokens
+    bos = tok.bos_token_id
+    root = tmp_path_factory.mktemp("small-gemma")
+    (root / "paul_graham_essays").mkdir()
+    for name, body in essays[:10]:
+        (root / "paul_graham_essays" / f"{name}.txt").write_text(body[:2500], encoding="utf-8")
+    corpus = multidoc.Corpus(tok, root, 120)
+    ex = multidoc.build_examples("needle", corpus, tasks.TaskConfig(n=1, docs=3, doc_tokens=120, seed=2),
+                                 "shuffled", embed=backend.embedder().embed)[0]
+    prefix_ids, _ = backend.question_ids(ex)
+    ids = backend.chunk_ids(ex)
+    assert prefix_ids[0] == bos
+    for mode in MODES:
+        backend.context_mode = mode
+        raw, got = backend._mode_contexts(ex, prefix_ids, ids), backend.contexts(ex, prefix_ids, ids)
+        assert all(c[0] == bos and c.count(bos) == 1 for c in got), (mode, got)
+        assert got == [r if r[:1] == [bos] else [bos] + r[-(budget - 1):] for r in raw], mode
+        if mode in ("none", "document", "sink"):  # each document is one chunk: nothing before it
+            assert got == [[bos]] * len(ids), mode
+        if mode == "prefix":
+            assert got == [prefix_ids] * len(ids)
+    backend.context_mode = "none"
+    _, chunks, _ = backend.prepare(ex)
+    for ckv, c in zip(chunks, ids, strict=True):
+        want = backend.engine.precompute_after([bos], c)
+        assert ckv.after_context and torch.equal(ckv.k, want.k) and torch.equal(ckv.v, want.v)

@@ -62,6 +62,30 @@ def test_gemma3_270m_is_checked_served_and_fused_like_vanilla(tmp_path, gemma3_p
             _it_answers_and_streams(c)
     finally:
         server.stop()
+    _every_context_starts_with_bos(tmp_path / "data", "note")
+
+
+def _every_context_starts_with_bos(data_dir: Path, doc_id: str) -> None:
+    """Gemma's tokenizer adds a BOS: each chunk of the ingested document was computed after it, once
+    (kvfuse/fusion/chunk_context.py), and its record says so (the BOS beside a document span, or first
+    in the ids), the context's hash in the chunk's key."""
+    from kvfuse import kvblob
+    from kvfuse.store.lmdb_env import LmdbEnv
+    from kvfuse.store.records import DocumentRecord
+
+    env = LmdbEnv(data_dir / "lmdb", map_size=1 << 30, max_readers=16, readonly=True)
+    try:
+        with env.read() as txn:
+            rec = DocumentRecord.from_json(txn.get(doc_id.encode(), db=env.db("docs")))
+    finally:
+        env.close()
+    bos = 2  # Gemma 3's <bos>
+    assert rec.chunk_context_src and len(rec.chunk_context_src) == len(rec.chunk_keys), rec
+    for src, want in zip(rec.chunk_context_src, rec.chunk_contexts, strict=True):
+        ids = src["ids"] if "ids" in src else src["start"]
+        assert ids[0] == bos and ids.count(bos) == 1, src
+        if "ids" in src:
+            assert want == kvblob.context_hash(ids)
 
 
 def _ask(c, method: str, **fusion) -> httpx.Response:

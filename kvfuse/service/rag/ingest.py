@@ -30,7 +30,7 @@ from kvfuse.service.errors import APIError
 from kvfuse.service.rag.ingest_job import IngestJob, Submission, content_hash
 from kvfuse.service.rag.ingest_queue import SERVICE, IngestQueue
 from kvfuse.service.rag.ingest_retry import INDEX_UNAVAILABLE, WORKER_CRASHED, RetryPolicy, cause_of
-from kvfuse.service.rag.precompute_context import context_sources, contexts_for
+from kvfuse.service.rag.precompute_context import context_sources, contexts_for, sequence_start
 from kvfuse.service.wire.protocol import PrecomputeJob
 from kvfuse.store.errors import IndexUnavailableError
 from kvfuse.store.jobs import JobRecord, public_status
@@ -303,7 +303,8 @@ class IngestManager:
                              chunk_keys=keys,
                              chunk_tokens=[len(t) for t in raw], tokens=sum(len(t) for t in raw),
                              chunk_contexts=hashes if any(hashes) else [],
-                             chunk_context_src=context_sources(raw, contexts) if any(hashes) else [],
+                             chunk_context_src=(context_sources(raw, contexts, sequence_start(corpus))
+                                                if any(hashes) else []),
                              precompute_at=at, kv_bytes=kv_bytes, content_hash=content_hash(rec.text))
         self._check(job)
         # The swap: from here the new version answers (a DELETE now deletes it, after this job ends).

@@ -16,10 +16,14 @@ context and keys it by both (docs/DESIGN.md, "Context-carrying chunk caches"). M
   a query of one collection must not be answered with text of another shaping it.
 - `document_or_neighbours` (the default): `document` for a chunk with text before it, `neighbours` for one
   without (a document's first chunk: every chunk of a one-chunk document).
+
+For a tokenizer that adds a BOS (Gemma's), every mode's context starts with it, `none` included
+(`chunk_context.sequence_start`, `starting_with`: why is said there); the record keeps it beside the span.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,8 +37,21 @@ if TYPE_CHECKING:
 
 def contexts_for(corpus: Corpus, doc_id: str, chunk_ids: list[list[int]], vectors: Any,
                  collection: str = DEFAULT_COLLECTION) -> list[list[int]]:
-    """One context (token ids, [] = alone) per chunk of `doc_id`. Reads the store and the index: call it
-    in a thread."""
+    """One context (token ids, [] = alone) per chunk of `doc_id`, each starting with the sequence's BOS
+    where the tokenizer adds one. Reads the store and the index: call it in a thread."""
+    contexts = _mode_contexts(corpus, doc_id, chunk_ids, vectors, collection)
+    return chunk_context.starting_with(sequence_start(corpus), contexts,
+                                       corpus.settings.store.precompute_context_tokens)
+
+
+def sequence_start(corpus: Corpus) -> list[int]:
+    """What every chunk context of this corpus's model starts with ([BOS] or [])."""
+    return chunk_context.sequence_start(corpus.chunker.tokenizer)
+
+
+def _mode_contexts(corpus: Corpus, doc_id: str, chunk_ids: list[list[int]], vectors: Any,
+                   collection: str) -> list[list[int]]:
+    """The configured mode's contexts, before the BOS (`contexts_for`)."""
     s = corpus.settings.store
     mode, budget = chunk_context.check_mode(s.precompute_context), s.precompute_context_tokens
     if mode == "none" or budget <= 0:
@@ -106,17 +123,21 @@ def _chunk_tokens(corpus: Corpus, records: dict[str, Any], doc_id: str, index: i
 # any other (neighbours, which depend on the index at ingestion, a prefix, a sink) is kept as token ids.
 
 
-def context_sources(chunk_ids: list[list[int]], contexts: list[list[int]]) -> list[dict]:
-    """Per chunk, where its context's tokens come from: {"span": [a, b]} of the document's tokens,
+def context_sources(chunk_ids: list[list[int]], contexts: list[list[int]], start: Sequence[int] = ()) -> list[dict]:
+    """Per chunk, where its context's tokens come from: {"span": [a, b]} of the document's tokens (after
+    {"start": `start`} when the context begins with the sequence's BOS and the rest is that span),
     {"ids": [...]}, or {} for none."""
     doc = [t for ids in chunk_ids for t in ids]
+    head = [int(t) for t in start]
     out, pos = [], 0
     for ids, ctx in zip(chunk_ids, contexts, strict=True):
-        n = len(ctx)
+        lead = head if head and list(ctx[: len(head)]) == head else []
+        rest = list(ctx[len(lead) :])
+        n = len(rest)
         if not ctx:
             out.append({})
-        elif n <= pos and doc[pos - n : pos] == list(ctx):
-            out.append({"span": [pos - n, pos]})
+        elif n and n <= pos and doc[pos - n : pos] == rest:
+            out.append({"start": lead, "span": [pos - n, pos]} if lead else {"span": [pos - n, pos]})
         else:
             out.append({"ids": [int(t) for t in ctx]})
         pos += len(ids)
@@ -135,8 +156,8 @@ def recorded_contexts(corpus: Corpus, rec: Any) -> list[list[int] | None]:
     raw = corpus.chunk_token_ids(rec)
     doc = [t for ids in raw for t in ids]
     if rec.chunk_context_src:
-        found = [doc[s["span"][0] : s["span"][1]] if "span" in s else list(s.get("ids", ()))
-                 for s in rec.chunk_context_src]
+        found = [list(s.get("start", ())) + doc[s["span"][0] : s["span"][1]] if "span" in s
+                 else list(s.get("ids", ())) for s in rec.chunk_context_src]
     else:  # not recorded: its own text before it, if that is what it was computed after
         found = chunk_context.document_contexts(raw, corpus.settings.store.precompute_context_tokens)
     return [ctx if context_hash(ctx) == want else None

@@ -150,6 +150,33 @@ def test_a_query_whose_chunks_are_cold_is_answered_by_a_full_prefill_and_compute
     assert one.usage["chunks_computed"] == 1 and one.text == warm.text and blobs(w, keys) == eager
 
 
+def test_chunks_after_the_sequence_bos_are_computed_on_first_use_as_eager_ingestion_did(
+        worker, essays, default_llm_path) -> None:
+    """The contexts a BOS-adding tokenizer's chunks get (chunk_context.starting_with: the BOS alone for the
+    first chunk, the BOS and the text before it for the others; the default model's BOS stands in for it):
+    evicted and computed within a query, each blob is eager ingestion's, byte for byte."""
+    from kvfuse.fusion.chunk_context import starting_with
+
+    w = worker
+    doc = essay_chunks(essays, default_llm_path, 4)
+    bos = [int(w.engine.tokenizer.bos_token_id)]
+    contexts = starting_with(bos, document_contexts(doc, 96), 96)
+    assert contexts[0] == bos and all(c[0] == bos[0] and len(c) <= 96 for c in contexts)
+    done = next(m for m in drive(w, P.PrecomputeJob(chunks=doc, contexts=contexts, job_id=40)) if isinstance(m, P.Done))
+    keys = done.keys
+    assert keys == [w.kv.key_of(ids, ctx) for ids, ctx in zip(doc, contexts, strict=True)]
+    assert keys[0] != w.kv.key_of(doc[0])  # after the BOS is another cache than alone
+    w.store.put_document(DocumentRecord(id="apple-bos", status="ready", chunk_keys=keys,
+                                        chunk_tokens=[len(c) for c in doc]), text="apple")
+    eager = blobs(w, keys)
+    assert all(eager)
+    warm = ask(w, doc, keys, contexts, 41)
+    evict(w, keys)
+    cold = ask(w, doc, keys, contexts, 42)
+    assert cold.usage["chunks_computed"] == 4 and cold.kv_reads.get("source:recompute:first_use") == 4
+    assert blobs(w, keys) == eager and cold.text == warm.text
+
+
 @pytest.fixture(scope="module")
 def runs_worker(tmp_path_factory: pytest.TempPathFactory):
     w = _worker(tmp_path_factory, "first-use-runs", precompute_runs=True)
