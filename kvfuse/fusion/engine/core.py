@@ -85,6 +85,15 @@ class Failed:
 
 
 @dataclass
+class Preempted:
+    """A preemptible request gave its KV memory to a query: it waits again, its Sequence reset, to be
+    redone from the start (scheduler.py)."""
+
+    job_id: RequestId
+    seq: Sequence
+
+
+@dataclass
 class Ingested:
     job_id: RequestId
     value: object  # what the ingestion piece returned when it was done
@@ -102,7 +111,7 @@ class Stepped:
     kv_bytes: int
 
 
-Output = Admitted | Token | Finished | Failed | Ingested | Stepped
+Output = Admitted | Token | Finished | Failed | Preempted | Ingested | Stepped
 Emit = Callable[[Output], None]  # how the step's parts append to its outputs
 
 
@@ -145,10 +154,17 @@ class EngineCore:
         return self.scheduler.fits_alone(kv_tokens, rows)
 
     # -- arrivals ---------------------------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        """Queue a query under its `request_id` (ValueError when it could never fit the KV memory)."""
+    def add(self, seq: Sequence, *, preemptible: bool = False) -> None:
+        """Queue a query under its `request_id` (ValueError when it could never fit the KV memory).
+        preemptible: the scheduler's lowest class (a shadow check's full prefill, scheduler.py): admitted
+        only while no query waits, preempted and redone when a query needs its memory; its prefill must
+        read no stored KV on a loader thread (preemption frees the extent at once)."""
         self.scheduler.add(Request(seq.request_id, kv_tokens=seq.kv_tokens, prefill_tokens=seq.prefill_tokens,
-                                   seq=seq, rows=seq.n))
+                                   seq=seq, rows=seq.n, preemptible=preemptible))
+
+    def private_id(self) -> RequestId:
+        """An id for work of the worker's own (a shadow check): negative, so no transport's job has it."""
+        return next(self.scheduler.row_ids)
 
     def add_ingest(self, job_id: RequestId, piece: IngestPiece) -> None:
         """Queue ingestion work: `piece(budget_tokens)` runs one piece and returns None until the work is
@@ -179,10 +195,14 @@ class EngineCore:
         emit = out.append
         sch = self.scheduler
         plan = sch.schedule()
+        for req in plan.preempted:
+            seq = _seq(req)
+            seq.reset()
+            emit(Preempted(req.job_id, seq))
         for req in plan.admit:
             self._start(req, emit)
         self._prefill(sch.limits.prefill_tokens_per_step * self.engine.num_layers, emit,
-                      admitted={r.job_id for r in plan.admit})
+                      admitted={r.job_id for r in plan.admit}, low=plan.low_prefill)
         if plan.ingest is not None:
             self._ingest(plan.ingest, plan.ingest_tokens, emit)
         batch = sch.decode_batch()
@@ -217,10 +237,11 @@ class EngineCore:
         except Exception as err:  # noqa: BLE001 - fails this request only
             self._fail(req.job_id, err, emit)
 
-    def _prefill(self, budget: int, emit: Emit, admitted: set[RequestId]) -> None:
+    def _prefill(self, budget: int, emit: Emit, admitted: set[RequestId], low: bool) -> None:
         """Advance the prefilling sequences, oldest first, by up to `budget` rows x layers in all; those
-        `admitted` in this step wait for the next (their Admitted output goes out first)."""
-        for req in self.scheduler.prefilling():
+        `admitted` in this step wait for the next (their Admitted output goes out first). Preemptible ones
+        come after every query and only when `low` (the plan's `low_prefill`)."""
+        for req in self.scheduler.prefilling(low):
             if budget <= 0:
                 return
             if req.job_id in admitted:

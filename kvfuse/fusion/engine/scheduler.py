@@ -25,6 +25,16 @@ Ingestion (chunk KV precompute) shares the steps under one rule: queries first, 
 work is pending it is guaranteed `ingest_share` of the steps in which queries are active (a credit that
 grows by the share each step and pays one ingest piece per whole unit), and every step when no query
 needs the worker. So a large ingest neither blocks readers nor starves.
+
+Preemptible requests (the shadow checks' full prefills, kvfuse/service/worker/shadow.py) are the lowest
+class, as vLLM v1's priority scheduling and nano-vllm's preemption treat a request that may be
+redone: one is admitted only while no query waits, holds its extent in the same KV memory (so the
+budget counts it), gets the prefill budget a step's queries left over (none in a step that runs an
+ingestion piece), and never counts as query work for ingestion's share. When a waiting query needs the
+memory or the batch row one holds, it is preempted (newest first): its extent is freed at once and it
+goes back to the head of its queue, to be recomputed from the start later (vLLM's recompute
+preemption; `StepPlan.preempted` tells the core to reset its Sequence). So a query arriving during
+such work waits for at most the rest of one engine step.
 """
 
 from __future__ import annotations
@@ -84,6 +94,8 @@ class Request:
     extent: Extent | None = None  # while running
     rows: int = 1  # choices decoded from its one prefill (OpenAI's n), each holding kv_tokens
     forks: list[Request] = field(default_factory=list)  # rows 1..n-1, reserved at admission until forked
+    preemptible: bool = False  # the lowest class (the module docstring): admitted last, preempted first
+    preemptions: int = 0  # times it was preempted and put back
 
 
 @dataclass
@@ -91,6 +103,8 @@ class StepPlan:
     admit: list[Request] = field(default_factory=list)  # now running: prefill them, then decode with the rest
     ingest: Request | None = None  # run a piece of this ingestion job (up to `ingest_tokens` tokens)
     ingest_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)  # preemptible requests sent back to wait: reset them
+    low_prefill: bool = False  # whether preemptible requests get the prefill budget the queries leave
 
 
 class Scheduler:
@@ -103,14 +117,16 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[RequestId, Request] = OrderedDict()
         self.ingest: deque[Request] = deque()
+        self.low: deque[Request] = deque()  # preemptible requests waiting (the preempted at the head)
+        self.preemptions = 0  # since start
         self.prefill_pending = 0  # prefill tokens of running requests whose prefill is not complete
         self._credit = 0.0
-        self._row_ids = itertools.count(-1, -1)  # forked rows' ids: negative, apart from the requests' own
+        self.row_ids = itertools.count(-1, -1)  # forked rows' and private work's ids: negative, apart from the jobs'
 
     # -- state ----------------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.ingest)
+        return bool(self.waiting or self.running or self.ingest or self.low)
 
     @property
     def kv_used(self) -> int:
@@ -143,7 +159,9 @@ class Scheduler:
         if not self.fits_alone(req.kv_tokens, req.rows):
             raise ValueError(f"request {req.job_id} needs {req.rows} x {req.kv_tokens} KV tokens and {req.rows} "
                              f"rows, over the budget of {self.capacity} tokens and {self.limits.max_running} rows")
-        self.waiting.append(req)
+        if req.preemptible and req.rows != 1:
+            raise ValueError("a preemptible request decodes one row")
+        (self.low if req.preemptible else self.waiting).append(req)
 
     def add_ingest(self, req: Request) -> None:
         req.status = Phase.INGESTING
@@ -158,7 +176,7 @@ class Scheduler:
             for row in req.forks:  # reserved, never forked
                 self.memory.release(row.job_id)
             req.forks = []
-            if req.status is Phase.PREFILLING:
+            if req.status is Phase.PREFILLING and not req.preemptible:
                 self.prefill_pending -= req.prefill_tokens
         return req
 
@@ -169,7 +187,8 @@ class Scheduler:
         req = self.running[job_id]
         if req.status is Phase.PREFILLING:
             req.status = Phase.DECODING
-            self.prefill_pending -= req.prefill_tokens
+            if not req.preemptible:
+                self.prefill_pending -= req.prefill_tokens
         if kv_tokens is not None and kv_tokens < req.kv_tokens:
             self.memory.shrink(job_id, kv_tokens)
             req.kv_tokens = kv_tokens
@@ -196,7 +215,7 @@ class Scheduler:
         try:
             head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
             for _ in range(head.rows - 1):
-                row = Request(next(self._row_ids), kv_tokens=head.kv_tokens)
+                row = Request(next(self.row_ids), kv_tokens=head.kv_tokens)
                 row.extent = self.memory.allocate(row.job_id, row.kv_tokens)
                 taken.append(row)
         except MemoryFull:
@@ -212,10 +231,11 @@ class Scheduler:
 
     def remove(self, job_id: RequestId) -> Request | None:
         """Take a request out wherever it is (cancellation); its `status` says where it was."""
-        for r in self.waiting:
-            if r.job_id == job_id:
-                self.waiting.remove(r)
-                return r
+        for queue in (self.waiting, self.low):
+            for r in queue:
+                if r.job_id == job_id:
+                    queue.remove(r)
+                    return r
         if job_id in self.running:
             return self.retire(job_id)
         for r in self.ingest:
@@ -226,26 +246,30 @@ class Scheduler:
 
     # -- the policy -------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """What the next step does. Admitted requests move to `running` and hold their extents."""
+        """What the next step does. Admitted requests move to `running` and hold their extents; preemptible
+        ones are preempted where a query needs what they hold (`plan.preempted`)."""
         lim = self.limits
         plan = StepPlan()
-        while self.waiting and self.rows_held + self.waiting[0].rows <= lim.max_running:
+        while self.waiting:
             head = self.waiting[0]
-            if not self.memory.can_allocate(head.kv_tokens):
-                break
             if self.prefill_pending and self.prefill_pending + head.prefill_tokens > lim.prefill_tokens_per_step:
                 break
-            if head.rows > 1 and not self._reserve(head):
+            if not self._hold(head, plan):
                 break
             self.waiting.popleft()
-            if head.rows == 1:
-                head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
             head.status = Phase.PREFILLING
             self.running[head.job_id] = head
             self.prefill_pending += head.prefill_tokens
             plan.admit.append(head)
+        while (self.low and not self.waiting and self.rows_held < lim.max_running
+               and self.memory.can_allocate(self.low[0].kv_tokens)):
+            low = self.low.popleft()
+            low.extent = self.memory.allocate(low.job_id, low.kv_tokens)
+            low.status = Phase.PREFILLING
+            self.running[low.job_id] = low
+            plan.admit.append(low)
         if self.ingest:
-            if not (self.running or self.waiting):
+            if not (self.waiting or any(not r.preemptible for r in self.running.values())):
                 plan.ingest, self._credit = self.ingest[0], 0.0
             else:
                 self._credit = min(1.0, self._credit + lim.ingest_share)
@@ -255,12 +279,41 @@ class Scheduler:
                 plan.ingest_tokens = lim.prefill_tokens_per_step
         else:
             self._credit = 0.0
+        plan.low_prefill = plan.ingest is None and not self.waiting
         return plan
 
-    def prefilling(self) -> list[Request]:
+    def _hold(self, head: Request, plan: StepPlan) -> bool:
+        """Give the waiting query `head` its batch rows and extents, preempting running preemptible
+        requests (newest first) while they are what it waits for; False: it must wait."""
+        while True:
+            if self.rows_held + head.rows <= self.limits.max_running:
+                if head.rows > 1:
+                    if self._reserve(head):
+                        return True
+                elif self.memory.can_allocate(head.kv_tokens):
+                    head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
+                    return True
+            victim = next((r for r in reversed(self.running.values()) if r.preemptible), None)
+            if victim is None:
+                return False
+            self._preempt(victim, plan)
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        """Free a preemptible request's extent and send it back to wait (at the head of its queue), to be
+        redone from the start."""
+        self.running.pop(req.job_id)
+        self.memory.release(req.job_id)
+        req.extent, req.status = None, Phase.WAITING
+        req.preemptions += 1
+        self.preemptions += 1
+        self.low.appendleft(req)
+        plan.preempted.append(req)
+
+    def prefilling(self, low: bool = True) -> list[Request]:
         """Running requests whose prefill is not complete, in admission order (the first gets the
-        step's prefill budget first)."""
-        return [r for r in self.running.values() if r.status is Phase.PREFILLING]
+        step's prefill budget first), queries before preemptible requests (those only when `low`)."""
+        mine = [r for r in self.running.values() if r.status is Phase.PREFILLING]
+        return [r for r in mine if not r.preemptible] + ([r for r in mine if r.preemptible] if low else [])
 
     def decode_batch(self) -> list[Request]:
         """Every running request past its prefill, in admission order: one batched decode step covers them."""

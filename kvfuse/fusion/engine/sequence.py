@@ -98,6 +98,14 @@ class Sequence:
         self._steps = engine.fuse_steps(prefix, chunks, self.question_ids, self.fusion,
                                         max_tokens=self.gen_options.max_tokens, new_cache=new_cache)
 
+    def reset(self) -> None:
+        """Back to before `start` (it was preempted, its extent freed): the next admission redoes it."""
+        if self._steps is not None:
+            self._steps.close()
+        self._steps, self.gen, self.cache, self.first_logits = None, None, None, None
+        self.stats, self.timings = {}, {}
+        self._t_loaded = self._t_first = 0.0
+
     def advance(self, engine: FusingEngine, budget: int) -> tuple[int, str | None]:
         """Run the prefill for about `budget` rows x layers (at least one layer): (work done, the first
         token's text once the prefill is complete, else None). Prefill logits that are not finite raise

@@ -12,8 +12,9 @@ ends. Ready is sent once loaded (or Fatal). A query gets an Error at once if it 
 or KV memory); otherwise it waits in the engine and, when admitted, gets Plan (the chunks that fit),
 then Delta messages as its text grows, then one Result. A precompute job gets one Done (or Error).
 After every engine step the worker sends Step (batch size, queue depths, KV memory held), and every
-message names the step it came from. When the engine has nothing to do, `idle` runs a slice of the
-oldest shadow check (shadow.py): a ShadowResult (or ShadowDropped) goes to the API's fidelity ledger.
+message names the step it came from. Shadow checks of finished queries (shadow.py) run on the same
+engine core, as its lowest, preemptible class: their outputs stay here, and a check's ShadowResult (or a
+ShadowDropped) goes to the API's fidelity ledger.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class WorkerCore:
         from kvfuse.fusion.engine.grammar import ll_tokenizer
 
         ll_tokenizer(self.engine.tokenizer, self.engine.stop_token_ids)  # response_format's, made once (grammar.py)
-        self.shadow = ShadowChecks(settings.fidelity, self.engine)  # run only when the engine is idle
+        self.shadow = ShadowChecks(settings.fidelity, self.engine, self.core)  # on the core, preemptible
 
     @property
     def scheduler(self) -> Any:
@@ -155,6 +156,11 @@ class WorkerCore:
         """An engine output as the wire's message(s)."""
         from kvfuse.fusion.engine import core as E
 
+        job_id = getattr(out, "job_id", None)
+        if job_id is not None and self.shadow.owns(job_id):  # the shadow check's own: only its verdict goes out
+            for msg in self.shadow.on_output(out, self.step_no):
+                self.send(msg)
+            return
         if isinstance(out, E.Token):
             self.send(P.Delta(out.job_id, out.text, self.step_no, out.logprobs, out.index))
         elif isinstance(out, E.Admitted):
@@ -175,24 +181,12 @@ class WorkerCore:
             self.send(P.Step(out.step, out.batch, out.admitted, out.ingest, out.running, out.waiting, out.kv_tokens,
                              kv_bytes=out.kv_bytes))
 
-    def idle(self) -> None:
-        """One slice of shadow work (the engine is idle); a check that ends sends its verdict."""
-        try:
-            verdict = self.shadow.run_slice(self.step_no)
-        except Exception:  # noqa: BLE001 - a failed check is logged and dropped; queries go on
-            log.error("shadow check failed: %s", traceback.format_exc())
-            self.shadow.abandon()
-            return
-        if verdict is not None:
-            self.send(verdict)
-
 
 def serve_pipe(worker: WorkerCore, conn: Connection) -> None:
-    """The local transport: read the pipe (blocking only when idle), then one engine step, or a shadow
-    slice when the engine has nothing to do."""
+    """The local transport: read the pipe (blocking only when idle), then one engine step."""
     worker.send(P.Ready(worker.info()))
     while True:
-        timeout = 0.0 if worker.has_work or worker.shadow.pending else None
+        timeout = 0.0 if worker.has_work else None
         try:
             while conn.poll(timeout):
                 if not worker.receive(conn.recv()):
@@ -202,8 +196,6 @@ def serve_pipe(worker: WorkerCore, conn: Connection) -> None:
             return  # the API went away
         if worker.has_work:
             worker.step()
-        elif worker.shadow.pending:
-            worker.idle()
 
 
 def worker_main(settings: Settings, conn: Connection) -> None:
