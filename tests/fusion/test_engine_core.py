@@ -243,25 +243,3 @@ def test_a_forced_sequence_refuses_penalties(tiny) -> None:
     with pytest.raises(ValueError, match="penalties"):
         Sequence(0, prefix.token_ids, question_ids, fusion, GenerationOptions(max_tokens=3, presence_penalty=1.0),
                  kv_tokens=64, prefill_tokens=8, prefix=prefix, chunks=chunks, forced=[1, 2])
-
-
-def test_a_replayed_answer_continues_on_a_core_as_the_solo_answer_does(tiny) -> None:
-    """`solo.replay_steps` (the shadow check's greedy answer past the tokens it shares): the first j
-    tokens taken from rows already computed (here forced through the core, their K/V in the cache), the
-    rest decoded on a core, gives the solo greedy answer's text."""
-    prefix, chunks, question_ids, _ = req = _request(tiny, 0, 30, "vanilla")
-    gen = GenerationOptions(max_tokens=MAX_TOKENS, temperature=0.0)
-    *_, want = solo.generate(tiny, *req, gen)
-    j = 3
-    fused = tiny.fuse(prefix, chunks, question_ids, req[3], max_tokens=MAX_TOKENS)
-    rows = solo.forced_logits(tiny, fused, want.token_ids[:j])
-    diverged = dataclasses.replace(fused, logits=rows[j])
-    steps, spent = solo.replay_steps(tiny, diverged, rows[:j], gen), 0
-    while True:
-        try:
-            spent += next(steps)
-        except StopIteration as done:
-            text = done.value
-            break
-    # the admitting step, then one per decoded token (the first j + 1 come from rows already there)
-    assert text == want.text and spent == tiny.num_layers * (1 + MAX_TOKENS - (j + 1))

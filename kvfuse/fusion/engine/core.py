@@ -8,8 +8,10 @@ their messages; `solo.generate` is a batch of one on a core of its own. Three pa
 - kv_memory.py: where every running sequence's KV lives (one buffer at the budget, an extent each);
 - runner.py: how a decode step runs (one forward for the batch, each row over its own extent).
 
-A step returns its outputs, as vLLM v1's `EngineCore.step` does (a list of Admitted / Token / Finished /
-Failed / Ingested, then one Stepped): admit what the scheduler allows (each admitted sequence loads its
+A step returns its outputs, as vLLM v1's `EngineCore.step` does (a list of Preempted / Admitted / Token /
+Finished / Failed / Ingested, then one Stepped): send back the preemptible work a waiting query needs the
+memory of (scheduler.py; the shadow checks are that class, added with `add(seq, preemptible=True)`,
+their Sequence reset to be redone), admit what the scheduler allows (each admitted sequence loads its
 chunks' KV straight into its extent); run the step's share of prefill (decoder layers of the prefilling
 sequences admitted in earlier steps, oldest first; a completed prefill takes its first token); a piece of
 ingestion when it is ingestion's turn; one batched decode step for every sequence past its prefill, its
