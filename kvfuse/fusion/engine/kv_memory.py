@@ -28,12 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvfuse.fusion.errors import FusionError
 from kvfuse.kv_formats import QTensor, dequantize
+
+if TYPE_CHECKING:
+    from kvfuse.fusion.model.transformer import Transformer
 
 
 class MemoryFull(FusionError):
@@ -80,9 +83,9 @@ class KVMemory:
         self.moved_tokens = 0  # tokens copied by compaction since start
 
     @classmethod
-    def for_transformer(cls, tf: Any, capacity: int, *, zeroed: bool = False, align: int = 1) -> KVMemory:
+    def for_transformer(cls, tf: Transformer, capacity: int, *, zeroed: bool = False, align: int = 1) -> KVMemory:
         """Memory shaped for `tf` (kvfuse.fusion.model.transformer.Transformer), in its dtype and device."""
-        return cls(tf.num_layers, tf.num_kv_heads, tf.head_dim, capacity, tf.dtype, tf.embed_tokens.weight.device,
+        return cls(tf.num_layers, tf.num_kv_heads, tf.head_dim, capacity, tf.dtype, tf.device,
                    zeroed=zeroed, align=align)
 
     # -- accounting -------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from kvfuse.fusion.engine import core as E
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
-from kvfuse.fusion.engine.sequence import FusionChoice, Sequence
+from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.methods import get_method
 from kvfuse.fusion.types import (
     ChunkKV,
@@ -73,7 +73,7 @@ class _PrefilledSequence(_SoloSequence):
 
 
 def generate(engine: FusingEngine, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
-             fusion: FusionChoice | None = None, gen: GenerationOptions | None = None,
+             fusion: FusionOptions | None = None, gen: GenerationOptions | None = None,
              cancel: Callable[[], bool] | None = None) -> Iterator[TokenDelta | GenerationResult]:
     """Yields TokenDelta as text becomes printable, then one GenerationResult: `engine`'s fused prefill
     of prefix + chunks + question, decoded on a core of its own. `cancel` is polled before each engine
