@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from kvfuse.config import Settings
     from kvfuse.fusion.engine.fusing import FusingEngine
     from kvfuse.fusion.engine.logprobs import TokenLogprob
-    from kvfuse.fusion.engine.scheduler import IngestPiece
+    from kvfuse.fusion.engine.scheduler import IngestNeed, IngestPiece
 
 log = logging.getLogger("kvfuse.fusion")
 
@@ -134,6 +134,7 @@ class EngineCore:
         self.scheduler = Scheduler(limits, self.memory)
         self.step_no = 0
         self.forks: dict[RequestId, list[RequestId]] = {}  # a request of n > 1 -> its forked rows' ids
+        self.ingest_kv_peak = 0  # the most tokens the memory held while an ingestion piece ran (<= its capacity)
 
     @classmethod
     def from_settings(cls, engine: FusingEngine, settings: Settings) -> EngineCore:
@@ -168,10 +169,11 @@ class EngineCore:
         """An id for work of the worker's own (a shadow check): negative, so no transport's job has it."""
         return next(self.scheduler.row_ids)
 
-    def add_ingest(self, job_id: RequestId, piece: IngestPiece) -> None:
+    def add_ingest(self, job_id: RequestId, piece: IngestPiece, need: IngestNeed | None = None) -> None:
         """Queue ingestion work: `piece(budget_tokens)` runs one piece and returns None until the work is
-        done, then its result (emitted as Ingested)."""
-        self.scheduler.add_ingest(Request(job_id, piece=piece))
+        done, then its result (emitted as Ingested); `need(budget_tokens)`: the KV tokens that piece's forward
+        holds on the device, reserved in the memory while it runs (scheduler.py)."""
+        self.scheduler.add_ingest(Request(job_id, piece=piece, need=need))
 
     def abort(self, job_id: RequestId) -> list[Output]:
         """Stop a request wherever it is; returns what that finished: a decoding one finishes as
@@ -206,7 +208,7 @@ class EngineCore:
         self._prefill(sch.limits.prefill_tokens_per_step * self.engine.num_layers, emit,
                       admitted={r.job_id for r in plan.admit}, low=plan.low_prefill)
         if plan.ingest is not None:
-            self._ingest(plan.ingest, plan.ingest_tokens, emit)
+            self._ingest(plan.ingest, plan.ingest_tokens, plan.ingest_kv, emit)
         batch = sch.decode_batch()
         if batch:
             self._decode(batch, emit)
@@ -279,14 +281,22 @@ class EngineCore:
         seq.first_logits = None
         return out
 
-    def _ingest(self, req: Request, budget_tokens: int, emit: Emit) -> None:
+    def _ingest(self, req: Request, budget_tokens: int, kv_tokens: int, emit: Emit) -> None:
+        """One piece of an ingestion job, its forward's cache held as `kv_tokens` of the memory meanwhile
+        (MemoryFull fails the job when it could never fit)."""
         assert req.piece is not None  # an ingestion request
+        owner = ("ingest", req.job_id)
         try:
+            if kv_tokens > 0:
+                self.memory.allocate(owner, kv_tokens)
+                self.ingest_kv_peak = max(self.ingest_kv_peak, self.memory.used_tokens)
             done = req.piece(budget_tokens)
         except Exception as err:  # noqa: BLE001 - fails this job only
             self.scheduler.ingest_done(req.job_id)
             emit(Failed(req.job_id, err))
             return
+        finally:
+            self.memory.release(owner)
         if done is not None:
             self.scheduler.ingest_done(req.job_id)
             emit(Ingested(req.job_id, done))

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from kvfuse.config import ServerSettings
 
     IngestPiece = Callable[[int], object | None]  # one piece of ingestion within a token budget: its result when done
+    IngestNeed = Callable[[int], int]  # the KV tokens the next piece within a budget holds while it runs
 
 
 class Phase(StrEnum):
@@ -90,6 +91,7 @@ class Request:
     prefill_tokens: int = 0  # prefill work on admission (an estimate in tokens)
     seq: Sequence | None = None
     piece: IngestPiece | None = None
+    need: IngestNeed | None = None  # an ingestion job's: what its next piece's forward holds on the device
     status: Phase = Phase.WAITING
     extent: Extent | None = None  # while running
     rows: int = 1  # choices decoded from its one prefill (OpenAI's n), each holding kv_tokens
@@ -103,6 +105,7 @@ class StepPlan:
     admit: list[Request] = field(default_factory=list)  # now running: prefill them, then decode with the rest
     ingest: Request | None = None  # run a piece of this ingestion job (up to `ingest_tokens` tokens)
     ingest_tokens: int = 0
+    ingest_kv: int = 0  # KV tokens the piece holds in the memory while it runs (its forward's cache)
     preempted: list[Request] = field(default_factory=list)  # preemptible requests sent back to wait: reset them
     low_prefill: bool = False  # whether preemptible requests get the prefill budget the queries leave
 
@@ -277,10 +280,24 @@ class Scheduler:
                     plan.ingest, self._credit = self.ingest[0], 0.0
             if plan.ingest is not None:
                 plan.ingest_tokens = lim.prefill_tokens_per_step
+                self._reserve_ingest(plan)
         else:
             self._credit = 0.0
         plan.low_prefill = plan.ingest is None and not self.waiting
         return plan
+
+    def _reserve_ingest(self, plan: StepPlan) -> None:
+        """The ingestion piece's forward holds a cache of its own while it runs (the model's, of a padded
+        batch): it runs only in a step whose memory can give that many tokens beside the running requests'
+        (its turn kept for the first step that can), and the core holds them as an extent meanwhile. One
+        that could never fit goes ahead, and fails in the core."""
+        req = plan.ingest
+        assert req is not None
+        need = req.need(plan.ingest_tokens) if req.need is not None else 0
+        if 0 < need <= self.capacity and not self.memory.can_allocate(need):
+            plan.ingest, plan.ingest_tokens, self._credit = None, 0, 1.0
+            return
+        plan.ingest_kv = need
 
     def _hold(self, head: Request, plan: StepPlan) -> bool:
         """Give the waiting query `head` its batch rows and extents, preempting running preemptible

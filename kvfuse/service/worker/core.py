@@ -136,7 +136,8 @@ class WorkerCore:
                     self.shadow.watch(seq)
             elif isinstance(msg, P.PrecomputeJob):
                 task = IngestTask(msg)
-                self.core.add_ingest(msg.job_id, lambda budget, task=task: task.run_piece(self.kv, budget))
+                self.core.add_ingest(msg.job_id, lambda budget, task=task: task.run_piece(self.kv, budget),
+                                     lambda budget, task=task: task.need(self.kv, budget))
             elif isinstance(msg, P.Cancel):
                 for out in self.core.abort(msg.job_id):
                     self._on_output(out)

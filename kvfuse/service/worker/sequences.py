@@ -163,25 +163,51 @@ class IngestTask:
         self.todo: list[int] = []  # chunk indices still to compute
         self.computed = 0
 
-    def run_piece(self, kv: ChunkCache, budget_tokens: int) -> P.Done | None:
-        """Compute the next piece; the job's Done once every chunk is stored."""
+    def _plan(self, kv: ChunkCache) -> None:
+        """The chunks' keys, and which of them are still to compute (once, before the first piece)."""
+        if self.keys is not None:
+            return
         chunks = self.job.chunks
-        if self.keys is None:
-            self.keys = [kv.key_of(ids, self.job.context(i)) for i, ids in enumerate(chunks)]
-            for i, (key, ids) in enumerate(zip(self.keys, chunks, strict=True)):
-                if kv.store.has_or_fetch(key):
-                    # Content-addressed: an identical chunk (same model, dtype, tokens, context) is stored once
-                    # (taken from the object store when only that holds it).
-                    self.nbytes.append(kv.stored_nbytes(len(ids)))
-                else:
-                    self.nbytes.append(-1)
-                    self.todo.append(i)
+        self.keys = [kv.key_of(ids, self.job.context(i)) for i, ids in enumerate(chunks)]
+        for i, (key, ids) in enumerate(zip(self.keys, chunks, strict=True)):
+            if kv.store.has_or_fetch(key):
+                # Content-addressed: an identical chunk (same model, dtype, tokens, context) is stored once
+                # (taken from the object store when only that holds it).
+                self.nbytes.append(kv.stored_nbytes(len(ids)))
+            else:
+                self.nbytes.append(-1)
+                self.todo.append(i)
+
+    def _piece(self, budget_tokens: int) -> list[int]:
+        """The chunks of the next piece: up to the budget of tokens (contexts counted), at least one."""
+        cost = lambda i: len(self.job.chunks[i]) + len(self.job.context(i))  # noqa: E731 - a context is prefilled too
         piece, tokens = [], 0
-        cost = lambda i: len(chunks[i]) + len(self.job.context(i))  # noqa: E731 - a context is prefilled too
-        while self.todo and (not piece or tokens + cost(self.todo[0]) <= budget_tokens):
-            i = self.todo.pop(0)
+        for i in self.todo:
+            if piece and tokens + cost(i) > budget_tokens:
+                break
             piece.append(i)
             tokens += cost(i)
+        return piece
+
+    def need(self, kv: ChunkCache, budget_tokens: int) -> int:
+        """The KV tokens the next piece's forward passes hold at most (the model's own cache,
+        FusionEngine.precompute / precompute_run): a batch of chunks alone is padded to its longest, at
+        most `fusion.precompute_batch_tokens` unless one chunk is longer; chunks after a context hold
+        their context too, a run of them at most the sum of their costs. The engine core reserves it."""
+        self._plan(kv)
+        piece = self._piece(budget_tokens)
+        alone = [len(self.job.chunks[i]) for i in piece if not self.job.context(i)]
+        after = sum(len(self.job.chunks[i]) + len(self.job.context(i)) for i in piece if self.job.context(i))
+        batch = min(len(alone) * max(alone), max(kv.engine.precompute_batch_tokens, max(alone))) if alone else 0
+        return max(batch, after)
+
+    def run_piece(self, kv: ChunkCache, budget_tokens: int) -> P.Done | None:
+        """Compute the next piece; the job's Done once every chunk is stored."""
+        self._plan(kv)
+        assert self.keys is not None
+        chunks = self.job.chunks
+        piece = self._piece(budget_tokens)
+        self.todo = self.todo[len(piece):]
         if piece:
             stored = dict(kv.compute_and_store([chunks[i] for i in piece], [self.job.context(i) for i in piece],
                                                referenced_only=self.job.referenced_only))
