@@ -24,7 +24,9 @@ cannot starve behind a stream of small ones.
 Ingestion (chunk KV precompute) shares the steps under one rule: queries first, but while ingestion
 work is pending it is guaranteed `ingest_share` of the steps in which queries are active (a credit that
 grows by the share each step and pays one ingest piece per whole unit), and every step when no query
-needs the worker. So a large ingest neither blocks readers nor starves.
+needs the worker. So a large ingest neither blocks readers nor starves. A piece's forward holds a cache
+of its own (the model's, of a padded batch): it is reserved in the KV memory for the piece's run
+(`Request.need`), so a piece waits for a step whose memory has room beside the running requests.
 
 Preemptible requests (the shadow checks' full prefills, kvfuse/service/worker/shadow.py) are the lowest
 class, as vLLM v1's priority scheduling and nano-vllm's preemption treat a request that may be
