@@ -180,13 +180,14 @@ class IngestTask:
 
     def _piece(self, budget_tokens: int) -> list[int]:
         """The chunks of the next piece: up to the budget of tokens (contexts counted), at least one."""
-        cost = lambda i: len(self.job.chunks[i]) + len(self.job.context(i))  # noqa: E731 - a context is prefilled too
-        piece, tokens = [], 0
+        piece: list[int] = []
+        tokens = 0
         for i in self.todo:
-            if piece and tokens + cost(i) > budget_tokens:
+            cost = len(self.job.chunks[i]) + len(self.job.context(i))  # a context is prefilled too
+            if piece and tokens + cost > budget_tokens:
                 break
             piece.append(i)
-            tokens += cost(i)
+            tokens += cost
         return piece
 
     def need(self, kv: ChunkCache, budget_tokens: int) -> int:
