@@ -174,3 +174,25 @@ def test_a_preemptible_request_is_no_query_work_for_ingestions_share() -> None:
     assert all(p.ingest is not None and not p.low_prefill for p in plans)  # every step, as when idle
     with pytest.raises(ValueError, match="one row"):
         s.add(Request(-2, kv_tokens=10, rows=2, preemptible=True))
+
+
+def test_an_ingestion_piece_waits_for_room_for_its_cache_and_preempts_for_it() -> None:
+    s = sched(prefill_tokens_per_step=10_000, ingest_share=1.0)
+    s.add(Request(1, kv_tokens=700, prefill_tokens=10))
+    s.add_ingest(Request(100, need=lambda budget: 400))
+    plan = s.schedule()
+    assert ids(plan.admit) == [1] and plan.ingest is None  # 300 free: the piece's 400 wait
+    s.add(Request(-1, kv_tokens=200, prefill_tokens=10, preemptible=True))
+    s.retire(1)
+    plan = s.schedule()
+    assert ids(plan.admit) == [-1] and plan.ingest.job_id == 100 and plan.ingest_kv == 400
+    s.add(Request(2, kv_tokens=500, prefill_tokens=10))
+    plan = s.schedule()  # 2 lands at [200, 700), pinned while it prefills: even without -1 no 400 in one run
+    assert ids(plan.admit) == [2] and plan.ingest is None and plan.preempted == []  # so -1 is not preempted
+    s.prefilled(2)  # movable now: compaction can gather 500 free tokens once -1 is gone
+    plan = s.schedule()
+    assert plan.ingest is not None and plan.ingest_kv == 400 and ids(plan.preempted) == [-1]
+    assert s.memory.can_allocate(400)
+    s.add_ingest(Request(101, need=lambda budget: 5000))  # could never fit: goes ahead, fails in the core
+    s.ingest_done(100)
+    assert s.schedule().ingest_kv == 5000

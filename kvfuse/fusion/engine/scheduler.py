@@ -291,19 +291,31 @@ class Scheduler:
     def _reserve_ingest(self, plan: StepPlan) -> None:
         """The ingestion piece's forward holds a cache of its own while it runs (the model's, of a padded
         batch): it runs only in a step whose memory can give that many tokens beside the running requests'
-        (its turn kept for the first step that can), and the core holds them as an extent meanwhile. One
-        that could never fit goes ahead, and fails in the core."""
+        (its turn kept for the first step that can; preemptible requests are preempted for it), and the
+        core holds them as an extent meanwhile. One that could never fit goes ahead, and fails in the core."""
         req = plan.ingest
         assert req is not None
         need = req.need(plan.ingest_tokens) if req.need is not None else 0
         if 0 < need <= self.capacity and not self.memory.can_allocate(need):
-            plan.ingest, plan.ingest_tokens, self._credit = None, 0, 1.0
-            return
+            if not self.memory.can_allocate(need, without={r.job_id for r in self._low_running()}):
+                plan.ingest, plan.ingest_tokens, self._credit = None, 0, 1.0
+                return
+            while not self.memory.can_allocate(need):  # ingestion outranks the preemptible class too
+                self._preempt(self._low_running()[-1], plan)
         plan.ingest_kv = need
+
+    def _low_running(self) -> list[Request]:
+        """The running preemptible requests, oldest first."""
+        return [r for r in self.running.values() if r.preemptible]
 
     def _hold(self, head: Request, plan: StepPlan) -> bool:
         """Give the waiting query `head` its batch rows and extents, preempting running preemptible
-        requests (newest first) while they are what it waits for; False: it must wait."""
+        requests (newest first) while they are what it waits for, and only when preempting them all would
+        make the room (rows and memory; n > 1 rows counted as one extent of their sum); False: it waits."""
+        low = self._low_running()
+        room = {r.job_id for r in low}
+        helps = bool(low) and (self.rows_held - len(low) + head.rows <= self.limits.max_running
+                               and self.memory.can_allocate(head.kv_tokens * head.rows, without=room))
         while True:
             if self.rows_held + head.rows <= self.limits.max_running:
                 if head.rows > 1:
@@ -312,10 +324,10 @@ class Scheduler:
                 elif self.memory.can_allocate(head.kv_tokens):
                     head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
                     return True
-            victim = next((r for r in reversed(self.running.values()) if r.preemptible), None)
-            if victim is None:
+            low = self._low_running()
+            if not (helps and low):
                 return False
-            self._preempt(victim, plan)
+            self._preempt(low[-1], plan)
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         """Free a preemptible request's extent and send it back to wait (at the head of its queue), to be
