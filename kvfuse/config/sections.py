@@ -289,14 +289,11 @@ class FidelitySettings(Section):
     fused answers against a full prefill, and a recompute ratio held at a target agreement."""
 
     shadow_rate: float = Field(0.0, ge=0.0, le=1.0, description=(
-        "share of finished fused queries the worker re-runs as a full prefill when idle, to compare the "
-        "answers (0 = off)"))
+        "share of finished fused queries the worker re-runs as a full prefill (at the engine's lowest, "
+        "preemptible priority), to compare the answers (0 = off)"))
     metric: Literal["text", "value"] = Field("value", description=(
         "answer agreement: `text` (same normalised answer) or `value` (same extracted answer: first number, "
         "else first sentence)"))
-    shadow_slice_tokens: int = Field(32, ge=1, description=(
-        "prompt rows a shadow check's prefill runs per slice (through every layer): a live request that "
-        "arrives during a check waits for at most one such slice, or one decode step"))
     shadow_queue: int = Field(32, ge=1, description=(
         "pending shadow checks a worker keeps (their token ids); when full the oldest is dropped, counted"))
     shadow_memory_mb: float = Field(256.0, gt=0, description=(

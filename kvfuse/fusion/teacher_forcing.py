@@ -1,16 +1,13 @@
 """Teacher forcing: a cache's next-token distributions along a given answer, and the KL between two
 such distributions. One home for the answer KL that `kvfuse bench fidelity` reports
 (kvfuse/bench/agreement.py) and that the service's shadow checks measure live
-(kvfuse/service/worker/shadow.py). See docs/DESIGN.md, "Fidelity measures".
-
-`teacher_forced_steps` runs the answer's forward a decoder layer at a time (a generator, like
-`FusionEngine.fuse_steps`), so a worker can interleave it with live requests; `teacher_forced_logits`
-runs it whole.
+(kvfuse/service/worker/shadow.py, which forces the answer on the engine core instead: the same
+distributions, from decode steps). See docs/DESIGN.md, "Fidelity measures".
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -40,9 +37,11 @@ def prompt_cache_positions(stats: dict) -> int:
                          stats["prefix_tokens"] + stats["context_tokens"] + stats["question_tokens"]))
 
 
-def teacher_forced_steps(engine: Any, fused: Any, answer_tokens: Sequence[int]) -> Generator[int, None, Any]:
-    """`teacher_forced_logits` a decoder layer at a time: yields the rows each layer ran (the unit of work
-    `fuse_steps` yields too) and returns the logits [m, vocab] (fp32)."""
+def teacher_forced_logits(engine: Any, fused: Any, answer_tokens: Sequence[int]) -> Any:
+    """The cache's next-token logits at every position of `answer_tokens` ([m, vocab], fp32): the first
+    row is the prefill's own, the rest from one forward of answer_tokens[:-1] appended after the prompt
+    in `fused.cache` (rows written past the prompt; whatever a decode left there is overwritten, and
+    nothing past a row's own position is read)."""
     import torch
 
     first = fused.logits.detach().float().reshape(1, -1)
@@ -60,29 +59,13 @@ def teacher_forced_steps(engine: Any, fused: Any, answer_tokens: Sequence[int]) 
         cache.length = start - cache.position_offset
         if cache.length + len(feed) > cache.capacity:
             raise ValueError(f"the fused cache holds {cache.capacity} rows; the answer needs {cache.length + len(feed)}")
-        return (yield from solo.forced_steps(engine, fused, feed))
+        return solo.forced_logits(engine, fused, feed)
     if start + len(feed) > cache.capacity:
         raise ValueError(f"the fused cache holds {cache.capacity} rows; the answer needs {start + len(feed)}")
     with torch.inference_mode():
         rows = engine.rows(torch.arange(start, start + len(feed), device=engine.device))
         h = tf.embed(torch.tensor(feed, dtype=torch.long, device=engine.device))
-    for layer in range(tf.num_layers):
-        with torch.inference_mode():
+        for layer in range(tf.num_layers):
             h = tf.layer(cache, layer, h, rows)
-        yield len(feed)
-    with torch.inference_mode():
         rest = tf.logits(h[0]).float()
     return torch.cat([first, rest])
-
-
-def teacher_forced_logits(engine: Any, fused: Any, answer_tokens: Sequence[int]) -> Any:
-    """The cache's next-token logits at every position of `answer_tokens` ([m, vocab], fp32): the first
-    row is the prefill's own, the rest from one forward of answer_tokens[:-1] appended after the prompt
-    in `fused.cache` (rows written past the prompt; whatever a decode left there is overwritten, and
-    nothing past a row's own position is read)."""
-    steps = teacher_forced_steps(engine, fused, answer_tokens)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value

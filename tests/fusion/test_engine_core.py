@@ -245,23 +245,28 @@ def test_a_forced_sequence_refuses_penalties(tiny) -> None:
                  kv_tokens=64, prefill_tokens=8, prefix=prefix, chunks=chunks, forced=[1, 2])
 
 
-def test_a_replayed_answer_continues_on_a_core_as_the_solo_answer_does(tiny) -> None:
-    """`solo.replay_steps` (the shadow check's greedy answer past the tokens it shares): the first j
-    tokens taken from rows already computed (here forced through the core, their K/V in the cache), the
-    rest decoded on a core, gives the solo greedy answer's text."""
-    prefix, chunks, question_ids, _ = req = _request(tiny, 0, 30, "vanilla")
-    gen = GenerationOptions(max_tokens=MAX_TOKENS, temperature=0.0)
-    *_, want = solo.generate(tiny, *req, gen)
-    j = 3
-    fused = tiny.fuse(prefix, chunks, question_ids, req[3], max_tokens=MAX_TOKENS)
-    rows = solo.forced_logits(tiny, fused, want.token_ids[:j])
-    diverged = dataclasses.replace(fused, logits=rows[j])
-    steps, spent = solo.replay_steps(tiny, diverged, rows[:j], gen), 0
-    while True:
-        try:
-            spent += next(steps)
-        except StopIteration as done:
-            text = done.value
-            break
-    # the admitting step, then one per decoded token (the first j + 1 come from rows already there)
-    assert text == want.text and spent == tiny.num_layers * (1 + MAX_TOKENS - (j + 1))
+def test_an_ingestion_piece_holds_its_forwards_cache_in_the_kv_memory(tiny) -> None:
+    """An ingestion piece's forward (the model's own cache of a padded batch) is reserved in the memory
+    while it runs: beside a running query it holds the query's extent plus its own; with no room for it
+    the piece waits for the first step that has it; one that could never fit fails its job alone."""
+    seq = _sequence(tiny, 0, _request(tiny, 0, 60))
+    core = _core(tiny, seq.kv_tokens + 200)
+    core.add(seq)
+    seen: list[int] = []
+
+    def piece(budget: int) -> object | None:
+        seen.append(core.memory.used_tokens)
+        return "done" if len(seen) == 2 else None
+
+    core.add_ingest(7, piece, need=lambda budget: 150)
+    while core.has_work and not seen:
+        core.step()
+    assert seen == [seq.kv_tokens + 150]  # the query's extent and the piece's, within the budget
+    assert core.memory.used_tokens == seq.kv_tokens  # given back when the piece returned
+    core.add_ingest(8, lambda budget: "never", need=lambda budget: 201)  # no room beside the query
+    out = _run(core, [])
+    assert len(seen) == 2 and [o.value for o in out if isinstance(o, E.Ingested)] == ["done", "never"]
+    assert core.ingest_kv_peak <= core.memory.capacity
+    core.add_ingest(9, lambda budget: "never", need=lambda budget: core.memory.capacity + 1)
+    (failed,) = [o for o in _run(core, []) if isinstance(o, E.Failed)]
+    assert failed.job_id == 9 and "KV tokens" in str(failed.error) and core.memory.used_tokens == 0

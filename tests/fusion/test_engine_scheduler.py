@@ -140,3 +140,59 @@ def test_ingestion_gets_its_share_of_busy_steps_and_every_idle_step() -> None:
     assert ids(p.admit) == [1] and p.ingest.job_id == 7 and p.ingest_tokens == 300
     s.ingest_done(100)
     assert s.schedule().ingest is None
+
+
+def test_a_preemptible_request_runs_only_while_no_query_waits_and_is_preempted_for_one() -> None:
+    s = sched(max_running=2, prefill_tokens_per_step=10_000)
+    low = Request(-1, kv_tokens=600, prefill_tokens=600, preemptible=True)
+    s.add(low)
+    plan = s.schedule()
+    assert ids(plan.admit) == [-1] and plan.low_prefill and s.kv_used == 600 and s.prefill_pending == 0
+    assert s.prefilling() == [low] and s.prefilling(low=False) == []
+    s.add(Request(1, kv_tokens=300, prefill_tokens=100))  # fits beside it: nothing preempted
+    plan = s.schedule()
+    assert ids(plan.admit) == [1] and plan.preempted == [] and s.prefilling() == [s.running[1], low]
+    s.add(Request(2, kv_tokens=300, prefill_tokens=100))  # neither a row nor the memory is free
+    plan = s.schedule()
+    assert ids(plan.preempted) == [-1] and ids(plan.admit) == [2]
+    assert low.status is Phase.WAITING and low.extent is None and low.preemptions == 1 == s.preemptions
+    assert s.kv_used == 600 and ids(list(s.low)) == [-1]
+    s.add(Request(3, kv_tokens=100))  # waits for a row: the preemptible request waits behind it
+    plan = s.schedule()
+    assert plan.admit == [] and not plan.low_prefill
+    s.retire(1)
+    assert ids(s.schedule().admit) == [3]
+    s.retire(2)
+    assert ids(s.schedule().admit) == [-1]  # redone once a row and its memory are free
+
+
+def test_a_preemptible_request_is_no_query_work_for_ingestions_share() -> None:
+    s = sched(ingest_share=0.25)
+    s.add(Request(-1, kv_tokens=100, prefill_tokens=100, preemptible=True))
+    s.add_ingest(Request(100))
+    plans = [s.schedule() for _ in range(3)]
+    assert all(p.ingest is not None and not p.low_prefill for p in plans)  # every step, as when idle
+    with pytest.raises(ValueError, match="one row"):
+        s.add(Request(-2, kv_tokens=10, rows=2, preemptible=True))
+
+
+def test_an_ingestion_piece_waits_for_room_for_its_cache_and_preempts_for_it() -> None:
+    s = sched(prefill_tokens_per_step=10_000, ingest_share=1.0)
+    s.add(Request(1, kv_tokens=700, prefill_tokens=10))
+    s.add_ingest(Request(100, need=lambda budget: 400))
+    plan = s.schedule()
+    assert ids(plan.admit) == [1] and plan.ingest is None  # 300 free: the piece's 400 wait
+    s.add(Request(-1, kv_tokens=200, prefill_tokens=10, preemptible=True))
+    s.retire(1)
+    plan = s.schedule()
+    assert ids(plan.admit) == [-1] and plan.ingest.job_id == 100 and plan.ingest_kv == 400
+    s.add(Request(2, kv_tokens=500, prefill_tokens=10))
+    plan = s.schedule()  # 2 lands at [200, 700), pinned while it prefills: even without -1 no 400 in one run
+    assert ids(plan.admit) == [2] and plan.ingest is None and plan.preempted == []  # so -1 is not preempted
+    s.prefilled(2)  # movable now: compaction can gather 500 free tokens once -1 is gone
+    plan = s.schedule()
+    assert plan.ingest is not None and plan.ingest_kv == 400 and ids(plan.preempted) == [-1]
+    assert s.memory.can_allocate(400)
+    s.add_ingest(Request(101, need=lambda budget: 5000))  # could never fit: goes ahead, fails in the core
+    s.ingest_done(100)
+    assert s.schedule().ingest_kv == 5000

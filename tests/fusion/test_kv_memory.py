@@ -128,3 +128,15 @@ def test_an_aligned_memory_gives_each_extent_whole_blocks() -> None:
     assert mem.free_tokens == 0 and FusedCache.in_memory(mem, a, 1).capacity == 1  # less than its extent
     with pytest.raises(ValueError, match="whole number of 16-token blocks"):
         KVMemory(1, 1, 1, 40, torch.float32, "cpu", align=16)
+
+
+def test_can_allocate_without_some_owners_says_whether_releasing_them_makes_the_room() -> None:
+    mem = memory(100)
+    mem.allocate("a", 30)
+    mem.allocate("b", 40)  # pinned (prefilling) at [30, 70)
+    mem.allocate("c", 30)
+    assert not mem.can_allocate(50) and not mem.can_allocate(50, without={"a"})  # 30 + 0 in one run: no
+    assert mem.can_allocate(60, without={"a", "c"}) is False and mem.can_allocate(30, without={"c"})
+    mem.settle("b")  # movable: compaction gathers the free tokens around it
+    assert mem.can_allocate(60, without={"a", "c"}) and not mem.can_allocate(61, without={"a", "c"})
+    assert [e.owner for e in mem.extents] == ["a", "b", "c"]  # asking moved and released nothing

@@ -8,8 +8,10 @@ their messages; `solo.generate` is a batch of one on a core of its own. Three pa
 - kv_memory.py: where every running sequence's KV lives (one buffer at the budget, an extent each);
 - runner.py: how a decode step runs (one forward for the batch, each row over its own extent).
 
-A step returns its outputs, as vLLM v1's `EngineCore.step` does (a list of Admitted / Token / Finished /
-Failed / Ingested, then one Stepped): admit what the scheduler allows (each admitted sequence loads its
+A step returns its outputs, as vLLM v1's `EngineCore.step` does (a list of Preempted / Admitted / Token /
+Finished / Failed / Ingested, then one Stepped): send back the preemptible work a waiting query needs the
+memory of (scheduler.py; the shadow checks are that class, added with `add(seq, preemptible=True)`,
+their Sequence reset to be redone), admit what the scheduler allows (each admitted sequence loads its
 chunks' KV straight into its extent); run the step's share of prefill (decoder layers of the prefilling
 sequences admitted in earlier steps, oldest first; a completed prefill takes its first token); a piece of
 ingestion when it is ingestion's turn; one batched decode step for every sequence past its prefill, its
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
     from kvfuse.config import Settings
     from kvfuse.fusion.engine.fusing import FusingEngine
     from kvfuse.fusion.engine.logprobs import TokenLogprob
-    from kvfuse.fusion.engine.scheduler import IngestPiece
+    from kvfuse.fusion.engine.scheduler import IngestNeed, IngestPiece
 
 log = logging.getLogger("kvfuse.fusion")
 
@@ -85,6 +87,15 @@ class Failed:
 
 
 @dataclass
+class Preempted:
+    """A preemptible request gave its KV memory to a query: it waits again, its Sequence reset, to be
+    redone from the start (scheduler.py)."""
+
+    job_id: RequestId
+    seq: Sequence
+
+
+@dataclass
 class Ingested:
     job_id: RequestId
     value: object  # what the ingestion piece returned when it was done
@@ -102,7 +113,7 @@ class Stepped:
     kv_bytes: int
 
 
-Output = Admitted | Token | Finished | Failed | Ingested | Stepped
+Output = Admitted | Token | Finished | Failed | Preempted | Ingested | Stepped
 Emit = Callable[[Output], None]  # how the step's parts append to its outputs
 
 
@@ -123,6 +134,7 @@ class EngineCore:
         self.scheduler = Scheduler(limits, self.memory)
         self.step_no = 0
         self.forks: dict[RequestId, list[RequestId]] = {}  # a request of n > 1 -> its forked rows' ids
+        self.ingest_kv_peak = 0  # the most tokens the memory held while an ingestion piece ran (<= its capacity)
 
     @classmethod
     def from_settings(cls, engine: FusingEngine, settings: Settings) -> EngineCore:
@@ -145,15 +157,23 @@ class EngineCore:
         return self.scheduler.fits_alone(kv_tokens, rows)
 
     # -- arrivals ---------------------------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        """Queue a query under its `request_id` (ValueError when it could never fit the KV memory)."""
+    def add(self, seq: Sequence, *, preemptible: bool = False) -> None:
+        """Queue a query under its `request_id` (ValueError when it could never fit the KV memory).
+        preemptible: the scheduler's lowest class (a shadow check's full prefill, scheduler.py): admitted
+        only while no query waits, preempted and redone when a query needs its memory; its prefill must
+        read no stored KV on a loader thread (preemption frees the extent at once)."""
         self.scheduler.add(Request(seq.request_id, kv_tokens=seq.kv_tokens, prefill_tokens=seq.prefill_tokens,
-                                   seq=seq, rows=seq.n))
+                                   seq=seq, rows=seq.n, preemptible=preemptible))
 
-    def add_ingest(self, job_id: RequestId, piece: IngestPiece) -> None:
+    def private_id(self) -> RequestId:
+        """An id for work of the worker's own (a shadow check): negative, so no transport's job has it."""
+        return next(self.scheduler.row_ids)
+
+    def add_ingest(self, job_id: RequestId, piece: IngestPiece, need: IngestNeed | None = None) -> None:
         """Queue ingestion work: `piece(budget_tokens)` runs one piece and returns None until the work is
-        done, then its result (emitted as Ingested)."""
-        self.scheduler.add_ingest(Request(job_id, piece=piece))
+        done, then its result (emitted as Ingested); `need(budget_tokens)`: the KV tokens that piece's forward
+        holds on the device, reserved in the memory while it runs (scheduler.py)."""
+        self.scheduler.add_ingest(Request(job_id, piece=piece, need=need))
 
     def abort(self, job_id: RequestId) -> list[Output]:
         """Stop a request wherever it is; returns what that finished: a decoding one finishes as
@@ -179,12 +199,16 @@ class EngineCore:
         emit = out.append
         sch = self.scheduler
         plan = sch.schedule()
+        for req in plan.preempted:
+            seq = _seq(req)
+            seq.reset()
+            emit(Preempted(req.job_id, seq))
         for req in plan.admit:
             self._start(req, emit)
         self._prefill(sch.limits.prefill_tokens_per_step * self.engine.num_layers, emit,
-                      admitted={r.job_id for r in plan.admit})
+                      admitted={r.job_id for r in plan.admit}, low=plan.low_prefill)
         if plan.ingest is not None:
-            self._ingest(plan.ingest, plan.ingest_tokens, emit)
+            self._ingest(plan.ingest, plan.ingest_tokens, plan.ingest_kv, emit)
         batch = sch.decode_batch()
         if batch:
             self._decode(batch, emit)
@@ -217,10 +241,11 @@ class EngineCore:
         except Exception as err:  # noqa: BLE001 - fails this request only
             self._fail(req.job_id, err, emit)
 
-    def _prefill(self, budget: int, emit: Emit, admitted: set[RequestId]) -> None:
+    def _prefill(self, budget: int, emit: Emit, admitted: set[RequestId], low: bool) -> None:
         """Advance the prefilling sequences, oldest first, by up to `budget` rows x layers in all; those
-        `admitted` in this step wait for the next (their Admitted output goes out first)."""
-        for req in self.scheduler.prefilling():
+        `admitted` in this step wait for the next (their Admitted output goes out first). Preemptible ones
+        come after every query and only when `low` (the plan's `low_prefill`)."""
+        for req in self.scheduler.prefilling(low):
             if budget <= 0:
                 return
             if req.job_id in admitted:
@@ -256,14 +281,22 @@ class EngineCore:
         seq.first_logits = None
         return out
 
-    def _ingest(self, req: Request, budget_tokens: int, emit: Emit) -> None:
+    def _ingest(self, req: Request, budget_tokens: int, kv_tokens: int, emit: Emit) -> None:
+        """One piece of an ingestion job, its forward's cache held as `kv_tokens` of the memory meanwhile
+        (MemoryFull fails the job when it could never fit)."""
         assert req.piece is not None  # an ingestion request
+        owner = ("ingest", req.job_id)
         try:
+            if kv_tokens > 0:
+                self.memory.allocate(owner, kv_tokens)
+                self.ingest_kv_peak = max(self.ingest_kv_peak, self.memory.used_tokens)
             done = req.piece(budget_tokens)
         except Exception as err:  # noqa: BLE001 - fails this job only
             self.scheduler.ingest_done(req.job_id)
             emit(Failed(req.job_id, err))
             return
+        finally:
+            self.memory.release(owner)
         if done is not None:
             self.scheduler.ingest_done(req.job_id)
             emit(Ingested(req.job_id, done))

@@ -7,7 +7,10 @@ from typing import Protocol
 
 
 class Tokenizer(Protocol):
-    """What decoding needs of a tokenizer (a transformers one has it)."""
+    """What decoding needs of a tokenizer (a transformers one has it): its text, and its vocabulary's size
+    (a grammar's view of it, engine/grammar.py)."""
+
+    def __len__(self) -> int: ...
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...,
                clean_up_tokenization_spaces: bool | None = ...) -> str: ...

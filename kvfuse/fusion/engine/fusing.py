@@ -5,13 +5,13 @@ engine's class would close an import cycle (docs/DESIGN.md, "Decoding: the engin
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvfuse.fusion.engine.detokenize import Tokenizer
 from kvfuse.fusion.engine.kv_memory import FusedCache
-from kvfuse.fusion.types import ChunkKV, FusedPrefill
+from kvfuse.fusion.types import ChunkKV, FusedPrefill, FusionOptions
 
 if TYPE_CHECKING:
     from kvfuse.fusion.model.transformer import Transformer
@@ -28,7 +28,7 @@ class FusingEngine(Protocol):
     stop_strings: tuple[str, ...]
 
     def fuse_steps(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
-                   options: Any = None, *, max_tokens: int = 0,
+                   options: FusionOptions | None = None, *, max_tokens: int = 0,
                    new_cache: Callable[[int], FusedCache] | None = None) -> Generator[int, None, FusedPrefill]:
-        """kvfuse.fusion.FusionEngine.fuse_steps (`options`: its FusionOptions)."""
+        """kvfuse.fusion.FusionEngine.fuse_steps."""
         ...

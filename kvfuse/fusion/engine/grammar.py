@@ -18,23 +18,26 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from llguidance import LLTokenizer
     from llguidance._lib import JsonCompileOptions
+
+    from kvfuse.fusion.engine.detokenize import Tokenizer
 
 # no free whitespace; OpenAI's own answers use these separators
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_TOKENIZERS: weakref.WeakKeyDictionary[Any, tuple[list[int], Any]] = weakref.WeakKeyDictionary()  # HF tokenizer -> (eos ids, LLTokenizer)
+_TOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, tuple[list[int], LLTokenizer]] = weakref.WeakKeyDictionary()  # -> (eos ids, its view)
 
 
 class GrammarError(ValueError):
     """A grammar (or the JSON schema it came from) that cannot be compiled; the message names the problem."""
 
 
-def json_grammar(schema: dict[str, Any] | None) -> str:
+def json_grammar(schema: dict[str, object] | None) -> str:
     """The serialised grammar of answers that are JSON valid against `schema` (None: any JSON object, as
     `json_object` asks). Raises GrammarError naming what in the schema cannot be compiled."""
     import llguidance
@@ -50,7 +53,7 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
     return grammar
 
 
-def ll_tokenizer(tokenizer: Any, stop_ids: Iterable[int]) -> Any:
+def ll_tokenizer(tokenizer: Tokenizer, stop_ids: Iterable[int]) -> LLTokenizer:
     """llguidance's view of `tokenizer`, built once per tokenizer (it reads the whole vocabulary, which
     takes a moment): the worker builds it at start, so the first structured request does not hold up
     the batch's step while it is made. Stop ids past the tokenizer's vocabulary (a config's eos that
@@ -61,7 +64,8 @@ def ll_tokenizer(tokenizer: Any, stop_ids: Iterable[int]) -> Any:
     eos = sorted(t for t in stop_ids if t < len(tokenizer))
     cached = _TOKENIZERS.get(tokenizer)
     if cached is None or cached[0] != eos:
-        cached = _TOKENIZERS[tokenizer] = (eos, llguidance.hf.from_tokenizer(tokenizer, eos_token=eos or None))
+        view = llguidance.hf.from_tokenizer(tokenizer, eos_token=eos or None)  # type: ignore[arg-type]  # a HF tokenizer
+        cached = _TOKENIZERS[tokenizer] = (eos, view)
     return cached[1]
 
 
@@ -69,7 +73,7 @@ class RowGrammar:
     """One request's matcher: `mask(vocab)` the allowed ids as a bool row, `advance(token)` after each
     chosen token. The first stop token ends the answer, so only tokens before it are advanced."""
 
-    def __init__(self, grammar: str, tokenizer: Any, stop_ids: Iterable[int]) -> None:
+    def __init__(self, grammar: str, tokenizer: Tokenizer, stop_ids: Iterable[int]) -> None:
         import llguidance
 
         self.stop_ids = sorted(stop_ids)

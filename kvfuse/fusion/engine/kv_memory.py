@@ -26,14 +26,17 @@ exactly their size. docs/DESIGN.md, "Decoding", says who allocates what.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvfuse.fusion.errors import FusionError
 from kvfuse.kv_formats import QTensor, dequantize
+
+if TYPE_CHECKING:
+    from kvfuse.fusion.model.transformer import Transformer
 
 
 class MemoryFull(FusionError):
@@ -80,9 +83,9 @@ class KVMemory:
         self.moved_tokens = 0  # tokens copied by compaction since start
 
     @classmethod
-    def for_transformer(cls, tf: Any, capacity: int, *, zeroed: bool = False, align: int = 1) -> KVMemory:
+    def for_transformer(cls, tf: Transformer, capacity: int, *, zeroed: bool = False, align: int = 1) -> KVMemory:
         """Memory shaped for `tf` (kvfuse.fusion.model.transformer.Transformer), in its dtype and device."""
-        return cls(tf.num_layers, tf.num_kv_heads, tf.head_dim, capacity, tf.dtype, tf.embed_tokens.weight.device,
+        return cls(tf.num_layers, tf.num_kv_heads, tf.head_dim, capacity, tf.dtype, tf.device,
                    zeroed=zeroed, align=align)
 
     # -- accounting -------------------------------------------------------------------------------------
@@ -113,10 +116,12 @@ class KVMemory:
         return next((e for e in self.extents if e.owner == owner), None)
 
     # -- extents -----------------------------------------------------------------------------------------
-    def can_allocate(self, tokens: int) -> bool:
-        """Whether `allocate(tokens)` would succeed now (compacting if it must)."""
+    def can_allocate(self, tokens: int, without: Collection[Hashable] = ()) -> bool:
+        """Whether `allocate(tokens)` would succeed now (compacting if it must); `without`: were the
+        extents of these owners released first (whether preempting them would make the room)."""
         tokens = self._aligned(tokens)
-        return self._hole(tokens) is not None or tokens <= self._compactable_room()
+        kept = [e for e in self.extents if e.owner not in without] if without else self.extents
+        return self._hole(tokens, kept) is not None or tokens <= self._compactable_room(kept)
 
     def allocate(self, owner: Hashable, tokens: int) -> Extent:
         """An extent of `tokens` (rounded up to `align`) for `owner` (first fit; settled extents slide down
@@ -167,20 +172,20 @@ class KVMemory:
         if extent is not None:
             extent.movable = True
 
-    def _hole(self, tokens: int) -> int | None:
+    def _hole(self, tokens: int, extents: list[Extent] | None = None) -> int | None:
         """The start of the first free run of at least `tokens`, or None."""
         at = 0
-        for e in self.extents:
+        for e in self.extents if extents is None else extents:
             if e.start - at >= tokens:
                 return at
             at = max(at, e.stop)
         return at if self.capacity - at >= tokens else None
 
-    def _compactable_room(self) -> int:
+    def _compactable_room(self, extents: list[Extent] | None = None) -> int:
         """The largest free run compaction could make: movable extents slide down between the pinned
         ones, so the free space between consecutive pinned extents (and the ends) gathers into one run."""
         best, at, moving = 0, 0, 0  # at: where the current stretch between pinned extents begins
-        for e in self.extents:
+        for e in self.extents if extents is None else extents:
             if e.movable:
                 moving += e.tokens
                 continue

@@ -24,7 +24,19 @@ cannot starve behind a stream of small ones.
 Ingestion (chunk KV precompute) shares the steps under one rule: queries first, but while ingestion
 work is pending it is guaranteed `ingest_share` of the steps in which queries are active (a credit that
 grows by the share each step and pays one ingest piece per whole unit), and every step when no query
-needs the worker. So a large ingest neither blocks readers nor starves.
+needs the worker. So a large ingest neither blocks readers nor starves. A piece's forward holds a cache
+of its own (the model's, of a padded batch): it is reserved in the KV memory for the piece's run
+(`Request.need`), so a piece waits for a step whose memory has room beside the running requests.
+
+Preemptible requests (the shadow checks' full prefills, kvfuse/service/worker/shadow.py) are the lowest
+class, as vLLM v1's priority scheduling and nano-vllm's preemption treat a request that may be
+redone: one is admitted only while no query waits, holds its extent in the same KV memory (so the
+budget counts it), gets the prefill budget a step's queries left over (none in a step that runs an
+ingestion piece), and never counts as query work for ingestion's share. When a waiting query needs the
+memory or the batch row one holds, it is preempted (newest first): its extent is freed at once and it
+goes back to the head of its queue, to be recomputed from the start later (vLLM's recompute
+preemption; `StepPlan.preempted` tells the core to reset its Sequence). So a query arriving during
+such work waits for at most the rest of one engine step.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ if TYPE_CHECKING:
     from kvfuse.config import ServerSettings
 
     IngestPiece = Callable[[int], object | None]  # one piece of ingestion within a token budget: its result when done
+    IngestNeed = Callable[[int], int]  # the KV tokens the next piece within a budget holds while it runs
 
 
 class Phase(StrEnum):
@@ -80,10 +93,13 @@ class Request:
     prefill_tokens: int = 0  # prefill work on admission (an estimate in tokens)
     seq: Sequence | None = None
     piece: IngestPiece | None = None
+    need: IngestNeed | None = None  # an ingestion job's: what its next piece's forward holds on the device
     status: Phase = Phase.WAITING
     extent: Extent | None = None  # while running
     rows: int = 1  # choices decoded from its one prefill (OpenAI's n), each holding kv_tokens
     forks: list[Request] = field(default_factory=list)  # rows 1..n-1, reserved at admission until forked
+    preemptible: bool = False  # the lowest class (the module docstring): admitted last, preempted first
+    preemptions: int = 0  # times it was preempted and put back
 
 
 @dataclass
@@ -91,6 +107,9 @@ class StepPlan:
     admit: list[Request] = field(default_factory=list)  # now running: prefill them, then decode with the rest
     ingest: Request | None = None  # run a piece of this ingestion job (up to `ingest_tokens` tokens)
     ingest_tokens: int = 0
+    ingest_kv: int = 0  # KV tokens the piece holds in the memory while it runs (its forward's cache)
+    preempted: list[Request] = field(default_factory=list)  # preemptible requests sent back to wait: reset them
+    low_prefill: bool = False  # whether preemptible requests get the prefill budget the queries leave
 
 
 class Scheduler:
@@ -103,14 +122,16 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[RequestId, Request] = OrderedDict()
         self.ingest: deque[Request] = deque()
+        self.low: deque[Request] = deque()  # preemptible requests waiting (the preempted at the head)
+        self.preemptions = 0  # since start
         self.prefill_pending = 0  # prefill tokens of running requests whose prefill is not complete
         self._credit = 0.0
-        self._row_ids = itertools.count(-1, -1)  # forked rows' ids: negative, apart from the requests' own
+        self.row_ids = itertools.count(-1, -1)  # forked rows' and private work's ids: negative, apart from the jobs'
 
     # -- state ----------------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.ingest)
+        return bool(self.waiting or self.running or self.ingest or self.low)
 
     @property
     def kv_used(self) -> int:
@@ -143,7 +164,9 @@ class Scheduler:
         if not self.fits_alone(req.kv_tokens, req.rows):
             raise ValueError(f"request {req.job_id} needs {req.rows} x {req.kv_tokens} KV tokens and {req.rows} "
                              f"rows, over the budget of {self.capacity} tokens and {self.limits.max_running} rows")
-        self.waiting.append(req)
+        if req.preemptible and req.rows != 1:
+            raise ValueError("a preemptible request decodes one row")
+        (self.low if req.preemptible else self.waiting).append(req)
 
     def add_ingest(self, req: Request) -> None:
         req.status = Phase.INGESTING
@@ -158,7 +181,7 @@ class Scheduler:
             for row in req.forks:  # reserved, never forked
                 self.memory.release(row.job_id)
             req.forks = []
-            if req.status is Phase.PREFILLING:
+            if req.status is Phase.PREFILLING and not req.preemptible:
                 self.prefill_pending -= req.prefill_tokens
         return req
 
@@ -169,7 +192,8 @@ class Scheduler:
         req = self.running[job_id]
         if req.status is Phase.PREFILLING:
             req.status = Phase.DECODING
-            self.prefill_pending -= req.prefill_tokens
+            if not req.preemptible:
+                self.prefill_pending -= req.prefill_tokens
         if kv_tokens is not None and kv_tokens < req.kv_tokens:
             self.memory.shrink(job_id, kv_tokens)
             req.kv_tokens = kv_tokens
@@ -196,7 +220,7 @@ class Scheduler:
         try:
             head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
             for _ in range(head.rows - 1):
-                row = Request(next(self._row_ids), kv_tokens=head.kv_tokens)
+                row = Request(next(self.row_ids), kv_tokens=head.kv_tokens)
                 row.extent = self.memory.allocate(row.job_id, row.kv_tokens)
                 taken.append(row)
         except MemoryFull:
@@ -212,10 +236,11 @@ class Scheduler:
 
     def remove(self, job_id: RequestId) -> Request | None:
         """Take a request out wherever it is (cancellation); its `status` says where it was."""
-        for r in self.waiting:
-            if r.job_id == job_id:
-                self.waiting.remove(r)
-                return r
+        for queue in (self.waiting, self.low):
+            for r in queue:
+                if r.job_id == job_id:
+                    queue.remove(r)
+                    return r
         if job_id in self.running:
             return self.retire(job_id)
         for r in self.ingest:
@@ -226,26 +251,30 @@ class Scheduler:
 
     # -- the policy -------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """What the next step does. Admitted requests move to `running` and hold their extents."""
+        """What the next step does. Admitted requests move to `running` and hold their extents; preemptible
+        ones are preempted where a query needs what they hold (`plan.preempted`)."""
         lim = self.limits
         plan = StepPlan()
-        while self.waiting and self.rows_held + self.waiting[0].rows <= lim.max_running:
+        while self.waiting:
             head = self.waiting[0]
-            if not self.memory.can_allocate(head.kv_tokens):
-                break
             if self.prefill_pending and self.prefill_pending + head.prefill_tokens > lim.prefill_tokens_per_step:
                 break
-            if head.rows > 1 and not self._reserve(head):
+            if not self._hold(head, plan):
                 break
             self.waiting.popleft()
-            if head.rows == 1:
-                head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
             head.status = Phase.PREFILLING
             self.running[head.job_id] = head
             self.prefill_pending += head.prefill_tokens
             plan.admit.append(head)
+        while (self.low and not self.waiting and self.rows_held < lim.max_running
+               and self.memory.can_allocate(self.low[0].kv_tokens)):
+            low = self.low.popleft()
+            low.extent = self.memory.allocate(low.job_id, low.kv_tokens)
+            low.status = Phase.PREFILLING
+            self.running[low.job_id] = low
+            plan.admit.append(low)
         if self.ingest:
-            if not (self.running or self.waiting):
+            if not (self.waiting or any(not r.preemptible for r in self.running.values())):
                 plan.ingest, self._credit = self.ingest[0], 0.0
             else:
                 self._credit = min(1.0, self._credit + lim.ingest_share)
@@ -253,14 +282,69 @@ class Scheduler:
                     plan.ingest, self._credit = self.ingest[0], 0.0
             if plan.ingest is not None:
                 plan.ingest_tokens = lim.prefill_tokens_per_step
+                self._reserve_ingest(plan)
         else:
             self._credit = 0.0
+        plan.low_prefill = plan.ingest is None and not self.waiting
         return plan
 
-    def prefilling(self) -> list[Request]:
+    def _reserve_ingest(self, plan: StepPlan) -> None:
+        """The ingestion piece's forward holds a cache of its own while it runs (the model's, of a padded
+        batch): it runs only in a step whose memory can give that many tokens beside the running requests'
+        (its turn kept for the first step that can; preemptible requests are preempted for it), and the
+        core holds them as an extent meanwhile. One that could never fit goes ahead, and fails in the core."""
+        req = plan.ingest
+        assert req is not None
+        need = req.need(plan.ingest_tokens) if req.need is not None else 0
+        if 0 < need <= self.capacity and not self.memory.can_allocate(need):
+            if not self.memory.can_allocate(need, without={r.job_id for r in self._low_running()}):
+                plan.ingest, plan.ingest_tokens, self._credit = None, 0, 1.0
+                return
+            while not self.memory.can_allocate(need):  # ingestion outranks the preemptible class too
+                self._preempt(self._low_running()[-1], plan)
+        plan.ingest_kv = need
+
+    def _low_running(self) -> list[Request]:
+        """The running preemptible requests, oldest first."""
+        return [r for r in self.running.values() if r.preemptible]
+
+    def _hold(self, head: Request, plan: StepPlan) -> bool:
+        """Give the waiting query `head` its batch rows and extents, preempting running preemptible
+        requests (newest first) while they are what it waits for, and only when preempting them all would
+        make the room (rows and memory; n > 1 rows counted as one extent of their sum); False: it waits."""
+        low = self._low_running()
+        room = {r.job_id for r in low}
+        helps = bool(low) and (self.rows_held - len(low) + head.rows <= self.limits.max_running
+                               and self.memory.can_allocate(head.kv_tokens * head.rows, without=room))
+        while True:
+            if self.rows_held + head.rows <= self.limits.max_running:
+                if head.rows > 1:
+                    if self._reserve(head):
+                        return True
+                elif self.memory.can_allocate(head.kv_tokens):
+                    head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
+                    return True
+            low = self._low_running()
+            if not (helps and low):
+                return False
+            self._preempt(low[-1], plan)
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        """Free a preemptible request's extent and send it back to wait (at the head of its queue), to be
+        redone from the start."""
+        self.running.pop(req.job_id)
+        self.memory.release(req.job_id)
+        req.extent, req.status = None, Phase.WAITING
+        req.preemptions += 1
+        self.preemptions += 1
+        self.low.appendleft(req)
+        plan.preempted.append(req)
+
+    def prefilling(self, low: bool = True) -> list[Request]:
         """Running requests whose prefill is not complete, in admission order (the first gets the
-        step's prefill budget first)."""
-        return [r for r in self.running.values() if r.status is Phase.PREFILLING]
+        step's prefill budget first), queries before preemptible requests (those only when `low`)."""
+        mine = [r for r in self.running.values() if r.status is Phase.PREFILLING]
+        return [r for r in mine if not r.preemptible] + ([r for r in mine if r.preemptible] if low else [])
 
     def decode_batch(self) -> list[Request]:
         """Every running request past its prefill, in admission order: one batched decode step covers them."""

@@ -19,21 +19,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvfuse.fusion.engine.generation import Generation
 from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.errors import NonFiniteLogits
-from kvfuse.fusion.types import ChunkKV, FusedPrefill, GenerationOptions
+from kvfuse.fusion.types import ChunkKV, FusedPrefill, FusionOptions, GenerationOptions
 
 if TYPE_CHECKING:
     from kvfuse.fusion.engine.fusing import FusingEngine
 
 RequestId = int  # one request's id, from its arrival to its last output (the wire's job_id in the service)
-# kvfuse.fusion.types.FusionOptions: built by make_dataclass from the settings, so no checker can read it.
-FusionChoice = Any
 NewCache = Callable[[int], FusedCache]  # a cache for this many tokens (the engine core: a view of the extent)
 
 
@@ -56,7 +54,7 @@ class Sequence:
     `model_stops=False`: the model's stop tokens and strings do not end it either (a benchmark's stream,
     which must run its `max_tokens`); the request's own `stop` strings still do."""
 
-    def __init__(self, request_id: RequestId, prefix_ids: list[int], question_ids: list[int], fusion: FusionChoice,
+    def __init__(self, request_id: RequestId, prefix_ids: list[int], question_ids: list[int], fusion: FusionOptions | None,
                  gen_options: GenerationOptions, *, kv_tokens: int, prefill_tokens: int,
                  prefix: ChunkKV | None = None, chunks: list[ChunkKV] | None = None,
                  forced: list[int] | None = None, model_stops: bool = True, n: int = 1) -> None:
@@ -97,6 +95,14 @@ class Sequence:
         self.timings = {"kv_load_s": self._t_loaded - t0}
         self._steps = engine.fuse_steps(prefix, chunks, self.question_ids, self.fusion,
                                         max_tokens=self.gen_options.max_tokens, new_cache=new_cache)
+
+    def reset(self) -> None:
+        """Back to before `start` (it was preempted, its extent freed): the next admission redoes it."""
+        if self._steps is not None:
+            self._steps.close()
+        self._steps, self.gen, self.cache, self.first_logits = None, None, None, None
+        self.stats, self.timings = {}, {}
+        self._t_loaded = self._t_first = 0.0
 
     def advance(self, engine: FusingEngine, budget: int) -> tuple[int, str | None]:
         """Run the prefill for about `budget` rows x layers (at least one layer): (work done, the first

@@ -18,7 +18,7 @@ import torch
 
 from kvfuse.fusion.engine import core as E
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
-from kvfuse.fusion.engine.sequence import FusionChoice, Sequence
+from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.methods import get_method
 from kvfuse.fusion.types import (
     ChunkKV,
@@ -72,24 +72,8 @@ class _PrefilledSequence(_SoloSequence):
         self._steps = prefilled()
 
 
-class _ReplayedSequence(_PrefilledSequence):
-    """A prefill already fused whose first tokens come from `replay` rows before its own logits (their
-    tokens are in its cache already): `replay_steps`."""
-
-    def __init__(self, fused: FusedPrefill, gen: GenerationOptions, replay: torch.Tensor) -> None:
-        super().__init__(fused, gen)
-        self._replay: torch.Tensor | None = replay
-
-    def accept(self, logits: torch.Tensor) -> str:
-        rows, self._replay = self._replay, None
-        text = ""
-        for row in rows if rows is not None else []:
-            text += super().accept(row)
-        return text if self.generation.finished is not None else text + super().accept(logits)
-
-
 def generate(engine: FusingEngine, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],
-             fusion: FusionChoice | None = None, gen: GenerationOptions | None = None,
+             fusion: FusionOptions | None = None, gen: GenerationOptions | None = None,
              cancel: Callable[[], bool] | None = None) -> Iterator[TokenDelta | GenerationResult]:
     """Yields TokenDelta as text becomes printable, then one GenerationResult: `engine`'s fused prefill
     of prefix + chunks + question, decoded on a core of its own. `cancel` is polled before each engine
@@ -118,40 +102,16 @@ def decode_from(engine: FusingEngine, fused: FusedPrefill, gen: GenerationOption
     return _drive(engine, seq, cancel, started)
 
 
-def replay_steps(engine: FusingEngine, fused: FusedPrefill, replay: torch.Tensor, gen: GenerationOptions
-                 ) -> Generator[int, None, str]:
-    """Decoding on a core after a prefill already fused, its first tokens chosen from the `replay` rows
-    [j, vocab] (logits the caller computed, whose chosen tokens it wrote into `fused.cache`, so its
-    length is the prompt + j), then from `fused.logits`: the shadow check's greedy answer from where it
-    leaves the fused one (service/worker/shadow.py). Yields each engine step's rows x layers; returns the
-    answer's text."""
-    seq = _ReplayedSequence(fused, gen, replay)
-    for _ in _outputs(engine, seq, None):
-        yield engine.num_layers
-    return seq.generation.text
-
-
-def forced_steps(engine: FusingEngine, fused: FusedPrefill, feed: list[int]) -> Generator[int, None, torch.Tensor]:
+def forced_logits(engine: FusingEngine, fused: FusedPrefill, feed: list[int]) -> torch.Tensor:
     """Teacher forcing on a core: `feed` decoded after the prefill already fused, whatever the logits
-    choose. Yields the rows x layers of each engine step (the unit `fuse_steps` yields) and returns the
-    logits the tokens came from, [1 + len(feed), vocab] fp32: the prefill's, then one after each fed token."""
+    choose; the logits the tokens came from, [1 + len(feed), vocab] fp32: the prefill's, then one after
+    each fed token."""
     rows: list[torch.Tensor] = []
     seq = _PrefilledSequence(fused, GenerationOptions(max_tokens=len(feed) + 1, temperature=0.0), forced=list(feed))
     seq.on_step = lambda logits, _token: rows.append(logits.detach().float())
     for _ in _outputs(engine, seq, None):
-        yield engine.num_layers
+        pass
     return torch.stack(rows)
-
-
-def forced_logits(engine: FusingEngine, fused: FusedPrefill, feed: list[int]) -> torch.Tensor:
-    """`forced_steps` run whole."""
-    steps = forced_steps(engine, fused, feed)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            logits: torch.Tensor = done.value
-            return logits
 
 
 def _outputs(engine: FusingEngine, seq: _SoloSequence, cancel: Callable[[], bool] | None

@@ -131,14 +131,15 @@ class Transformer:
         self.layers = list(base.layers)
         self.norm = base.norm
         self.lm_head = model.lm_head
-        self.num_layers = len(self.layers)
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.num_layers: int = len(self.layers)
+        self.num_heads: int = int(cfg.num_attention_heads)
+        self.num_kv_heads: int = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim: int = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
         self._check_structure()
         self.scale = float(getattr(self.layers[0].self_attn, "scaling", self.head_dim**-0.5))
         weight = self.embed_tokens.weight
-        self.dtype = weight.dtype
+        self.dtype: torch.dtype = weight.dtype
+        self.device: torch.device = weight.device
         self.windows: list[int | None] = families.layer_windows(cfg, self.family)
         self.softcap: float | None = (float(cfg.attn_logit_softcapping) if self.family.attn_softcap
                                       and getattr(cfg, "attn_logit_softcapping", None) else None)

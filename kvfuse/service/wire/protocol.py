@@ -203,8 +203,8 @@ class ShadowResult:
     agreed: bool | None  # greedy answers agree under fidelity.metric; None: the fused answer was sampled
     answer_kl: float  # mean KL(P_full ‖ P_fused) over the fused answer's tokens, in nats
     answer_tokens: int
-    slices: int = 0  # engine slices the check ran in
-    max_slice_work: int = 0  # the largest slice's work, rows x layers (the bound a live request waits)
+    slices: int = 0  # engine steps the check ran in (on the engine core, redone ones included)
+    max_slice_work: int = 0  # the check's largest work in one step, rows x layers (what a live request waits)
     step: int = 0
     worker: str = ""
 
@@ -212,7 +212,8 @@ class ShadowResult:
 @dataclass
 class ShadowDropped:
     """A finished query's shadow check was dropped before it ran: the pending checks were as many as
-    fidelity.shadow_queue, or held fidelity.shadow_memory_mb, so the oldest went."""
+    fidelity.shadow_queue, or held fidelity.shadow_memory_mb, so the oldest went (or it could never fit
+    the KV memory, server.kv_budget_tokens, which holds a check's full prefill too)."""
 
     method: str
     step: int = 0

@@ -12,8 +12,9 @@ ends. Ready is sent once loaded (or Fatal). A query gets an Error at once if it 
 or KV memory); otherwise it waits in the engine and, when admitted, gets Plan (the chunks that fit),
 then Delta messages as its text grows, then one Result. A precompute job gets one Done (or Error).
 After every engine step the worker sends Step (batch size, queue depths, KV memory held), and every
-message names the step it came from. When the engine has nothing to do, `idle` runs a slice of the
-oldest shadow check (shadow.py): a ShadowResult (or ShadowDropped) goes to the API's fidelity ledger.
+message names the step it came from. Shadow checks of finished queries (shadow.py) run on the same
+engine core, as its lowest, preemptible class: their outputs stay here, and a check's ShadowResult (or a
+ShadowDropped) goes to the API's fidelity ledger.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from kvfuse.service.wire.protocol import (
     ERR_INVALID,
 )
 from kvfuse.service.worker.chunk_kv import ChunkCache
-from kvfuse.service.worker.sequences import IngestTask, plan_query
+from kvfuse.service.worker.sequences import DeferredChunks, IngestTask, plan_query
 from kvfuse.service.worker.shadow import ShadowChecks
 
 log = logging.getLogger("kvfuse.worker")
@@ -70,9 +71,9 @@ class WorkerCore:
         from kvfuse.fusion.engine.grammar import ll_tokenizer
 
         ll_tokenizer(self.engine.tokenizer, self.engine.stop_token_ids)  # response_format's, made once (grammar.py)
-        self.shadow = ShadowChecks(settings.fidelity, self.engine)  # run only when the engine is idle
+        self.shadow = ShadowChecks(settings.fidelity, self.engine, self.core)  # on the core, preemptible
         self._deferring: set[str] = set()  # keys of cold chunks a deferred computation holds (`defer`)
-        self._internal = 0  # the last internal job's id: negative, never an API job's
+        self._deferred_jobs: set[int] = set()  # the ids of those computations (the core's private ids)
 
     @property
     def scheduler(self) -> Any:
@@ -138,7 +139,8 @@ class WorkerCore:
                     self.defer(seq.deferred)
             elif isinstance(msg, P.PrecomputeJob):
                 task = IngestTask(msg)
-                self.core.add_ingest(msg.job_id, lambda budget, task=task: task.run_piece(self.kv, budget))
+                self.core.add_ingest(msg.job_id, lambda budget, task=task: task.run_piece(self.kv, budget),
+                                     lambda budget, task=task: task.need(self.kv, budget))
             elif isinstance(msg, P.Cancel):
                 for out in self.core.abort(msg.job_id):
                     self._on_output(out)
@@ -150,31 +152,15 @@ class WorkerCore:
 
     def defer(self, chunks: list[P.ChunkRef]) -> None:
         """Compute, at ingestion's share of the engine steps, the cold chunks of a query answered by a full
-        prefill instead (sequences.plan_query), so the next query over them reads them. An internal job (a
-        negative id: nothing is reported to the API) of the chunks not already deferred, a piece of up to
-        the step's token budget (a chunk's tokens and its context's) at a time."""
+        prefill instead (sequences.plan_query), so the next query over them reads them: an ingestion job of
+        the worker's own (a private id: nothing is reported to the API) of those not already deferred
+        (`DeferredChunks`)."""
         todo = [c for c in chunks if c.key not in self._deferring]
-        if not todo:
-            return
-        self._deferring.update(c.key for c in todo)
-        self._internal -= 1
-
-        def piece(budget: int) -> int | None:
-            part, tokens = [], 0
-            while todo and (not part or tokens + len(todo[0].token_ids) + len(todo[0].context or ()) <= budget):
-                c = todo.pop(0)
-                part.append(c)
-                tokens += len(c.token_ids) + len(c.context or ())
-            try:
-                self.kv.compute_and_keep([(c.key, c.token_ids, c.context) for c in part])
-            except BaseException:
-                self._deferring.difference_update(c.key for c in todo)  # the job ends here: none held
-                raise
-            finally:
-                self._deferring.difference_update(c.key for c in part)
-            return None if todo else len(chunks)
-
-        self.core.add_ingest(self._internal, piece)
+        if todo:
+            job_id = self.core.private_id()
+            self._deferred_jobs.add(job_id)
+            task = DeferredChunks(todo, self._deferring)
+            self.core.add_ingest(job_id, lambda budget: task.run_piece(self.kv, budget), task.need)
 
     # -- the engine step -------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -186,6 +172,11 @@ class WorkerCore:
         """An engine output as the wire's message(s)."""
         from kvfuse.fusion.engine import core as E
 
+        job_id = getattr(out, "job_id", None)
+        if job_id is not None and self.shadow.owns(job_id):  # the shadow check's own: only its verdict goes out
+            for msg in self.shadow.on_output(out, self.step_no):
+                self.send(msg)
+            return
         if isinstance(out, E.Token):
             self.send(P.Delta(out.job_id, out.text, self.step_no, out.logprobs, out.index))
         elif isinstance(out, E.Admitted):
@@ -197,12 +188,12 @@ class WorkerCore:
             self.send(query.result(self.step_no))
             for msg in self.shadow.offer(query, self.step_no):  # choice 0's answer: one check per query
                 self.send(msg)
-        elif isinstance(out, E.Failed) and out.job_id < 0:  # a deferred computation: logged, the query answered
-            log.error("deferred chunk computation failed: %s", "".join(traceback.format_exception(out.error)))
+        elif isinstance(out, E.Failed | E.Ingested) and out.job_id in self._deferred_jobs:
+            self._deferred_jobs.discard(out.job_id)  # a deferred computation ended: its query was answered
+            if isinstance(out, E.Failed):
+                log.error("deferred chunk computation failed: %s", "".join(traceback.format_exception(out.error)))
         elif isinstance(out, E.Failed):
             self.send(self.error(out.job_id, out.error))
-        elif isinstance(out, E.Ingested) and out.job_id < 0:
-            pass  # the deferred chunks are kept: nothing to report
         elif isinstance(out, E.Ingested):
             out.value.step = self.step_no
             self.send(out.value)
@@ -210,24 +201,12 @@ class WorkerCore:
             self.send(P.Step(out.step, out.batch, out.admitted, out.ingest, out.running, out.waiting, out.kv_tokens,
                              kv_bytes=out.kv_bytes))
 
-    def idle(self) -> None:
-        """One slice of shadow work (the engine is idle); a check that ends sends its verdict."""
-        try:
-            verdict = self.shadow.run_slice(self.step_no)
-        except Exception:  # noqa: BLE001 - a failed check is logged and dropped; queries go on
-            log.error("shadow check failed: %s", traceback.format_exc())
-            self.shadow.abandon()
-            return
-        if verdict is not None:
-            self.send(verdict)
-
 
 def serve_pipe(worker: WorkerCore, conn: Connection) -> None:
-    """The local transport: read the pipe (blocking only when idle), then one engine step, or a shadow
-    slice when the engine has nothing to do."""
+    """The local transport: read the pipe (blocking only when idle), then one engine step."""
     worker.send(P.Ready(worker.info()))
     while True:
-        timeout = 0.0 if worker.has_work or worker.shadow.pending else None
+        timeout = 0.0 if worker.has_work else None
         try:
             while conn.poll(timeout):
                 if not worker.receive(conn.recv()):
@@ -237,8 +216,6 @@ def serve_pipe(worker: WorkerCore, conn: Connection) -> None:
             return  # the API went away
         if worker.has_work:
             worker.step()
-        elif worker.shadow.pending:
-            worker.idle()
 
 
 def worker_main(settings: Settings, conn: Connection) -> None:

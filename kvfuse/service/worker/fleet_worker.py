@@ -315,7 +315,7 @@ class FleetWorker:
                 if not self.routes or time.monotonic() > deadline:
                     return
             try:
-                busy = self.worker.has_work or self.worker.shadow.pending  # shadow work: poll, never block
+                busy = self.worker.has_work  # shadow checks included: poll, never block
                 free = 0 if self._stop.is_set() else self.capacity()
                 if free:
                     got = self.r.xreadgroup(GROUP, self.name, streams, count=free,
@@ -333,8 +333,6 @@ class FleetWorker:
                 self.flush()
                 if self.worker.has_work:
                     self.worker.step()
-                elif self.worker.shadow.pending:
-                    self.worker.idle()
                 self.flush()
             except self._redis.RedisError as err:
                 if "NOGROUP" in str(err):  # taken for dead after a long stall: its own stream went; join again

@@ -191,25 +191,52 @@ class IngestTask:
         self.todo: list[int] = []  # chunk indices still to compute
         self.computed = 0
 
+    def _plan(self, kv: ChunkCache) -> None:
+        """The chunks' keys, and which of them are still to compute (once, before the first piece)."""
+        if self.keys is not None:
+            return
+        chunks = self.job.chunks
+        self.keys = [kv.key_of(ids, self.job.context(i)) for i, ids in enumerate(chunks)]
+        for i, (key, ids) in enumerate(zip(self.keys, chunks, strict=True)):
+            if kv.store.has_or_fetch(key):
+                # Content-addressed: an identical chunk (same model, dtype, tokens, context) is stored once
+                # (taken from the object store when only that holds it).
+                self.nbytes.append(kv.stored_nbytes(len(ids)))
+            else:
+                self.nbytes.append(-1)
+                self.todo.append(i)
+
+    def _piece(self, budget_tokens: int) -> list[int]:
+        """The chunks of the next piece: up to the budget of tokens (contexts counted), at least one."""
+        piece: list[int] = []
+        tokens = 0
+        for i in self.todo:
+            cost = len(self.job.chunks[i]) + len(self.job.context(i))  # a context is prefilled too
+            if piece and tokens + cost > budget_tokens:
+                break
+            piece.append(i)
+            tokens += cost
+        return piece
+
+    def need(self, kv: ChunkCache, budget_tokens: int) -> int:
+        """The KV tokens the next piece's forward passes hold at most (the model's own cache,
+        FusionEngine.precompute / precompute_run): a batch of chunks alone is padded to its longest, at
+        most `fusion.precompute_batch_tokens` unless one chunk is longer; chunks after a context hold
+        their context too, a run of them at most the sum of their costs. The engine core reserves it."""
+        self._plan(kv)
+        piece = self._piece(budget_tokens)
+        alone = [len(self.job.chunks[i]) for i in piece if not self.job.context(i)]
+        after = sum(len(self.job.chunks[i]) + len(self.job.context(i)) for i in piece if self.job.context(i))
+        batch = min(len(alone) * max(alone), max(kv.engine.precompute_batch_tokens, max(alone))) if alone else 0
+        return max(batch, after)
+
     def run_piece(self, kv: ChunkCache, budget_tokens: int) -> P.Done | None:
         """Compute the next piece; the job's Done once every chunk is stored."""
+        self._plan(kv)
+        assert self.keys is not None
         chunks = self.job.chunks
-        if self.keys is None:
-            self.keys = [kv.key_of(ids, self.job.context(i)) for i, ids in enumerate(chunks)]
-            for i, (key, ids) in enumerate(zip(self.keys, chunks, strict=True)):
-                if kv.store.has_or_fetch(key):
-                    # Content-addressed: an identical chunk (same model, dtype, tokens, context) is stored once
-                    # (taken from the object store when only that holds it).
-                    self.nbytes.append(kv.stored_nbytes(len(ids)))
-                else:
-                    self.nbytes.append(-1)
-                    self.todo.append(i)
-        piece, tokens = [], 0
-        cost = lambda i: len(chunks[i]) + len(self.job.context(i))  # noqa: E731 - a context is prefilled too
-        while self.todo and (not piece or tokens + cost(self.todo[0]) <= budget_tokens):
-            i = self.todo.pop(0)
-            piece.append(i)
-            tokens += cost(i)
+        piece = self._piece(budget_tokens)
+        self.todo = self.todo[len(piece):]
         if piece:
             stored = dict(kv.compute_and_store([chunks[i] for i in piece], [self.job.context(i) for i in piece],
                                                referenced_only=self.job.referenced_only))
@@ -219,3 +246,44 @@ class IngestTask:
         if self.todo:
             return None
         return P.Done(self.job.job_id, list(self.keys), list(self.nbytes), self.computed)
+
+
+class DeferredChunks:
+    """The cold chunks of a query answered by a full prefill (plan_query), computed after it as an
+    ingestion job: a piece of up to the step's token budget (a chunk's tokens and its context's) at a time,
+    each computed after its recorded context and kept (ChunkCache.compute_and_keep). Their keys sit in
+    `holding` (the worker's, shared by every such job) until computed, so a query that meets them meanwhile
+    defers none of them again."""
+
+    def __init__(self, chunks: list[P.ChunkRef], holding: set[str]) -> None:
+        self.todo = list(chunks)
+        self.total = len(chunks)
+        self.holding = holding
+        holding.update(c.key for c in chunks)
+
+    def _piece(self, budget_tokens: int) -> list[P.ChunkRef]:
+        piece, tokens = [], 0
+        for c in self.todo:
+            cost = len(c.token_ids) + len(c.context or ())
+            if piece and tokens + cost > budget_tokens:
+                break
+            piece.append(c)
+            tokens += cost
+        return piece
+
+    def need(self, budget_tokens: int) -> int:
+        """The KV tokens the next piece's forward passes hold at most: the chunks with their contexts."""
+        return sum(len(c.token_ids) + len(c.context or ()) for c in self._piece(budget_tokens))
+
+    def run_piece(self, kv: ChunkCache, budget_tokens: int) -> int | None:
+        """Compute and keep the next piece; the chunk count once every chunk is done."""
+        piece = self._piece(budget_tokens)
+        self.todo = self.todo[len(piece):]
+        try:
+            kv.compute_and_keep([(c.key, c.token_ids, c.context) for c in piece])
+        except BaseException:
+            self.holding.difference_update(c.key for c in self.todo)  # the job ends here: none held
+            raise
+        finally:
+            self.holding.difference_update(c.key for c in piece)
+        return None if self.todo else self.total

@@ -1,4 +1,4 @@
-"""Shadow checks: a share of finished fused queries re-run as a full prefill when the worker is idle, to
+"""Shadow checks: a share of finished fused queries re-run as a full prefill on the engine core, to
 measure live what fusion changed in the answers (docs/DESIGN.md, "The quality contract").
 
 A query picked for a check (`fidelity.shadow_rate`, a deterministic credit: rate 0.25 picks every fourth)
@@ -8,38 +8,53 @@ the answer's tokens and those distributions; the query itself is retired as usua
 bounded queue (`fidelity.shadow_queue` checks, `fidelity.shadow_memory_mb` of distributions): when either
 is reached the oldest is dropped and counted.
 
-A check runs only while the scheduler has nothing to do, in slices, and the worker reads its pipe
-between slices, so a request that arrives waits for at most one slice. A slice is small by design, far
-smaller than a live prefill's engine step: at most `fidelity.shadow_slice_tokens` prompt rows through
-every decoder layer, or one decode step (docs/results/contract/ has what a larger slice cost under load).
+The check in progress (one at a time) is a `ShadowSequence` on the worker's own engine core, in the
+scheduler's lowest, preemptible class (kvfuse/fusion/engine/scheduler.py): admitted only while no query
+waits, its extent of prompt + answer tokens held in the same KV memory as every query's (so the budget
+counts it), its prefill run from the budget a step's queries leave (none in a step with ingestion), and
+preempted when a query needs its memory or its batch row (its extent freed, the check redone from the
+start once there is room again). So a query arriving during a check waits for at most the rest of one
+engine step. On the core it is:
 
-1. the full prefill of the same token ids, a piece of `shadow_slice_tokens` consecutive positions at a
-   time (chunked prefill, kvfuse/fusion/piecewise_prefill.py: the same cache and logits as one whole
-   prefill), one piece per slice;
-2. teacher forcing: the fused answer's tokens through the full prefill's cache, a layer at a time
-   within the same budget, giving P_full at every answer token; answer KL = mean KL(P_full ‖ P_fused);
-3. when the fused answer was greedy (and not adjusted by a logit_bias or a penalty: those answers get
-   the KL only, as sampled ones do), the full prefill's own greedy answer, compared with the fused one
-   under `fidelity.metric` (kvfuse/answer_match.py). It shares the fused answer's tokens up to the first
-   position where the teacher-forced argmax differs, so only the rest is decoded, on an engine core of
-   its own over the full prefill's cache (engine/solo.py `replay_steps`), one engine step per slice (an
-   answer the full prefill would have given token for token costs no decode step at all).
+1. the full prefill (`vanilla`) of the same token ids, a decoder layer at a time as any prefill;
+2. teacher forcing: the fused answer's tokens taken as forced tokens (`Sequence(forced=...)`), one
+   batched decode step each, the logits of each step being P_full at that answer token; answer KL =
+   mean KL(P_full ‖ P_fused);
+3. when the fused answer was greedy (and not adjusted by a logit_bias, a penalty or a grammar: those
+   answers get the KL only, as sampled ones do), the full prefill's own greedy answer, compared with the
+   fused one under `fidelity.metric` (kvfuse/answer_match.py). It shares the fused answer's tokens up to
+   the first position j where the teacher-forced argmax differs, so the cache is cut back to the prompt
+   + j rows teacher forcing wrote, those j tokens are replayed from the rows already computed, and only
+   the rest is decoded, in the same sequence (an answer the full prefill would have given token for
+   token costs no decode step past the forcing).
 
 The verdict crosses to the API as a `ShadowResult` (counts only); the check and its token ids are then
-dropped. A check in progress holds one full-prefill cache (prompt + answer) outside the KV budget.
+dropped.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from kvfuse.answer_match import same_answer
+from kvfuse.fusion.engine import core as E
+from kvfuse.fusion.engine.generation import Generation
+from kvfuse.fusion.engine.sequence import Sequence
+from kvfuse.fusion.teacher_forcing import answer_kl
+from kvfuse.fusion.types import ChunkKV, FusionOptions, GenerationOptions
 from kvfuse.service.wire import protocol as P
 
-ENDS_SLICE = True  # a decode step is a slice of its own
+if TYPE_CHECKING:
+    from kvfuse.fusion.engine.core import EngineCore
+    from kvfuse.fusion.engine.fusing import FusingEngine
+
+log = logging.getLogger("kvfuse.worker")
 
 
 def _plain_greedy(opts: Any) -> bool:
@@ -60,7 +75,7 @@ class ShadowCheck:
     prompt: list[list[int]]  # prefix, each kept chunk, question
     answer_tokens: list[int]  # the fused answer's tokens, its stop token included
     answer_text: str
-    fused_steps: Any  # [len(answer_tokens), vocab] fp16 logits of the fused answer's steps
+    fused_steps: torch.Tensor  # [len(answer_tokens), vocab] fp16 logits of the fused answer's steps
     greedy: bool
     max_tokens: int
     stop: list[str]
@@ -69,28 +84,124 @@ class ShadowCheck:
     def context_tokens(self) -> int:
         return sum(len(c) for c in self.prompt[1:-1])
 
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(c) for c in self.prompt)
+
+
+class ShadowSequence(Sequence):
+    """A check on the engine core (the module docstring): the full prefill, the fused answer forced, then
+    the greedy answer from the first divergence; `verdict` once it finished. `clock()`: the core's step
+    number, to count the engine steps the check ran in and its largest step's work (rows x layers)."""
+
+    def __init__(self, request_id: int, check: ShadowCheck, engine: FusingEngine, metric: str,
+                 clock: Callable[[], int]) -> None:
+        prefix, *chunks, question = check.prompt
+        room = max(check.max_tokens, len(check.answer_tokens))  # forcing the answer, or the greedy answer
+        super().__init__(request_id, list(prefix), list(question), FusionOptions(method="vanilla"),
+                         GenerationOptions(max_tokens=room, temperature=0.0),
+                         kv_tokens=check.prompt_tokens + room, prefill_tokens=check.prompt_tokens,
+                         prefix=ChunkKV(list(prefix)), chunks=[ChunkKV(list(c)) for c in chunks],
+                         forced=list(check.answer_tokens))
+        self.check, self.engine, self.metric, self.clock = check, engine, metric, clock
+        self.verdict: P.ShadowResult | None = None
+        self.steps = self.max_step_work = 0
+        self._step = self._step_work = 0
+        self._rows: list[torch.Tensor] = []  # P_full at each answer token so far (fp32, CPU)
+        self._forcing = True
+        self._prompt_len = 0
+        self._kl = 0.0
+
+    def reset(self) -> None:
+        super().reset()
+        self.forced, self.verdict = list(self.check.answer_tokens), None
+        self._rows, self._forcing = [], True
+
+    # -- work accounting ---------------------------------------------------------------------------------
+    def _count(self, work: int) -> None:
+        step = self.clock()
+        if step != self._step:
+            self._step, self._step_work = step, 0
+            self.steps += 1
+        self._step_work += work
+        self.max_step_work = max(self.max_step_work, self._step_work)
+
+    def advance(self, engine: FusingEngine, budget: int) -> tuple[int, str | None]:
+        spent, text = super().advance(engine, budget)
+        self._count(spent)
+        return spent, text
+
+    # -- tokens ------------------------------------------------------------------------------------------
+    def accept(self, logits: torch.Tensor) -> str:
+        self._prompt_len = self.fused_cache.length  # the prefill is complete: the prompt's rows
+        return self._taken(logits, lambda: super(ShadowSequence, self).accept(logits))
+
+    def accept_token(self, token: int, logits: torch.Tensor) -> str:
+        self._count(self.engine.num_layers)  # one row through every layer in the batched step
+        return self._taken(logits, lambda: super(ShadowSequence, self).accept_token(token, logits))
+
+    def _taken(self, logits: torch.Tensor, take: Callable[[], str]) -> str:
+        """Take a token (forced while forcing, which keeps its row); the check's next phase when the
+        forcing or the greedy answer ended. Its text is the check's own: nothing to emit."""
+        if self._forcing:
+            self._rows.append(logits.detach().reshape(-1).to("cpu", torch.float32, copy=True))
+        take()
+        gen = self.generation
+        if self._forcing and len(self._rows) == len(self.check.answer_tokens):
+            self._forced()
+        elif not self._forcing and gen.finished is not None:
+            self._judge(same_answer(self.check.answer_text, gen.text, self.metric))
+        return ""
+
+    def _forced(self) -> None:
+        """The whole fused answer is forced: its KL, and the greedy answer where there is one to compare."""
+        self._forcing = False
+        check, rows = self.check, torch.stack(self._rows)
+        self._kl = answer_kl(rows, check.fused_steps.float())
+        if not check.greedy:
+            return self._judge(None)
+        chosen = rows.argmax(-1).tolist()
+        j = next((i for i, (a, b) in enumerate(zip(chosen, check.answer_tokens, strict=True)) if a != b), None)
+        if j is None:
+            return self._judge(True)  # the same tokens, so the same text
+        # The full prefill's greedy answer shares the fused one's first j tokens, whose rows teacher forcing
+        # wrote: cut the cache back to them, replay them from their rows, decode only from there.
+        self.fused_cache.length = self._prompt_len + j
+        e = self.engine
+        opts = GenerationOptions(max_tokens=check.max_tokens, temperature=0.0, stop=check.stop)
+        gen = self.gen = Generation(e.tokenizer, e.stop_token_ids, opts, e.device, e.stop_strings)
+        self.forced = None
+        for row in self._rows[: j + 1]:
+            gen.accept(row.to(e.device))
+            if gen.finished is not None:
+                return self._judge(same_answer(check.answer_text, gen.text, self.metric))
+        return None
+
+    def _judge(self, agreed: bool | None) -> None:
+        check = self.check
+        self.verdict = P.ShadowResult(check.method, check.recompute_ratio, check.context_tokens, agreed, self._kl,
+                                      len(check.answer_tokens), self.steps, self.max_step_work)
+        self.generation.finished = self.generation.finished or "length"  # the core retires it now
+
 
 class ShadowChecks:
-    """The worker's shadow checks: which queries to watch, the pending queue, the check in progress."""
+    """The worker's shadow checks: which queries to watch, the pending queue, the check on the core."""
 
-    def __init__(self, fidelity: Any, engine: Any) -> None:
-        """fidelity: config.FidelitySettings. A slice's work, rows x layers: `shadow_slice_tokens` rows
-        through every layer (a teacher-forced answer longer than that may overshoot by under one layer)."""
+    def __init__(self, fidelity: Any, engine: FusingEngine, core: EngineCore) -> None:
+        """fidelity: config.FidelitySettings; core: the worker's engine core, which runs the checks."""
         self.rate = fidelity.shadow_rate
         self.metric = fidelity.metric
-        self.engine = engine
-        self.piece_rows = fidelity.shadow_slice_tokens
-        self.slice_work = fidelity.shadow_slice_tokens * engine.num_layers
+        self.engine, self.core = engine, core
         self.queue: deque[ShadowCheck] = deque()
         self.max_checks = fidelity.shadow_queue
         self.max_bytes = int(fidelity.shadow_memory_mb * 2**20)
         self._credit = 0.0
-        self._run: Generator[tuple[int, bool], None, P.ShadowResult] | None = None
-        self._slices = self._max_slice = 0
+        self.running: ShadowSequence | None = None
+        self.preempted = 0  # checks sent back by a query that needed their memory (each redone later)
 
     @property
     def pending(self) -> bool:
-        return self._run is not None or bool(self.queue)
+        return self.running is not None or bool(self.queue)
 
     # -- picking and keeping -------------------------------------------------------------------------------
     def watch(self, seq: Any) -> None:
@@ -104,13 +215,11 @@ class ShadowChecks:
             seq.on_logits = lambda logits, seq=seq: self.record(seq, logits)
 
     def offer(self, seq: Any, step: int) -> list[Any]:
-        """A watched query finished: queue its check (messages to send: a ShadowDropped when the queue was
-        full). A cancelled answer is not checked."""
+        """A watched query finished: queue its check and start it on the core if none runs (messages to
+        send: a ShadowDropped when the queue was full). A cancelled answer is not checked."""
         steps, seq.shadow_steps = seq.shadow_steps, None
         if steps is None or seq.gen is None or seq.gen.finished not in ("stop", "length") or not steps:
             return []
-        import torch
-
         gen = seq.gen
         tokens = list(gen.token_ids)
         if gen.last_token in self.engine.stop_token_ids:
@@ -124,7 +233,7 @@ class ShadowChecks:
         out: list[Any] = []
         while len(self.queue) > self.max_checks or (self.queue and self.held_bytes > self.max_bytes):
             out.append(P.ShadowDropped(self.queue.popleft().method, step))  # the oldest goes (even this one)
-        return out
+        return out + self.submit(step)
 
     @property
     def held_bytes(self) -> int:
@@ -132,80 +241,45 @@ class ShadowChecks:
         return sum(c.fused_steps.numel() * c.fused_steps.element_size() for c in self.queue)
 
     @staticmethod
-    def record(seq: Any, logits: Any) -> None:
+    def record(seq: Any, logits: torch.Tensor) -> None:
         """Keep one step's logits of a watched query (fp16 on the CPU)."""
         if getattr(seq, "shadow_steps", None) is not None:
             seq.shadow_steps.append(logits.detach().reshape(-1).to("cpu", copy=True).half())
 
-    def abandon(self) -> None:
-        """Drop the check in progress (it failed)."""
-        self._run = None
-
     # -- running ---------------------------------------------------------------------------------------------
-    def run_slice(self, step: int) -> P.ShadowResult | None:
-        """One slice of the check in progress (starting the oldest pending one if none is): the verdict
-        when the check ends in this slice."""
-        if self._run is None:
-            if not self.queue:
-                return None
-            self._run = self._check(self.queue.popleft())
-            self._slices = self._max_slice = 0
-        spent = 0
-        try:
-            while spent < self.slice_work:
-                work, ends = next(self._run)
-                spent += work
-                if ends:
-                    break
-        except StopIteration as done:
-            verdict = done.value
+    def submit(self, step: int) -> list[Any]:
+        """Put the oldest pending check on the core when none is there; one that could never fit the KV
+        memory is dropped and counted (a ShadowDropped to send)."""
+        out: list[Any] = []
+        while self.running is None and self.queue:
+            check = self.queue.popleft()
+            seq = ShadowSequence(self.core.private_id(), check, self.engine, self.metric, lambda: self.core.step_no)
+            try:
+                self.core.add(seq, preemptible=True)
+            except ValueError:
+                out.append(P.ShadowDropped(check.method, step))
+                continue
+            self.running = seq
+        return out
+
+    def owns(self, job_id: int) -> bool:
+        """Whether an engine output of this id is the check in progress's."""
+        return self.running is not None and job_id == self.running.request_id
+
+    def on_output(self, out: E.Output, step: int) -> list[Any]:
+        """An engine output of the check in progress: the messages to send (its verdict when it finished,
+        then what starting the next check gives). A failed check is logged and dropped; queries go on."""
+        done: list[Any] = []
+        if isinstance(out, E.Preempted):
+            self.preempted += 1
+            return []
+        if isinstance(out, E.Finished) and self.running is not None and self.running.verdict is not None:
+            verdict = self.running.verdict
+            verdict.step = step
+            done.append(verdict)
+        elif isinstance(out, E.Failed):
+            log.error("shadow check failed: %s", out.error, exc_info=out.error)
         else:
-            verdict = None
-        self._slices += 1
-        self._max_slice = max(self._max_slice, spent)
-        if verdict is None:
-            return None
-        self._run = None
-        verdict.slices, verdict.max_slice_work, verdict.step = self._slices, self._max_slice, step
-        return verdict
-
-    def _check(self, check: ShadowCheck) -> Generator[tuple[int, bool], None, P.ShadowResult]:
-        from kvfuse.fusion.engine import solo
-        from kvfuse.fusion.piecewise_prefill import prefill_steps
-        from kvfuse.fusion.teacher_forcing import answer_kl, teacher_forced_steps
-        from kvfuse.fusion.types import FusedPrefill, GenerationOptions
-
-        engine = self.engine
-        room = max(check.max_tokens, len(check.answer_tokens))
-        fused = yield from _tagged(prefill_steps(engine, check.prompt, self.piece_rows, max_tokens=room), False)
-        prompt_len = fused.cache.length
-        logits = yield from _tagged(teacher_forced_steps(engine, fused, check.answer_tokens), False)
-        kl = answer_kl(logits, check.fused_steps.float())
-        agreed = None
-        if check.greedy:
-            # The full prefill's greedy answer shares the fused one's tokens up to the first position where
-            # its teacher-forced argmax differs: replay those rows, decode only from there.
-            chosen = logits.argmax(-1).tolist()
-            j = next((i for i, (a, b) in enumerate(zip(chosen, check.answer_tokens, strict=True)) if a != b), None)
-            if j is None:
-                agreed = True  # the same tokens, so the same text
-            else:
-                fused.cache.length = prompt_len + j  # the rows of the shared tokens, written by teacher forcing
-                diverged = FusedPrefill(fused.cache, logits[j], fused.selected, fused.stats, {})
-                opts = GenerationOptions(max_tokens=check.max_tokens, temperature=0.0, stop=check.stop)
-                # decoded on an engine core (the runner's step is under inference_mode), a step per slice
-                text = yield from _tagged(solo.replay_steps(engine, diverged, logits[:j], opts), ENDS_SLICE)
-                agreed = same_answer(check.answer_text, text, self.metric)
-        return P.ShadowResult(check.method, check.recompute_ratio, check.context_tokens, agreed, kl,
-                              len(check.answer_tokens))
-
-
-def _tagged(steps: Generator[int, None, Any], ends_slice: bool) -> Generator[tuple[int, bool], None, Any]:
-    """A stepped generator's work, each unit tagged `ends_slice` (True: a slice of its own, as an engine
-    step is; False: sharing a slice with what follows, as a decoder layer does); returns its value."""
-    while True:
-        try:
-            work = next(steps)
-        except StopIteration as done:
-            return done.value
-        yield work, ends_slice
+            return []  # its admission and its (empty) text
+        self.running = None
+        return done + self.submit(step)

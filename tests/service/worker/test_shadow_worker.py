@@ -1,6 +1,6 @@
 """Shadow checks in the worker (worker/shadow.py) through its supervisor: a real worker process, the real
 default model. What a live request waits behind shadow work is asserted on the messages' engine steps
-and the checks' own slice accounting, never on wall time."""
+and the checks' own accounting of their work per engine step, never on wall time."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvfuse.service.wire import protocol as P
 
 pytestmark = pytest.mark.slow
 
-SLICE_TOKENS = 32  # prompt rows per shadow slice, so one check spans many
+PREFILL_TOKENS = 32  # the engine's prefill budget per step (x layers), so one check's prefill spans many
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,8 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     root = tmp_path_factory.mktemp("shadow-worker")
     settings = load_settings(data_dir=root / "data", model_cache_dir=MODEL_CACHE, log_level="warning",
                              model={"max_context_tokens": 4096, "threads": 1},
-                             fidelity={"shadow_rate": 1.0, "shadow_queue": 2, "shadow_slice_tokens": SLICE_TOKENS})
+                             server={"prefill_tokens_per_step": PREFILL_TOKENS},
+                             fidelity={"shadow_rate": 1.0, "shadow_queue": 2})
     h = Harness(settings)
     h.verdicts = []
     h.sup.shadow_sink = h.verdicts.append  # called on the harness's loop
@@ -46,14 +47,14 @@ def until_verdicts(h: Harness, n: int) -> list:
     return h.call(go())
 
 
-def test_a_live_request_waits_at_most_one_slice_of_shadow_work(harness: Harness, chunks) -> None:
-    big = query(chunks, list(range(8)), max_tokens=6)  # ~540 prompt tokens: a check of many slices
+def test_a_live_request_waits_at_most_one_step_of_shadow_work(harness: Harness, chunks) -> None:
+    big = query(chunks, list(range(8)), max_tokens=6)  # ~540 prompt tokens: a check over many engine steps
     small = query(chunks, [9], method="vanilla", max_tokens=4)  # never shadowed (it is the full prefill)
     before = len(harness.verdicts)
 
     async def go():
         first = await harness.collect(harness.sup.submit(big))
-        # The check of `big` starts as soon as the worker is idle; `small` arrives while it runs.
+        # The check of `big` goes on the engine core when it finishes; `small` arrives while it runs.
         second = await harness.collect(harness.sup.submit(small))
         return first, second
 
@@ -62,14 +63,13 @@ def test_a_live_request_waits_at_most_one_slice_of_shadow_work(harness: Harness,
     (verdict,) = until_verdicts(harness, before + 1)[before:]
     layers = harness.sup.info["num_layers"]
     prompt = sum(first.result.usage[k] for k in ("prefix_tokens", "context_tokens", "question_tokens"))
-    budget = SLICE_TOKENS * layers
-    answer = verdict.answer_tokens
-    assert verdict.method == "anchor" and answer >= 1 and verdict.answer_kl >= 0
-    # The bound: a slice is `shadow_slice_tokens` prompt rows through every layer, overshot by at most one
-    # layer of the teacher-forced answer's rows (or one decode step), far below a whole prefill's
-    # prompt x layers; the check's prefill alone needed one slice per piece of the prompt.
-    assert verdict.slices >= -(-prompt // SLICE_TOKENS)
-    assert verdict.max_slice_work < budget + answer < prompt * layers // 8
+    budget = PREFILL_TOKENS * layers
+    assert verdict.method == "anchor" and verdict.answer_tokens >= 1 and verdict.answer_kl >= 0
+    # The bound: the check's prefill takes the step's prefill budget (rows x layers) that queries leave,
+    # overshooting it by under one layer of its prompt's rows, and a decode row per step after it: about
+    # one engine step, far below its whole prefill's prompt x layers.
+    assert verdict.slices >= prompt * layers // (budget + prompt)
+    assert verdict.max_slice_work < budget + prompt + layers < prompt * layers // 8
     # `small` did not wait for the whole check: it was admitted, ran and finished before the check ended.
     assert second.plan.step < second.result.step <= verdict.step
     assert verdict.step > first.result.step

@@ -43,6 +43,8 @@ def test_ingest_then_queries_batched_and_cancelled(worker, essays, default_llm_p
     out = drive(worker, P.PrecomputeJob(chunks=chunks, job_id=1))
     done = next(m for m in out if isinstance(m, P.Done))
     assert done.computed == 4 and len(done.keys) == 4 and done.worker == worker.name
+    # each piece's forward cache was reserved in the KV memory, within its budget
+    assert 0 < worker.core.ingest_kv_peak <= worker.core.memory.capacity
 
     jobs = []
     for i, picks in enumerate([[0, 1], [2], [3, 0]]):
@@ -133,3 +135,21 @@ def test_n_choices_that_cannot_fit_together_are_refused_naming_n(worker, essays,
     out = drive(worker, job)
     assert len(out) == 1 and out[0].kind == P.ERR_CHOICES
     assert worker.core.memory.used_tokens == 0 and not worker.has_work
+
+
+def test_an_ingestion_piece_reserves_its_forwards_padded_cache(worker, essays, default_llm_path) -> None:
+    """IngestTask.need: chunks alone are batched padded to the longest (at most
+    fusion.precompute_batch_tokens), chunks after a context hold their context too; a piece is what fits
+    the step's budget (at least one chunk), and what is stored already needs nothing."""
+    from kvfuse.service.worker.sequences import IngestTask
+
+    ids = [t for c in essay_chunks(essays, default_llm_path, 4) for t in c]
+    chunks = [ids[:40], ids[40:110], ids[110:200]]  # 40, 70 and 90 tokens
+    alone = IngestTask(P.PrecomputeJob(chunks=chunks, job_id=60))
+    assert alone.need(worker.kv, 10_000) == 3 * 90 and alone.need(worker.kv, 100) == 40  # a piece of one
+    assert alone.need(worker.kv, 115) == 2 * 70  # 40 + 70 fit the budget: padded to the longer
+    after = IngestTask(P.PrecomputeJob(chunks=chunks[:2], job_id=61, contexts=[[], chunks[0]]))
+    assert after.need(worker.kv, 10_000) == max(40, 40 + 70)
+    drive(worker, P.PrecomputeJob(chunks=chunks, job_id=62))
+    stored = IngestTask(P.PrecomputeJob(chunks=chunks, job_id=63))
+    assert stored.need(worker.kv, 10_000) == 0 and isinstance(stored.run_piece(worker.kv, 10_000), P.Done)
