@@ -292,17 +292,22 @@ def command(args: Any) -> int:
         cfg = OverloadConfig(url=server.url, api_pid=server.proc.pid, server=server_settings(SERVER_ENV),
                              rounds=args.rounds,
                              per_block=args.per_block, clients=args.clients, uploaders=args.uploaders, batch=args.batch,
-                             burst=args.burst)
+                             burst=args.burst, cost_window_s=args.cost_window_s)
         result = run_overload(cfg)
+    ended = load_info()
     checks = targets_met(result)
     payload = {"kind": "overload", "command": command_line("kvfuse bench overload", args.parser, args),
-               "machine": {**machine_info(), **load_info()}, "server_env": SERVER_ENV, "result": result,
+               "machine": {**machine_info(), **load_info(), "load_avg_1m_at_end": ended.get("load_avg_1m")}, "server_env": SERVER_ENV, "result": result,
                "targets": checks}
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-    print(json.dumps({"result": result, "targets": checks}, indent=1))
-    print(f"\nwrote {path}")
+    from kvfuse.bench.overload_meter import plot
+    from kvfuse.bench.plots import plot_if_possible
+
+    png = plot_if_possible(plot, payload, path.with_suffix(".png"))
+    print(json.dumps({"result": {k: v for k, v in result.items() if k != "blocks"}, "targets": checks}, indent=1))
+    print(f"\nwrote {path}" + (f" and {png}" if png else ""))
     return 0 if all(checks.values()) else 1
 
 
@@ -318,6 +323,8 @@ def register(bsub: Any) -> None:
     p.add_argument("--uploaders", type=int, default=4, help="flood threads of the uploading flood key")
     p.add_argument("--batch", type=int, default=2, help="documents per flood batch")
     p.add_argument("--burst", type=int, default=48, help="requests sent at once after the blocks")
+    p.add_argument("--cost-window-s", type=float, default=5.0,
+                   help="seconds of each window measuring a refusal's cost by kind (0: not measured)")
     p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
     p.add_argument("--json", default=str(SCRATCH_DIR / "overload.json"), help="result file")
     p.set_defaults(func=command, parser=p)

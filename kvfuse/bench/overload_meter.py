@@ -180,3 +180,37 @@ def summarize_blocks(blocks: list[Block]) -> dict[str, Any]:
             "load": [min(x for b in mine for x in b.load), max(x for b in mine for x in b.load)],
         }
     return out
+
+
+def plot(payload: dict[str, Any], path: Path) -> Path:
+    """Left: every query's latency by block, quiet and flood, the p95 of each kind as a line. Right: the
+    cores each process used per phase (CPU seconds over wall time), the flood's own clients included."""
+    from kvfuse.bench.plots import _save, pyplot
+
+    plt = pyplot()
+    result = payload["result"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"quiet": "tab:blue", "flood": "tab:red"}
+    for i, block in enumerate(result["blocks"]):
+        xs = [i + (j + 1) / (len(block["queries_s"]) + 1) for j in range(len(block["queries_s"]))]
+        left.scatter(xs, block["queries_s"], s=14, color=colors[block["phase"]])
+    for phase in ("quiet", "flood"):
+        left.axhline(result[f"p95_{phase}_s"], color=colors[phase], ls="--", lw=1, label=f"{phase} p95")
+    left.set_xlabel("block (in the order run)")
+    left.set_ylabel("query latency, s")
+    left.set_title(f"query p95 flood / quiet = {result['p95_ratio']:.2f}x")
+    left.legend(fontsize=8)
+    where = result["where_time_went"]
+    parts = ("api", "worker", "parse", "flood_clients")
+    bottom = [0.0, 0.0]
+    for part in parts:
+        values = [where[p]["cores"][part] for p in ("quiet", "flood")]
+        right.bar(["quiet", "flood"], values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    right.axhline(payload["machine"].get("cpu_cores", 2), color="k", lw=1, ls=":", label="the machine's cores")
+    right.set_ylabel("cores used (CPU s / wall s)")
+    right.set_title("who used the CPU")
+    right.legend(fontsize=8)
+    fig.suptitle(payload["command"], fontsize=7)
+    fig.tight_layout()
+    return _save(plt, fig, path)

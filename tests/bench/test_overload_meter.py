@@ -21,6 +21,7 @@ from kvfuse.bench.overload_meter import (
     cpu_delta,
     cpu_s,
     histogram_delta,
+    plot,
     role,
     summarize_blocks,
 )
@@ -130,3 +131,14 @@ def test_the_loop_lag_watcher_sees_a_blocked_loop() -> None:
     count, late = registry.get_sample_value("lag_seconds_count"), registry.get_sample_value("lag_seconds_sum")
     assert count >= 5 and late >= 0.25
     assert count - registry.get_sample_value("lag_seconds_bucket", {"le": "0.1"}) >= 1  # the one held
+
+
+def test_the_plot_is_drawn_from_a_result_file(tmp_path) -> None:
+    block = {"phase": "quiet", "queries_s": [1.0, 1.2]}
+    cores = {"api": 0.1, "worker": 0.8, "parse": 0.0, "flood_clients": 0.0}
+    payload = {"command": "kvfuse bench overload", "machine": {"cpu_cores": 2},
+               "result": {"blocks": [block, {**block, "phase": "flood", "queries_s": [1.5, 2.0]}],
+                          "p95_quiet_s": 1.2, "p95_flood_s": 2.0, "p95_ratio": 1.667,
+                          "where_time_went": {"quiet": {"cores": cores}, "flood": {"cores": {**cores, "api": 0.4}}}}}
+    path = plot(payload, tmp_path / "overload.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
