@@ -177,6 +177,18 @@ def p95(values: list[float]) -> float:
     return ordered[math.ceil(0.95 * len(ordered)) - 1]
 
 
+def ratio_interval(quiet: list[float], flood: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
+    """A 95% bootstrap interval of p95(flood) / p95(quiet): each kind's queries resampled with
+    replacement (seeded), the 2.5th and 97.5th percentiles of the ratio over `draws` resamples. Wide
+    with a few dozen queries a kind: the spread the single ratio does not show."""
+    import random
+
+    rng = random.Random(seed)
+    ratios = sorted(p95(rng.choices(flood, k=len(flood))) / p95(rng.choices(quiet, k=len(quiet)))
+                    for _ in range(draws))
+    return [round(ratios[int(0.025 * draws)], 3), round(ratios[min(draws - 1, int(0.975 * draws))], 3)]
+
+
 @dataclass
 class OverloadConfig:
     url: str
@@ -214,6 +226,12 @@ def _blocks(cfg: OverloadConfig, c: Any, tally: Tally, queries: Counter, amplifi
     return blocks
 
 
+def _pairs(blocks: list[Any]) -> list[tuple[Any, Any]]:
+    """(quiet, flood) block of each round, in the order run."""
+    quiet, flood = [b for b in blocks if b.phase == "quiet"], [b for b in blocks if b.phase == "flood"]
+    return list(zip(quiet, flood, strict=True))
+
+
 def run_overload(cfg: OverloadConfig) -> dict[str, Any]:
     """The blocks, the refusal costs, the burst and the wait for every accepted job; the figures (DESIGN's
     targets beside) and where the time went (overload_meter.py, overload_costs.py)."""
@@ -241,6 +259,9 @@ def run_overload(cfg: OverloadConfig) -> dict[str, Any]:
         "rss_baseline_mb": round(baseline, 1), "rss_peak_mb": round(rss.peak_mb, 1),
         "rss_bound_mb": rss_bound_mb(cfg.server, baseline),
         "p95_quiet_s": round(quiet, 4), "p95_flood_s": round(flood, 4), "p95_ratio": round(flood / quiet, 3),
+        "p95_ratio_interval_95": ratio_interval(timed["quiet"], timed["flood"]),
+        # each round's own ratio (its flood block's p95 over its quiet block's): how far one block pair moves
+        "p95_ratio_by_round": [round(p95(f.queries_s) / p95(q.queries_s), 3) for q, f in _pairs(blocks)],
         "p50_quiet_s": round(sorted(timed["quiet"])[len(timed["quiet"]) // 2], 4),
         "p50_flood_s": round(sorted(timed["flood"])[len(timed["flood"]) // 2], 4),
         "queries_each": len(timed["quiet"]), "query_statuses": dict(sorted(queries.items())),
