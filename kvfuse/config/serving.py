@@ -121,10 +121,6 @@ class ServerSettings(Section):
         "steps while running streams decode"))
     ingest_step_share: float = Field(0.25, gt=0.0, le=1.0, description=(
         "share of engine steps guaranteed to KV precompute while queries run"))
-    ingest_hold_after_query_ms: int = Field(500, ge=0, description=(
-        "after a query's answer, a worker with no other query waits this long for the next one before it "
-        "gives a step to KV precompute, so a client's next question does not wait behind an ingestion step "
-        "(0: no wait)"))
     # An ingestion interrupted by something that passes (kvfuse/service/rag/ingest_retry.py) runs again: a
     # worker crash at most ingest_retry_attempts tries in all, an unreachable document index (Redis) at
     # most ingest_index_attempts; the pause before each retry doubles from backoff_s up to backoff_max_s.

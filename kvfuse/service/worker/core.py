@@ -58,7 +58,6 @@ class WorkerCore:
         self.send_out = send
         self.name = settings.fleet.worker_name or f"{socket.gethostname()}-{os.getpid()}"
         self._step_s = 0.0  # the last engine step's wall time, sent with its Step
-        self._query_ended = float("-inf")  # when the last query's Result went out (time.monotonic)
         self.engine = FusionEngine.from_settings(settings)
         if store is None:
             from kvfuse.store import KVStore
@@ -85,23 +84,6 @@ class WorkerCore:
     @property
     def has_work(self) -> bool:
         return self.core.has_work
-
-    def hold_s(self) -> float:
-        """How much longer to wait for a next query before a step that would be ingestion's alone.
-
-        Anticipatory scheduling (Iyer and Druschel, SOSP 2001, for disks): a client that asks again asks
-        soon after its answer, and an ingestion step started in between is not preempted, so its next
-        question would wait for all of it (an engine step is not interruptible). So once a query's answer
-        has gone out, with no other query waiting or running and precompute pending, the transport waits
-        up to `server.ingest_hold_after_query_ms` for the pipe before stepping; what arrives meanwhile is
-        admitted first. Ingestion keeps its guaranteed share of the steps while queries run
-        (`server.ingest_step_share`) and loses at most the hold after each answer. See docs/DESIGN.md,
-        "Bounded under load"."""
-        hold = self.settings.server.ingest_hold_after_query_ms / 1000
-        sch = self.scheduler
-        if not hold or not sch.ingest or sch.waiting or sch.running:
-            return 0.0
-        return max(0.0, self._query_ended + hold - time.monotonic())
 
     def send(self, msg: Any) -> None:
         if isinstance(msg, P.Result | P.Done):
@@ -187,7 +169,6 @@ class WorkerCore:
             if not query.finished_row(out.seq):
                 return
             self.send(query.result(self.step_no))
-            self._query_ended = time.monotonic()
             for msg in self.shadow.offer(query, self.step_no):  # choice 0's answer: one check per query
                 self.send(msg)
         elif isinstance(out, E.Failed):
@@ -216,7 +197,7 @@ def serve_pipe(worker: WorkerCore, conn: Connection) -> None:
     slice when the engine has nothing to do."""
     worker.send(P.Ready(worker.info()))
     while True:
-        timeout = worker.hold_s() or (0.0 if worker.has_work or worker.shadow.pending else None)
+        timeout = 0.0 if worker.has_work or worker.shadow.pending else None
         try:
             while conn.poll(timeout):
                 if not worker.receive(conn.recv()):

@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -317,11 +316,10 @@ class FleetWorker:
                     return
             try:
                 busy = self.worker.has_work or self.worker.shadow.pending  # shadow work: poll, never block
-                hold_ms = math.ceil(1000 * self.worker.hold_s())  # waiting for a next query (core.py)
                 free = 0 if self._stop.is_set() else self.capacity()
                 if free:
                     got = self.r.xreadgroup(GROUP, self.name, streams, count=free,
-                                            block=hold_ms or (None if busy else _IDLE_BLOCK_MS)) or []
+                                            block=None if busy else _IDLE_BLOCK_MS) or []
                     for stream, entries in got:
                         for entry_id, fields in entries:
                             self.take(stream, entry_id, fields)

@@ -5,8 +5,6 @@ ingestion, queries batched together, cancellation, the engine step's report and 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from test_scheduler_worker import MODEL_CACHE, essay_chunks, query
 
@@ -135,34 +133,3 @@ def test_n_choices_that_cannot_fit_together_are_refused_naming_n(worker, essays,
     out = drive(worker, job)
     assert len(out) == 1 and out[0].kind == P.ERR_CHOICES
     assert worker.core.memory.used_tokens == 0 and not worker.has_work
-
-
-def test_after_an_answer_an_idle_worker_holds_ingestion_for_the_next_question(worker, essays,
-                                                                            default_llm_path) -> None:
-    """Anticipatory scheduling (core.py, WorkerCore.hold_s): once a query's Result is out, precompute
-    pending waits up to server.ingest_hold_after_query_ms for a next query; a query waiting or running ends
-    the hold, and so does the hold's end; with nothing pending there is nothing to hold."""
-    hold = worker.settings.server.ingest_hold_after_query_ms / 1000
-    assert hold > 0
-    chunks = essay_chunks(essays, default_llm_path, 3)
-    stored = next(m for m in drive(worker, P.PrecomputeJob(chunks=chunks[:1], job_id=60)) if isinstance(m, P.Done))
-    ask = query(chunks, [0], max_tokens=2)
-    ask.chunks, ask.job_id = [P.ChunkRef(stored.keys[0], chunks[0], 1.0)], 61
-    assert any(isinstance(m, P.Result) for m in drive(worker, ask))
-    assert worker.hold_s() == 0.0  # nothing pending: nothing held
-    assert worker.receive(P.PrecomputeJob(chunks=chunks[1:], job_id=62))
-    held = worker.hold_s()
-    assert 0.0 < held <= hold
-    again = query(chunks, [0], max_tokens=2)
-    again.chunks, again.job_id = ask.chunks, 63
-    assert worker.receive(again)
-    assert worker.hold_s() == 0.0  # the next question came: it is admitted first
-    out = drive(worker)
-    steps = [m for m in out if isinstance(m, P.Step)]
-    assert steps[0].admitted == [63] and steps[0].ingest_job is None  # the query's step, not ingestion's
-    assert any(isinstance(m, P.Done) and m.job_id == 62 for m in out)  # and the ingestion still ends
-    assert all(s.seconds > 0 for s in steps)  # each Step carries its wall time (kvfuse_engine_step_seconds)
-    assert worker.receive(P.PrecomputeJob(chunks=chunks[1:], job_id=64))
-    time.sleep(hold)
-    assert worker.hold_s() == 0.0  # the hold is over: ingestion steps again
-    drive(worker)
