@@ -63,7 +63,7 @@ def test_a_full_ingestion_queue_is_refused_before_the_route_reads_anything(holde
     """The guard answers 429 `ingest_queue_full` itself (api/middleware.py, check_admission): a request the
     route would refuse with 422 for its query string (a collection name it may not have) is told 429, in
     the service's shape and with Retry-After, once its key's share of the queue is full."""
-    long = " ".join(f"Sentence {i} of a long note about the tide tables." for i in range(1200))
+    long = " ".join(f"Sentence {i} of a long note about the tide tables." for i in range(200))
     accepted, full = [], None
     with httpx.Client(base_url=holder.server.url, headers={"Authorization": f"Bearer {FLOOD_KEYS[1]}"},
                       timeout=120) as c:
