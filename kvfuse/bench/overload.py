@@ -18,17 +18,18 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import threading
 import time
 import zipfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The keys and the flood live in overload_flood.py; named here too, for the suite's flood test.
+from kvfuse.bench.overload_flood import FAIR_KEY, FLOOD_KEYS, QUERY_KEY, Flood, Tally, _json  # noqa: F401
+
 MB = 1024 * 1024
-QUERY_KEY, FLOOD_KEYS, FAIR_KEY = "overload-query", ("overload-flood-a", "overload-flood-b"), "overload-fair"
 QUESTION = "What did the palliative care nurse Bronnie Ware make a list of?"  # in essay "todo"
 # The server the command starts: limits small enough that a short flood passes each of them.
 SERVER_ENV = {
@@ -114,112 +115,9 @@ def rss_bound_mb(server: dict[str, Any], baseline_mb: float) -> float:
                                 + 16 * server["max_document_chars"]) / MB, 1)
 
 
-@dataclass
-class Tally:
-    """Every flood answer as (kind, status, code), and the jobs the server accepted."""
-
-    answers: Counter = field(default_factory=Counter)
-    jobs: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, kind: str, resp: Any) -> None:
-        body = _json(resp)
-        code = (body.get("error") or {}).get("code", "") if resp.status_code >= 400 else ""
-        ids = [d["job_id"] for d in body.get("documents", [body]) if d.get("job_id")] if resp.status_code == 202 else []
-        with self.lock:
-            self.answers[(kind, resp.status_code, code)] += 1
-            self.jobs += ids
-
-    def count(self, status: int | None = None, low: int = 0, high: int = 1000) -> int:
-        return sum(n for (_, s, _), n in self.answers.items() if (s == status if status else low <= s < high))
-
-
-def _json(resp: Any) -> dict:
-    try:
-        body = resp.json()
-    except ValueError:
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-class Flood:
-    """`clients` threads of the first flood key sending, in turn and without pause, a batch of small
-    documents, a small Markdown upload and a body past the limit; `uploaders` threads of the second the
-    amplifying DOCX; the fair key one document a second. Every answer goes to the tally; nothing is waited
-    for."""
-
-    def __init__(self, url: str, tally: Tally, *, clients: int, uploaders: int, batch: int, amplifier: bytes,
-                 body_limit: int) -> None:
-        self.url, self.tally, self.batch = url, tally, batch
-        self.amplifier, self.oversize = amplifier, b'{"text": "' + b"a" * (body_limit + 1) + b'"}'
-        self._stop = threading.Event()
-        self._n = 0
-        ingest, upload = ("batch", "upload", "oversize"), ("amplifier",)
-        self._threads = [threading.Thread(target=self._run, args=(key, kinds, i), daemon=True)
-                         for key, kinds, n in ((FLOOD_KEYS[0], ingest, clients), (FLOOD_KEYS[1], upload, uploaders))
-                         for i in range(n)]
-        self._threads.append(threading.Thread(target=self._fair, daemon=True))
-
-    def _next(self) -> int:
-        with self.tally.lock:
-            self._n += 1
-            return self._n
-
-    def _send(self, c: Any, kind: str) -> None:
-        n = self._next()
-        if kind == "batch":
-            docs = [{"id": f"flood-{n}-{i}", "text": f"Flood document {n}.{i}: the tide tables of harbour {i}."}
-                    for i in range(self.batch)]
-            resp = c.post("/v1/documents", json={"documents": docs})
-        elif kind == "upload":
-            resp = c.post("/v1/documents", files={"file": (f"note-{n}.md", f"# Note {n}\n\nA small upload.".encode())},
-                          data={"id": f"upload-{n}"})
-        elif kind == "amplifier":
-            resp = c.post("/v1/documents", files={"file": ("wide.docx", self.amplifier)}, data={"id": f"wide-{n}"})
-        else:
-            resp = c.post("/v1/documents", content=self.oversize, headers={"Content-Type": "application/json"})
-        self.tally.add(kind, resp)
-
-    def _run(self, key: str, kinds: tuple[str, ...], offset: int) -> None:
-        import httpx
-
-        _low_priority()
-        with httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as c:
-            i = offset
-            while not self._stop.is_set():
-                self._send(c, kinds[i % len(kinds)])
-                i += 1
-
-    def _fair(self) -> None:
-        import httpx
-
-        with httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {FAIR_KEY}"}, timeout=120) as c:
-            while not self._stop.wait(1.0):
-                n = self._next()
-                self.tally.add("fair", c.post("/v1/documents", json={"id": f"fair-{n}", "text": f"Fair note {n}."}))
-
-    def __enter__(self) -> Flood:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
-
-
-def _low_priority() -> None:
-    """This flood thread at nice 10: a real flood's clients spend their CPU on other machines, and on one
-    machine their own work would otherwise be counted against the server's."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except OSError:
-        pass
-
-
-def query(c: Any, tally: Counter) -> float:
-    """One query's latency, as its client sees it: a 429 is retried after its Retry-After (and counted)."""
+def query(c: Any, tally: Counter, timings: list[dict[str, float]] | None = None) -> float:
+    """One query's latency, as its client sees it: a 429 is retried after its Retry-After (and counted);
+    the answer's own `timings` (where the server spent it, ms) go to `timings`."""
     started = time.perf_counter()
     while True:
         resp = c.post("/v1/query", json={"query": QUESTION, "max_tokens": 4})
@@ -229,6 +127,8 @@ def query(c: Any, tally: Counter) -> float:
         time.sleep(float(resp.headers.get("Retry-After", "1")))
     if resp.status_code != 200:
         raise RuntimeError(f"a query answered {resp.status_code}: {resp.text[:300]}")
+    if timings is not None:
+        timings.append(resp.json().get("timings") or {})
     return time.perf_counter() - started
 
 
@@ -277,6 +177,18 @@ def p95(values: list[float]) -> float:
     return ordered[math.ceil(0.95 * len(ordered)) - 1]
 
 
+def ratio_interval(quiet: list[float], flood: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
+    """A 95% bootstrap interval of p95(flood) / p95(quiet): each kind's queries resampled with
+    replacement (seeded), the 2.5th and 97.5th percentiles of the ratio over `draws` resamples. Wide
+    with a few dozen queries a kind: the spread the single ratio does not show."""
+    import random
+
+    rng = random.Random(seed)
+    ratios = sorted(p95(rng.choices(flood, k=len(flood))) / p95(rng.choices(quiet, k=len(quiet)))
+                    for _ in range(draws))
+    return [round(ratios[int(0.025 * draws)], 3), round(ratios[min(draws - 1, int(0.975 * draws))], 3)]
+
+
 @dataclass
 class OverloadConfig:
     url: str
@@ -289,36 +201,69 @@ class OverloadConfig:
     batch: int = 2  # documents per flood batch
     burst: int = 48  # requests at once after the blocks
     jobs_timeout_s: float = 600.0
+    cost_window_s: float = 5.0  # each window of the refusal costs (overload_costs.py); 0: not measured
+
+
+def _blocks(cfg: OverloadConfig, c: Any, tally: Tally, queries: Counter, amplifier: bytes) -> list[Any]:
+    """The alternating blocks, each measured (overload_meter.py)."""
+    from kvfuse.bench.overload_meter import BlockMeter
+
+    blocks = []
+    for r in range(cfg.rounds):
+        for phase in (("quiet", "flood") if r % 2 == 0 else ("flood", "quiet")):
+            with BlockMeter(c, cfg.api_pid, phase) as block:
+                if phase == "quiet":
+                    block.queries_s = [query(c, queries, block.timings) for _ in range(cfg.per_block)]
+                else:
+                    sent, cpu = sum(tally.answers.values()), tally.client_cpu_s
+                    with Flood(cfg.url, tally, clients=cfg.clients, uploaders=cfg.uploaders, batch=cfg.batch,
+                               amplifier=amplifier, body_limit=cfg.server["max_body_bytes"]):
+                        time.sleep(0.5)  # the flood is flowing before the block's first query
+                        block.queries_s = [query(c, queries, block.timings) for _ in range(cfg.per_block)]
+                    block.flood_requests = sum(tally.answers.values()) - sent
+                    block.cpu_s["flood_clients"] = tally.client_cpu_s - cpu
+            blocks.append(block)
+    return blocks
+
+
+def _pairs(blocks: list[Any]) -> list[tuple[Any, Any]]:
+    """(quiet, flood) block of each round, in the order run."""
+    quiet, flood = [b for b in blocks if b.phase == "quiet"], [b for b in blocks if b.phase == "flood"]
+    return list(zip(quiet, flood, strict=True))
 
 
 def run_overload(cfg: OverloadConfig) -> dict[str, Any]:
-    """The blocks, the burst and the wait for every accepted job; the figures (DESIGN's targets beside)."""
+    """The blocks, the refusal costs, the burst and the wait for every accepted job; the figures (DESIGN's
+    targets beside) and where the time went (overload_meter.py, overload_costs.py)."""
+    import dataclasses
+
     import httpx
 
+    from kvfuse.bench.overload_costs import refusal_costs
+    from kvfuse.bench.overload_meter import summarize_blocks
+
     tally, queries = Tally(), Counter()
-    timed: dict[str, list[float]] = {"quiet": [], "flood": []}
     amplifier = amplifying_docx()
     with httpx.Client(base_url=cfg.url, headers={"Authorization": f"Bearer {QUERY_KEY}"}, timeout=300) as c:
         for _ in range(3):
             query(c, Counter())  # warm: the first queries pay for lazy setup
         baseline = rss_mb(cfg.api_pid)
         with RssSampler(cfg.api_pid) as rss:
-            for r in range(cfg.rounds):
-                for phase in (("quiet", "flood") if r % 2 == 0 else ("flood", "quiet")):
-                    if phase == "quiet":
-                        timed[phase] += [query(c, queries) for _ in range(cfg.per_block)]
-                        continue
-                    with Flood(cfg.url, tally, clients=cfg.clients, uploaders=cfg.uploaders, batch=cfg.batch, amplifier=amplifier,
-                               body_limit=cfg.server["max_body_bytes"]):
-                        time.sleep(0.5)  # the flood is flowing before the block's first query
-                        timed[phase] += [query(c, queries) for _ in range(cfg.per_block)]
+            blocks = _blocks(cfg, c, tally, queries, amplifier)
+            costs = refusal_costs(cfg, amplifier, tally) if cfg.cost_window_s > 0 else {}
             bursts = burst(cfg.url, cfg.burst)
     jobs = wait_jobs(cfg.url, tally.jobs, cfg.jobs_timeout_s)
+    timed = {p: [s for b in blocks if b.phase == p for s in b.queries_s] for p in ("quiet", "flood")}
     quiet, flood = p95(timed["quiet"]), p95(timed["flood"])
     return {
         "rss_baseline_mb": round(baseline, 1), "rss_peak_mb": round(rss.peak_mb, 1),
         "rss_bound_mb": rss_bound_mb(cfg.server, baseline),
         "p95_quiet_s": round(quiet, 4), "p95_flood_s": round(flood, 4), "p95_ratio": round(flood / quiet, 3),
+        "p95_ratio_interval_95": ratio_interval(timed["quiet"], timed["flood"]),
+        # each round's own ratio (its flood block's p95 over its quiet block's): how far one block pair moves
+        "p95_ratio_by_round": [round(p95(f.queries_s) / p95(q.queries_s), 3) for q, f in _pairs(blocks)],
+        "p50_quiet_s": round(sorted(timed["quiet"])[len(timed["quiet"]) // 2], 4),
+        "p50_flood_s": round(sorted(timed["flood"])[len(timed["flood"]) // 2], 4),
         "queries_each": len(timed["quiet"]), "query_statuses": dict(sorted(queries.items())),
         "flood_requests": sum(tally.answers.values()), "flood_429": tally.count(429),
         "flood_5xx": tally.count(low=500, high=600),
@@ -327,6 +272,8 @@ def run_overload(cfg: OverloadConfig) -> dict[str, Any]:
         "fair_sent": sum(n for (k, _, _), n in tally.answers.items() if k == "fair"),
         "burst_answers": {f"{s} {code}".strip(): n for (s, code), n in sorted(bursts.items())},
         "jobs_accepted": len(tally.jobs), "jobs_final": dict(sorted((str(k), v) for k, v in jobs.items())),
+        "where_time_went": summarize_blocks(blocks), "refusal_costs": costs,
+        "blocks": [dataclasses.asdict(b) for b in blocks],
     }
 
 
@@ -366,17 +313,22 @@ def command(args: Any) -> int:
         cfg = OverloadConfig(url=server.url, api_pid=server.proc.pid, server=server_settings(SERVER_ENV),
                              rounds=args.rounds,
                              per_block=args.per_block, clients=args.clients, uploaders=args.uploaders, batch=args.batch,
-                             burst=args.burst)
+                             burst=args.burst, cost_window_s=args.cost_window_s)
         result = run_overload(cfg)
+    ended = load_info()
     checks = targets_met(result)
     payload = {"kind": "overload", "command": command_line("kvfuse bench overload", args.parser, args),
-               "machine": {**machine_info(), **load_info()}, "server_env": SERVER_ENV, "result": result,
+               "machine": {**machine_info(), **load_info(), "load_avg_1m_at_end": ended.get("load_avg_1m")}, "server_env": SERVER_ENV, "result": result,
                "targets": checks}
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-    print(json.dumps({"result": result, "targets": checks}, indent=1))
-    print(f"\nwrote {path}")
+    from kvfuse.bench.overload_meter import plot
+    from kvfuse.bench.plots import plot_if_possible
+
+    png = plot_if_possible(plot, payload, path.with_suffix(".png"))
+    print(json.dumps({"result": {k: v for k, v in result.items() if k != "blocks"}, "targets": checks}, indent=1))
+    print(f"\nwrote {path}" + (f" and {png}" if png else ""))
     return 0 if all(checks.values()) else 1
 
 
@@ -392,6 +344,8 @@ def register(bsub: Any) -> None:
     p.add_argument("--uploaders", type=int, default=4, help="flood threads of the uploading flood key")
     p.add_argument("--batch", type=int, default=2, help="documents per flood batch")
     p.add_argument("--burst", type=int, default=48, help="requests sent at once after the blocks")
+    p.add_argument("--cost-window-s", type=float, default=5.0,
+                   help="seconds of each window measuring a refusal's cost by kind (0: not measured)")
     p.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
     p.add_argument("--json", default=str(SCRATCH_DIR / "overload.json"), help="result file")
     p.set_defaults(func=command, parser=p)

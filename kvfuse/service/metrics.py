@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 _KL_BUCKETS = (0.0001, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
@@ -40,6 +42,12 @@ class Metrics:
         self.prompt_tokens = Counter("kvfuse_prompt_tokens", "Prompt tokens of finished queries", registry=r)
         self.batch_size = Histogram("kvfuse_decode_batch_size", "Sequences decoded together per engine step",
                                     buckets=_BATCH_BUCKETS, registry=r)
+        self.step_seconds = Histogram("kvfuse_engine_step_seconds", "Wall time of each engine step of the local "
+                                      "worker, by whether ingestion's precompute had a share of it (ingest) or "
+                                      "not (query)", ["work"], buckets=_STEP_BUCKETS, registry=r)
+        self.loop_lag = Histogram("kvfuse_event_loop_lag_seconds", "How late the API's event loop ran a timer "
+                                  "(service/loop_lag.py): time every request on it waited for other work",
+                                  buckets=_LAG_BUCKETS, registry=r)
         self.documents = Gauge("kvfuse_documents", "Documents in the store", registry=r)
         self.kv_chunks = Gauge("kvfuse_kv_chunks", "Chunk KV blobs in the store", registry=r)
         self.kv_bytes = Gauge("kvfuse_kv_bytes", "Bytes of chunk KV in the store", registry=r)

@@ -21,6 +21,7 @@ from kvfuse.config import Settings
 from kvfuse.service.dispatch.base import make_dispatcher, open_api_store
 from kvfuse.service.errors import APIError, model_failed, retry_after
 from kvfuse.service.health import FAILED, OK, STARTING
+from kvfuse.service.loop_lag import watch_loop_lag
 from kvfuse.service.metrics import Metrics
 from kvfuse.service.rag.corpus import Corpus
 from kvfuse.service.rag.fidelity import FidelityLedger
@@ -64,6 +65,7 @@ class ServiceState:
         self._stopping = threading.Event()
         self._loader: asyncio.Task | None = None
         self._watch_model: asyncio.Task | None = None
+        self._watch_lag: asyncio.Task | None = None
         self._components = asyncio.Event()
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -72,6 +74,7 @@ class ServiceState:
         await self.dispatcher.start()
         self.parsers.start()
         self._loader = asyncio.create_task(self._load(), name="kvfuse-load")
+        self._watch_lag = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag), name="kvfuse-loop-lag")
 
     async def _load(self) -> None:
         try:
@@ -139,7 +142,7 @@ class ServiceState:
     async def stop(self) -> None:
         self._stopping.set()
         await self.ingest.stop()
-        for task in (self._loader, self._watch_model):
+        for task in (self._loader, self._watch_model, self._watch_lag):
             if task is not None:
                 task.cancel()
         await self.dispatcher.stop()

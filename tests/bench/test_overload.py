@@ -53,3 +53,16 @@ def test_the_command_parses() -> None:
     bench_cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "overload", "--rounds", "2", "--clients", "5"])
     assert (args.rounds, args.clients, args.per_block, args.batch, args.func) == (2, 5, 6, 2, overload.command)
+
+
+def test_the_ratio_interval_brackets_the_ratio_within_what_resampling_can_reach() -> None:
+    import random
+
+    rng = random.Random(1)
+    quiet = [10 + rng.random() for _ in range(24)]
+    flood = [12 + 2 * rng.random() for _ in range(24)]
+    low, high = overload.ratio_interval(quiet, flood)
+    assert low <= overload.p95(flood) / overload.p95(quiet) <= high and low < high
+    assert overload.ratio_interval(quiet, flood) == [low, high]  # seeded: the same interval again
+    assert min(flood) / max(quiet) <= low and high <= max(flood) / min(quiet)  # a resample's p95 is a sample
+    assert overload.ratio_interval([1.0] * 5, [2.0] * 5) == [2.0, 2.0]

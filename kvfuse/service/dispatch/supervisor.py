@@ -184,6 +184,7 @@ class WorkerSupervisor(JobBook):
             self._steps.append(msg)
         if msg.batch_size:
             self.metrics.batch_size.observe(msg.batch_size)
+        self.metrics.step_seconds.labels("ingest" if msg.ingest_job is not None else "query").observe(msg.seconds)
         self.metrics.kv_pool_bytes.labels(str(self.info.get("name", ""))).set(msg.kv_bytes)
         if msg.ingest_job is not None and msg.ingest_job in self._jobs:
             self._started(self._jobs[msg.ingest_job])

@@ -190,6 +190,7 @@ class Step:
     waiting: int = 0
     kv_tokens: int = 0
     kv_bytes: int = 0  # KV memory held by the running sequences' extents
+    seconds: float = 0.0  # the step's wall time in the worker (kvfuse_engine_step_seconds)
 
 
 @dataclass

@@ -17,12 +17,14 @@ real worker and default model.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
 from service_helpers import Holder, serving
 
 from kvfuse.bench.overload import (
+    FLOOD_KEYS,
     QUERY_KEY,
     SERVER_ENV,
     OverloadConfig,
@@ -55,6 +57,32 @@ def test_the_amplifying_docx_is_refused_and_the_api_rss_stays_flat(holder: Holde
     assert (err["code"], err["param"]) == ("document_too_large", "file")
     assert "server.max_document_chars" in err["message"]
     assert rss.peak_mb - rss.start_mb < 20, (rss.start_mb, rss.peak_mb)
+
+
+def test_a_full_ingestion_queue_is_refused_before_the_route_reads_anything(holder: Holder) -> None:
+    """The guard answers 429 `ingest_queue_full` itself (api/middleware.py, check_admission): a request the
+    route would refuse with 422 for its query string (a collection name it may not have) is told 429, in
+    the service's shape and with Retry-After, once its key's share of the queue is full."""
+    long = " ".join(f"Sentence {i} of a long note about the tide tables." for i in range(200))
+    accepted, full = [], None
+    with httpx.Client(base_url=holder.server.url, headers={"Authorization": f"Bearer {FLOOD_KEYS[1]}"},
+                      timeout=120) as c:
+        for i in range(12):  # each document takes seconds to ingest: the key's share (2) fills at once
+            resp = c.post("/v1/documents", json={"id": f"long-{i}", "text": f"{i}: {long}"})
+            if resp.status_code == 429:
+                full = c.post("/v1/documents", params={"collection": "not a name"},
+                              json={"id": "refused", "text": "A short note."})
+                break
+            assert resp.status_code == 202, resp.text
+            accepted.append(resp.json()["job_id"])
+        assert full is not None and len(accepted) >= 2, accepted
+        assert full.status_code == 429, full.text
+        assert full.json()["error"]["code"] == "ingest_queue_full" and int(full.headers["Retry-After"]) >= 1
+        assert "server.ingest_queue_key_share" in full.json()["error"]["message"]
+        for job_id in accepted:  # the flood test below starts with the queue empty
+            while c.get(f"/v1/jobs/{job_id}").json()["status"] not in ("ready", "failed"):
+                time.sleep(0.5)
+            assert c.get(f"/v1/jobs/{job_id}").json()["status"] == "ready"
 
 
 def test_a_flood_past_every_bound_is_answered_429_and_nothing_grows(holder: Holder) -> None:

@@ -60,6 +60,7 @@ def test_ingest_then_queries_batched_and_cancelled(worker, essays, default_llm_p
         assert mine[-1].kv_reads.get("lmdb", 0) + mine[-1].kv_reads.get("hot", 0) == len(job.chunks)
     steps = [m for m in out if isinstance(m, P.Step)]
     assert max(s.batch_size for s in steps) == 3  # the three decoded together
+    assert all(s.seconds > 0 for s in steps)  # each step's wall time (kvfuse_engine_step_seconds)
     budget_bytes = worker.info()["kv_budget_bytes"]
     assert all(0 <= s.kv_bytes <= budget_bytes for s in steps) and max(s.kv_bytes for s in steps) > 0
     assert steps[-1].kv_bytes == 0 and worker.core.memory.used_tokens == 0  # every extent given back
