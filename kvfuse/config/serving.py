@@ -120,7 +120,7 @@ class ServerSettings(Section):
         "prefill work per engine step, in prompt tokens through every layer: a long prompt is spread over "
         "steps while running streams decode"))
     ingest_step_share: float = Field(0.25, gt=0.0, le=1.0, description=(
-        "share of engine steps guaranteed to KV precompute while queries run"))
+        "share of the worker's time guaranteed to KV precompute while queries run (measured per step)"))
     # An ingestion interrupted by something that passes (kvfuse/service/rag/ingest_retry.py) runs again: a
     # worker crash at most ingest_retry_attempts tries in all, an unreachable document index (Redis) at
     # most ingest_index_attempts; the pause before each retry doubles from backoff_s up to backoff_max_s.

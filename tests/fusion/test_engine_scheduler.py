@@ -126,13 +126,39 @@ def test_a_request_moves_from_waiting_through_prefilling_to_decoding() -> None:
     assert r.status is Phase.DECODING and s.decode_batch() == [r] and s.prefill_pending == 0
 
 
-def test_ingestion_gets_its_share_of_busy_steps_and_every_idle_step() -> None:
+def _run(s: Scheduler, steps: int, piece_s: float, step_s: float = 1.0) -> tuple[list[bool], float]:
+    """`steps` steps, each `step_s` seconds of query work and, when it runs one, a piece of `piece_s`:
+    which steps ran a piece, and ingestion's share of the time."""
+    turns, ingest = [], 0.0
+    for _ in range(steps):
+        plan = s.schedule()
+        took = piece_s if plan.ingest is not None else 0.0
+        s.spent(plan, took, step_s)
+        turns.append(plan.ingest is not None)
+        ingest += took
+    return turns, ingest / (ingest + steps * step_s)
+
+
+def test_ingestion_gets_its_share_of_the_time_while_queries_run_and_every_idle_step() -> None:
+    """Scheduler.spent: the share is of the worker's time, not its steps. Unit steps and unit pieces at a
+    share of 0.25: a piece once the queries' three steps have earned it; pieces four steps long: one in
+    twelve steps, ingestion still a quarter of the time (one step in four would give it four sevenths)."""
     s = sched(ingest_share=0.25)
     s.add_ingest(Request(100))
     assert s.schedule().ingest.job_id == 100  # no query needs the worker: ingestion runs
     s.add(Request(1, kv_tokens=100, prefill_tokens=10))
-    turns = [s.schedule().ingest is not None for _ in range(12)]
-    assert turns == [False, False, False, True] * 3  # one step in four while a query runs
+    turns, _ = _run(s, 12, piece_s=1.0)
+    # the first piece once any query time is earned (its length unknown: it leaves a debt of 2/3 s), then
+    # one piece in three steps: 3 s of queries earn 1 s
+    assert turns == [False, True, False, False, False, False, True, False, False, True, False, False], turns
+    turns, share = _run(s, 300, piece_s=1.0)
+    assert share == pytest.approx(0.25, abs=0.01) and turns[-6:] == [True, False, False] * 2
+    long = sched(ingest_share=0.25)
+    long.add_ingest(Request(100))
+    long.add(Request(1, kv_tokens=100, prefill_tokens=10))
+    turns, share = _run(long, 400, piece_s=4.0)
+    assert 0.23 <= share <= 0.27, share
+    assert sum(turns) <= 400 // 12 + 2
     plan = sched(ingest_share=1.0)
     plan.add(Request(1, kv_tokens=1))
     plan.add_ingest(Request(7))

@@ -33,6 +33,7 @@ fails fails the whole request (one Failed), and an abort ends every row.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -198,6 +199,7 @@ class EngineCore:
         out: list[Output] = []
         emit = out.append
         sch = self.scheduler
+        t0 = time.perf_counter()
         plan = sch.schedule()
         for req in plan.preempted:
             seq = _seq(req)
@@ -207,11 +209,15 @@ class EngineCore:
             self._start(req, emit)
         self._prefill(sch.limits.prefill_tokens_per_step * self.engine.num_layers, emit,
                       admitted={r.job_id for r in plan.admit}, low=plan.low_prefill)
+        ingest_s = 0.0
         if plan.ingest is not None:
+            t_ingest = time.perf_counter()
             self._ingest(plan.ingest, plan.ingest_tokens, plan.ingest_kv, emit)
+            ingest_s = time.perf_counter() - t_ingest
         batch = sch.decode_batch()
         if batch:
             self._decode(batch, emit)
+        sch.spent(plan, ingest_s, time.perf_counter() - t0 - ingest_s)  # ingestion's share is of time
         emit(Stepped(self.step_no, len(batch), [r.job_id for r in plan.admit],
                      plan.ingest.job_id if plan.ingest is not None else None, sch.num_running, sch.num_waiting,
                      sch.kv_used, self.memory.used_bytes))

@@ -21,10 +21,11 @@ for memory after its prefill; the core forks them into running rows when the pre
 Admission is first come, first served: the head of the queue is never overtaken, so a large request
 cannot starve behind a stream of small ones.
 
-Ingestion (chunk KV precompute) shares the steps under one rule: queries first, but while ingestion
-work is pending it is guaranteed `ingest_share` of the steps in which queries are active (a credit that
-grows by the share each step and pays one ingest piece per whole unit), and every step when no query
-needs the worker. So a large ingest neither blocks readers nor starves. A piece's forward holds a cache
+Ingestion (chunk KV precompute) shares the worker under one rule: queries first, but while ingestion
+work is pending it is guaranteed `ingest_share` of the worker's time while queries are active (a credit
+in seconds that the queries' measured step time earns and each piece spends: `spent`; a share of steps
+would give it more, its pieces being longer than decode steps), and every step when no query needs the
+worker. So a large ingest neither blocks readers nor starves. A piece's forward holds a cache
 of its own (the model's, of a padded batch): it is reserved in the KV memory for the piece's run
 (`Request.need`), so a piece waits for a step whose memory has room beside the running requests.
 
@@ -110,6 +111,7 @@ class StepPlan:
     ingest_kv: int = 0  # KV tokens the piece holds in the memory while it runs (its forward's cache)
     preempted: list[Request] = field(default_factory=list)  # preemptible requests sent back to wait: reset them
     low_prefill: bool = False  # whether preemptible requests get the prefill budget the queries leave
+    busy: bool = False  # whether queries need the worker this step (ingestion then runs within its share)
 
 
 class Scheduler:
@@ -125,7 +127,8 @@ class Scheduler:
         self.low: deque[Request] = deque()  # preemptible requests waiting (the preempted at the head)
         self.preemptions = 0  # since start
         self.prefill_pending = 0  # prefill tokens of running requests whose prefill is not complete
-        self._credit = 0.0
+        self._credit = 0.0  # seconds of ingestion the queries' time since the last piece has earned (`spent`)
+        self._piece_s: float | None = None  # the last ingestion piece's seconds: what the next is taken to cost
         self.row_ids = itertools.count(-1, -1)  # forked rows' and private work's ids: negative, apart from the jobs'
 
     # -- state ----------------------------------------------------------------------------------------
@@ -274,12 +277,12 @@ class Scheduler:
             self.running[low.job_id] = low
             plan.admit.append(low)
         if self.ingest:
-            if not (self.waiting or any(not r.preemptible for r in self.running.values())):
+            plan.busy = bool(self.waiting or any(not r.preemptible for r in self.running.values()))
+            if not plan.busy:
                 plan.ingest, self._credit = self.ingest[0], 0.0
-            else:
-                self._credit = min(1.0, self._credit + lim.ingest_share)
-                if self._credit >= 1.0 - 1e-9:
-                    plan.ingest, self._credit = self.ingest[0], 0.0
+            elif lim.ingest_share >= 1.0 or (self._credit >= self._piece_s - 1e-9 if self._piece_s is not None
+                                              else self._credit > 0.0):
+                plan.ingest = self.ingest[0]
             if plan.ingest is not None:
                 plan.ingest_tokens = lim.prefill_tokens_per_step
                 self._reserve_ingest(plan)
@@ -287,6 +290,21 @@ class Scheduler:
             self._credit = 0.0
         plan.low_prefill = plan.ingest is None and not self.waiting
         return plan
+
+    def spent(self, plan: StepPlan, ingest_s: float, other_s: float) -> None:
+        """The step of `plan` took `ingest_s` seconds in its ingestion piece and `other_s` in the rest. While
+        queries need the worker, ingestion's share is one of the worker's time, not of its steps: the
+        queries' seconds earn share / (1 - share) seconds of ingestion, a piece spends what it took, and the
+        next piece runs once the credit reaches the last one's length (banked for one piece at most). A
+        piece is often several decode steps long (a chunk's whole forward against a row per stream), so a
+        count of steps would give ingestion several times its share of the time."""
+        if plan.ingest is not None:
+            self._piece_s = ingest_s
+        if not plan.busy or not self.ingest or self.limits.ingest_share >= 1.0:
+            return
+        share = self.limits.ingest_share
+        earned = self._credit + other_s * share / (1.0 - share) - (ingest_s if plan.ingest is not None else 0.0)
+        self._credit = min(earned, self._piece_s) if self._piece_s is not None else earned
 
     def _reserve_ingest(self, plan: StepPlan) -> None:
         """The ingestion piece's forward holds a cache of its own while it runs (the model's, of a padded
@@ -298,7 +316,7 @@ class Scheduler:
         need = req.need(plan.ingest_tokens) if req.need is not None else 0
         if 0 < need <= self.capacity and not self.memory.can_allocate(need):
             if not self.memory.can_allocate(need, without={r.job_id for r in self._low_running()}):
-                plan.ingest, plan.ingest_tokens, self._credit = None, 0, 1.0
+                plan.ingest, plan.ingest_tokens = None, 0  # its credit kept: its turn is the next step with room
                 return
             while not self.memory.can_allocate(need):  # ingestion outranks the preemptible class too
                 self._preempt(self._low_running()[-1], plan)
