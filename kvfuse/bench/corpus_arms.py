@@ -55,7 +55,7 @@ def run_arms(clients: dict[str, Any], ids: list[str], queries: list[list[int]], 
     """Every arm over the trace in alternating blocks. `clients`: arm -> (HTTP client, method or None).
     Returns per arm its run (as corpus.summarise_run makes it) and the blocks as run (arm, queries, p50,
     load average at its end)."""
-    from kvfuse.bench.corpus import QUESTIONS, ask, progress, scrape, tier_figures
+    from kvfuse.bench.corpus_client import QUESTIONS, ask, progress, scrape, tier_figures
     from kvfuse.bench.load import percentile
 
     def one(arm: str, pos: int) -> dict[str, Any]:

@@ -22,12 +22,20 @@ import threading
 import time
 import zipfile
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 # The keys and the flood live in overload_flood.py; named here too, for the suite's flood test.
-from kvfuse.bench.overload_flood import FAIR_KEY, FLOOD_KEYS, QUERY_KEY, Flood, Tally, _json  # noqa: F401
+from kvfuse.bench.overload_flood import (  # noqa: F401
+    FAIR_KEY,
+    FLOOD_KEYS,
+    QUERY_KEY,
+    Flood,
+    OverloadConfig,
+    Tally,
+    _json,
+    wait_jobs,
+)
 
 MB = 1024 * 1024
 QUESTION = "What did the palliative care nurse Bronnie Ware make a list of?"  # in essay "todo"
@@ -155,23 +163,6 @@ def burst(url: str, requests: int) -> Counter:
     return seen
 
 
-def wait_jobs(url: str, job_ids: list[str], timeout_s: float) -> Counter:
-    """Each job's final status (or where it stood at the deadline)."""
-    import httpx
-
-    statuses: Counter = Counter()
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {FLOOD_KEYS[0]}"}, timeout=60) as c:
-        for job_id in job_ids:
-            while True:
-                status = c.get(f"/v1/jobs/{job_id}").json().get("status")
-                if status in ("ready", "failed", "cancelled") or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            statuses[status] += 1
-    return statuses
-
-
 def p95(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[math.ceil(0.95 * len(ordered)) - 1]
@@ -187,21 +178,6 @@ def ratio_interval(quiet: list[float], flood: list[float], draws: int = 2000, se
     ratios = sorted(p95(rng.choices(flood, k=len(flood))) / p95(rng.choices(quiet, k=len(quiet)))
                     for _ in range(draws))
     return [round(ratios[int(0.025 * draws)], 3), round(ratios[min(draws - 1, int(0.975 * draws))], 3)]
-
-
-@dataclass
-class OverloadConfig:
-    url: str
-    api_pid: int  # the API process (`kvfuse serve`): its RSS is read from /proc
-    server: dict[str, Any]  # its server settings: the bounds, and the RSS bound they set
-    rounds: int = 4  # alternating blocks of each kind
-    per_block: int = 4  # queries per block
-    clients: int = 1  # flood threads of the ingesting key
-    uploaders: int = 4  # flood threads of the uploading key: more than the parse processes and waiters
-    batch: int = 2  # documents per flood batch
-    burst: int = 48  # requests at once after the blocks
-    jobs_timeout_s: float = 600.0
-    cost_window_s: float = 5.0  # each window of the refusal costs (overload_costs.py); 0: not measured
 
 
 def _blocks(cfg: OverloadConfig, c: Any, tally: Tally, queries: Counter, amplifier: bytes) -> list[Any]:

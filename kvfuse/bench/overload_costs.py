@@ -17,8 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvfuse.bench.overload import OverloadConfig, wait_jobs
-from kvfuse.bench.overload_flood import FLOOD_KEYS, Flood, Tally
+from kvfuse.bench.overload_flood import FLOOD_KEYS, Flood, OverloadConfig, Tally, wait_jobs
 from kvfuse.bench.overload_meter import cpu_s
 
 # kind -> (the refusal's status and code, the holders' senders, the margin's sender)

@@ -1,5 +1,7 @@
 """The flood of `kvfuse bench overload` (overload.py): client threads under the flood keys sending
-ingestions, uploads and bodies past the limit without pause, and the tally of every answer they got."""
+ingestions, uploads and bodies past the limit without pause, the tally of every answer they got, the
+bench's settings (`OverloadConfig`) and the wait for the accepted jobs' ends, which overload.py and
+overload_costs.py both use."""
 
 from __future__ import annotations
 
@@ -126,3 +128,35 @@ def _low_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except OSError:
         pass
+
+
+@dataclass
+class OverloadConfig:
+    url: str
+    api_pid: int  # the API process (`kvfuse serve`): its RSS is read from /proc
+    server: dict[str, Any]  # its server settings: the bounds, and the RSS bound they set
+    rounds: int = 4  # alternating blocks of each kind
+    per_block: int = 4  # queries per block
+    clients: int = 1  # flood threads of the ingesting key
+    uploaders: int = 4  # flood threads of the uploading key: more than the parse processes and waiters
+    batch: int = 2  # documents per flood batch
+    burst: int = 48  # requests at once after the blocks
+    jobs_timeout_s: float = 600.0
+    cost_window_s: float = 5.0  # each window of the refusal costs (overload_costs.py); 0: not measured
+
+
+def wait_jobs(url: str, job_ids: list[str], timeout_s: float) -> Counter:
+    """Each job's final status (or where it stood at the deadline)."""
+    import httpx
+
+    statuses: Counter = Counter()
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {FLOOD_KEYS[0]}"}, timeout=60) as c:
+        for job_id in job_ids:
+            while True:
+                status = c.get(f"/v1/jobs/{job_id}").json().get("status")
+                if status in ("ready", "failed", "cancelled") or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            statuses[status] += 1
+    return statuses

@@ -28,15 +28,23 @@ from __future__ import annotations
 
 from collections.abc import Collection, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from kvfuse.fusion.errors import FusionError
 from kvfuse.kv_formats import QTensor, dequantize
 
-if TYPE_CHECKING:
-    from kvfuse.fusion.model.transformer import Transformer
+
+class ModelShape(Protocol):
+    """What the memory needs of a model (kvfuse.fusion.model.transformer.Transformer has it): named here,
+    not imported, since the transformer's attention writes into this module's FusedCache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
 
 
 class MemoryFull(FusionError):
@@ -83,7 +91,7 @@ class KVMemory:
         self.moved_tokens = 0  # tokens copied by compaction since start
 
     @classmethod
-    def for_transformer(cls, tf: Transformer, capacity: int, *, zeroed: bool = False, align: int = 1) -> KVMemory:
+    def for_transformer(cls, tf: ModelShape, capacity: int, *, zeroed: bool = False, align: int = 1) -> KVMemory:
         """Memory shaped for `tf` (kvfuse.fusion.model.transformer.Transformer), in its dtype and device."""
         return cls(tf.num_layers, tf.num_kv_heads, tf.head_dim, capacity, tf.dtype, tf.device,
                    zeroed=zeroed, align=align)
