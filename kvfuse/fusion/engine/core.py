@@ -112,6 +112,7 @@ class Stepped:
     waiting: int
     kv_tokens: int
     kv_bytes: int
+    seconds: float = 0.0  # the step's wall time (ingestion's share is one of time: Scheduler.spent)
 
 
 Output = Admitted | Token | Finished | Failed | Preempted | Ingested | Stepped
@@ -217,10 +218,11 @@ class EngineCore:
         batch = sch.decode_batch()
         if batch:
             self._decode(batch, emit)
-        sch.spent(plan, ingest_s, time.perf_counter() - t0 - ingest_s)  # ingestion's share is of time
+        took = time.perf_counter() - t0
+        sch.spent(plan, ingest_s, took - ingest_s)  # ingestion's share is of time
         emit(Stepped(self.step_no, len(batch), [r.job_id for r in plan.admit],
                      plan.ingest.job_id if plan.ingest is not None else None, sch.num_running, sch.num_waiting,
-                     sch.kv_used, self.memory.used_bytes))
+                     sch.kv_used, self.memory.used_bytes, took))
         return out
 
     def _fail(self, job_id: RequestId, err: BaseException, emit: Emit) -> None:

@@ -58,7 +58,6 @@ class WorkerCore:
         self.settings = settings
         self.send_out = send
         self.name = settings.fleet.worker_name or f"{socket.gethostname()}-{os.getpid()}"
-        self._step_s = 0.0  # the last engine step's wall time, sent with its Step
         self.engine = FusionEngine.from_settings(settings)
         if store is None:
             from kvfuse.store import KVStore
@@ -167,10 +166,7 @@ class WorkerCore:
     def step(self) -> None:
         """One engine step; its outputs go out as the wire's messages, its Step with the step's wall time
         (what a query waits per step while ingestion shares the engine: DESIGN, "Bounded under load")."""
-        started = time.perf_counter()
-        outs = self.core.step()
-        self._step_s = time.perf_counter() - started
-        for out in outs:
+        for out in self.core.step():
             self._on_output(out)
 
     def _on_output(self, out: Any) -> None:
@@ -204,7 +200,7 @@ class WorkerCore:
             self.send(out.value)
         elif isinstance(out, E.Stepped):
             self.send(P.Step(out.step, out.batch, out.admitted, out.ingest, out.running, out.waiting, out.kv_tokens,
-                             kv_bytes=out.kv_bytes, seconds=round(self._step_s, 6)))
+                             kv_bytes=out.kv_bytes, seconds=round(out.seconds, 6)))
 
 
 def serve_pipe(worker: WorkerCore, conn: Connection) -> None:
