@@ -11,6 +11,7 @@ step's token budget), so a large document shares the worker with running queries
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.fusion.engine.sequence import Sequence
@@ -73,13 +74,15 @@ def plan_query(job: P.QueryJob, engine: Any, core: EngineCore, limit: int, step:
     if not full_prefill and not method.own_pipeline and fusion.cold_chunks != "compute":
         # Chunks with a recorded context only (first use, evictions): one whose context is not known (a
         # record from before contexts were recorded) is computed alone and never kept, as before.
+        # The rule is monotone in the cold chunks' cost: where even all of them cold would not switch, no
+        # tier is asked (the load asks again anyway), so chunks cached alone cost no lookup on arrival.
         wanted = [chunks[i] for i in kept]
         known = [c for c in wanted if c.context is not None]
-        cold = [known[i] for i in kv.cold([(c.key, c.token_ids, c.context) for c in known])] if known else []
         plain = sum(len(c.token_ids) for c in wanted)  # the context a full prefill runs: no method rows
         whole = len(prefix_ids) + plain + len(question_ids)
-        cost = sum(len(c.token_ids) + len(c.context or ()) for c in cold)
-        if policy.full_prefill_first(fusion.cold_chunks, cost, prefill, whole):
+        could = policy.full_prefill_first(fusion.cold_chunks, sum(map(_cost, known)), prefill, whole)
+        cold = [known[i] for i in kv.cold([(c.key, c.token_ids, c.context) for c in known])] if could else []
+        if policy.full_prefill_first(fusion.cold_chunks, sum(map(_cost, cold)), prefill, whole):
             fusion = dataclasses.replace(fusion, method="vanilla")  # vanilla: the reference fusion approximates
             full_prefill, total, prompt, prefill, kv_tokens = True, plain, whole, whole, fixed + plain
             deferred = cold
@@ -181,6 +184,18 @@ class QuerySequence(Sequence):
                         logprobs=logprobs, kv_reads=self.kv_reads, choices=choices)
 
 
+def fitting(costs: Iterable[int], budget_tokens: int) -> int:
+    """How many of the leading items an ingestion piece takes: while their costs (a chunk's tokens and its
+    context's) stay within the budget, and at least one."""
+    taken = tokens = 0
+    for cost in costs:
+        if taken and tokens + cost > budget_tokens:
+            break
+        taken += 1
+        tokens += cost
+    return taken
+
+
 class IngestTask:
     """A precompute job, run a piece (up to a token budget, at least one chunk) per ingestion step."""
 
@@ -208,15 +223,8 @@ class IngestTask:
 
     def _piece(self, budget_tokens: int) -> list[int]:
         """The chunks of the next piece: up to the budget of tokens (contexts counted), at least one."""
-        piece: list[int] = []
-        tokens = 0
-        for i in self.todo:
-            cost = len(self.job.chunks[i]) + len(self.job.context(i))  # a context is prefilled too
-            if piece and tokens + cost > budget_tokens:
-                break
-            piece.append(i)
-            tokens += cost
-        return piece
+        costs = (len(self.job.chunks[i]) + len(self.job.context(i)) for i in self.todo)  # a context is prefilled too
+        return self.todo[:fitting(costs, budget_tokens)]
 
     def need(self, kv: ChunkCache, budget_tokens: int) -> int:
         """The KV tokens the next piece's forward passes hold at most (the model's own cache,
@@ -262,18 +270,11 @@ class DeferredChunks:
         holding.update(c.key for c in chunks)
 
     def _piece(self, budget_tokens: int) -> list[P.ChunkRef]:
-        piece, tokens = [], 0
-        for c in self.todo:
-            cost = len(c.token_ids) + len(c.context or ())
-            if piece and tokens + cost > budget_tokens:
-                break
-            piece.append(c)
-            tokens += cost
-        return piece
+        return self.todo[:fitting(map(_cost, self.todo), budget_tokens)]
 
     def need(self, budget_tokens: int) -> int:
         """The KV tokens the next piece's forward passes hold at most: the chunks with their contexts."""
-        return sum(len(c.token_ids) + len(c.context or ()) for c in self._piece(budget_tokens))
+        return sum(map(_cost, self._piece(budget_tokens)))
 
     def run_piece(self, kv: ChunkCache, budget_tokens: int) -> int | None:
         """Compute and keep the next piece; the chunk count once every chunk is done."""
@@ -287,3 +288,8 @@ class DeferredChunks:
         finally:
             self.holding.difference_update(c.key for c in piece)
         return None if self.todo else self.total
+
+
+def _cost(c: P.ChunkRef) -> int:
+    """A chunk's tokens to compute: its own and its recorded context's."""
+    return len(c.token_ids) + len(c.context or ())
