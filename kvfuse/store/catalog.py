@@ -5,7 +5,7 @@ document uses any more, dropped from the blob tier in that same transaction), th
 the index is a copy (Redis). Deletes go the other way: the mirror entry goes first (the document
 disappears from view), then one LMDB transaction removes the record, its text and the blobs no other
 document uses, so no document ever points at a missing blob. If a mirror write fails (Redis down), the
-mirror is marked stale and rebuilt from LMDB when Redis answers again. Blobs a transaction dropped are
+mirror is marked stale and rebuilt from LMDB when Redis answers again (mirror_sync.py). Blobs a transaction dropped are
 then forgotten by the tiers above LMDB (`forget`).
 
 Document reads go to the index: the LMDB records themselves when embedded, else the Redis copy (and
@@ -17,11 +17,10 @@ or a readiness probe) and rebuilt the same way.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -31,6 +30,7 @@ from kvfuse.store.errors import DocumentNotFoundError, IndexUnavailableError, St
 from kvfuse.store.index import DocumentIndex, IndexMirror, IndexSnapshot, doctime_key
 from kvfuse.store.lmdb_env import LmdbEnv
 from kvfuse.store.lmdb_tier import LmdbTier
+from kvfuse.store.mirror_sync import MirrorSync
 from kvfuse.store.object_holds import ObjectHolds, write_after_asking
 from kvfuse.store.records import (
     FIELD_NAMES,
@@ -82,21 +82,21 @@ class DocumentCatalog:
         # Whether the object store holds a chunk (set by KVStore when one is configured): a chunk only
         # there is held too (records.unheld_chunks).
         self.in_objects: Callable[[str], bool] | None = None
-        self._rebuild_on_empty = rebuild_on_empty
         self._docs, self._doctime = env.db("docs"), env.db("doctime")
         self._texts, self._refs, self._meta = env.db("texts"), env.db("refs"), env.db("meta")
-        self._mirror_lost = False  # a call failed: re-check the mirror when it answers again
-        self._mirror_stale = False  # a mirror write failed: rebuild when it answers again
-        self._mirror_lock = threading.RLock()
         self.store_id = self._ensure_store_id()
+        self.sync: MirrorSync | None = None
         if self.mirror is not None:
+            self.sync = MirrorSync(self.mirror, self.rebuild_index, readonly=env.readonly,
+                                   rebuild_on_empty=rebuild_on_empty)
+            self.sync.store_id = self.store_id
             try:
-                self._sync_mirror()
+                self.sync.sync()
             except IndexUnavailableError:
                 if require_index:
                     raise
                 log.warning("the %s index is not available yet: it is checked again at its first use", index.kind)
-                self._mirror_lost = True
+                self.sync.lost = True
 
     def close(self) -> None:
         self.index.close()
@@ -344,20 +344,12 @@ class DocumentCatalog:
     def index_available(self) -> bool:
         """Whether document reads can be answered now (a mirror that failed is re-checked, and rebuilt
         if it came back empty)."""
-        if self.mirror is None:
-            return True
-        try:
-            with self._mirrored(write=False) as m:
-                m.ping()
-            self._resync_if_lost()
-            return True
-        except IndexUnavailableError:
-            return False
+        return self.sync is None or self.sync.available()
 
     # --- the mirror (a Redis index) kept in step
     def rebuild_index(self) -> dict[str, int | str]:
         """Replace the mirror with the LMDB records (nothing to do when embedded); returns counts."""
-        with self._mirror_lock:
+        with self.sync.lock if self.sync is not None else nullcontext():
             with self.env.read() as txn:
                 docs, chunks = list(self.documents(txn).values()), self.blobs.infos(txn)
             if self.mirror is not None:
@@ -372,52 +364,19 @@ class DocumentCatalog:
 
     @contextmanager
     def _reading(self) -> Iterator[DocumentIndex]:
-        if self.mirror is None:
+        if self.sync is None:
             yield self.index
         else:
-            with self._mirrored(write=False) as m:
+            with self.sync.use(write=False) as m:
                 yield m
 
-    @contextmanager
-    def _mirrored(self, *, write: bool = True) -> Iterator[IndexMirror]:
-        """The mirror, re-checked first if it failed before. Writes hold the mirror lock, so a rebuild
-        never runs between another thread's LMDB write and its mirror write."""
-        assert self.mirror is not None
-        with self._mirror_lock if write else nullcontext():
-            try:
-                if self._mirror_lost:
-                    self._sync_mirror()
-                    self._mirror_lost = False
-                yield self.mirror
-            except IndexUnavailableError:
-                self._mirror_lost = True
-                self._mirror_stale = self._mirror_stale or write  # the LMDB write is done; its mirror is not
-                raise
+    def _mirrored(self) -> AbstractContextManager[IndexMirror]:
+        """The mirror for a write (mirror_sync.py: re-checked first if it failed before)."""
+        assert self.sync is not None
+        return self.sync.use()
 
     def _resync_if_lost(self) -> bool:
-        """Re-sync the mirror if it no longer holds this store's marker: a Redis that restarted empty (or
-        was flushed) while no call of this process failed, so nothing else would notice. True if so.
-        Checked on a miss, a listing and a readiness probe, where a lost mirror would answer wrong (a
-        read: Redis down here marks nothing stale; the rebuild takes the mirror lock itself)."""
-        with self._mirrored(write=False) as m:
-            if not m.needs_rebuild(self.store_id):
-                return False
-            log.warning("the %s index no longer mirrors this store (restarted empty?)", self.index.kind)
-            self._sync_mirror()
-            return True
-
-    def _sync_mirror(self) -> None:
-        assert self.mirror is not None
-        self.mirror.ping()
-        if self._mirror_stale or self.mirror.needs_rebuild(self.store_id):
-            if self.env.readonly:
-                log.warning("the %s index does not mirror this store; run `kvfuse store rebuild-index`", self.index.kind)
-            elif self._mirror_stale or self._rebuild_on_empty:
-                log.info("rebuilding the %s index from LMDB", self.index.kind)
-                self.rebuild_index()
-            else:
-                log.warning("the %s index is empty; rebuild_index_on_empty is off", self.index.kind)
-        self._mirror_stale = False
+        return self.sync is not None and self.sync.resync_if_lost()
 
     def _ensure_store_id(self) -> str:
         """Which LMDB store this is, so a mirror of another store (a shared Redis) is never taken for ours."""
