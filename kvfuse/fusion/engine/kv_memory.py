@@ -1,9 +1,11 @@
 """Where every running sequence's KV lives: one buffer per K and V, allocated once at the budget.
 
 `KVMemory` holds K and V as [layers, kv_heads, capacity, head_dim] each, `capacity` being the configured
-budget in tokens (`server.kv_budget_tokens`), so the bytes it holds never exceed the budget, whatever the
-mix of lengths. A sequence gets one contiguous *extent* of it, [start, start + tokens), sized for its
-prompt plus the tokens it may generate, and keeps it from admission to retirement:
+budget in tokens (`server.kv_budget_tokens`, less what the device ledger carves beside it: ledger.py),
+so the bytes it holds never exceed the budget, whatever the mix of lengths. Bytes kept outside the
+buffer (a cached system prompt's) are counted in it as *holds* (`hold`), which no extent may use while
+held. A sequence gets one contiguous *extent* of it, [start, start + tokens), sized for its prompt plus
+the tokens it may generate, and keeps it from admission to retirement:
 
 - the fused prefill writes into it directly (the chunks' stored KV is placed there by the layer loader,
   recomputed rows overwrite theirs in place), so a request's prefill cache *is* its decode memory and
