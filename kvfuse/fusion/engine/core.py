@@ -138,8 +138,9 @@ class EngineCore:
         if static:  # the static path's mask reads whole key blocks: a whole number of them, within the budget
             capacity = capacity // BLOCK * BLOCK
         if capacity < (BLOCK if static else 1):
-            raise ValueError(f"server.kv_budget_tokens ({limits.kv_budget_tokens}) leaves no KV memory beside "
-                             f"the {carved} tokens carved for {', '.join(c.kind for c in carves)}")
+            beside = f" beside the {carved} tokens carved for {', '.join(c.kind for c in carves)}" if carves else ""
+            raise ValueError(f"server.kv_budget_tokens ({limits.kv_budget_tokens}) leaves no KV memory{beside}"
+                             + (f" (the static decode path needs whole {BLOCK}-token blocks)" if static else ""))
         self.memory = KVMemory.for_transformer(engine.tf, capacity, zeroed=static, align=BLOCK if static else 1)
         self.ledger = Ledger(self.memory, limits.kv_budget_tokens, carves, str(engine.device))
         self.runner = ModelRunner(engine.tf, self.memory, max_batch=limits.max_running, static=static,
