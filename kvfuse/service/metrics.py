@@ -8,6 +8,8 @@ and the quality contract's shadow checks (rag/fidelity.py; a panel: docs/grafana
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -97,12 +99,28 @@ class Metrics:
         self.kv_budget_bytes = Gauge("kvfuse_kv_budget_bytes", "KV memory each worker allocated at start (its "
                                      "server.kv_budget_tokens): what running sequences can never exceed",
                                      ["worker"], registry=r)
+        self.kv_ledger_bytes = Gauge("kvfuse_kv_ledger_bytes", "Device KV bytes each worker's ledger counts now, by "
+                                     "holder (query, shadow, ingest, prefix, device_tier; docs/DESIGN.md, \"One "
+                                     "device-memory ledger\")", ["worker", "device", "holder"], registry=r)
+        self.kv_ledger_budget = Gauge("kvfuse_kv_ledger_budget_bytes", "Each worker's device KV budget "
+                                      "(server.kv_budget_tokens of the model's KV): every holder within it",
+                                      ["worker", "device"], registry=r)
+        self.kv_ledger_peak = Gauge("kvfuse_kv_ledger_peak_bytes", "The most device KV bytes each worker's ledger "
+                                    "read since it started", ["worker", "device"], registry=r)
         self.engine_warmup = Gauge("kvfuse_engine_warmup_seconds", "Time each worker spent compiling and "
                                    "capturing its decode step before it was ready", ["worker"], registry=r)
         self.fidelity_target = Gauge("kvfuse_fidelity_target_agreement", "fidelity.target_agreement (0 = off)",
                                      registry=r)
         self.fidelity_ratio = Gauge("kvfuse_fidelity_ratio", "Recompute ratio held for the target agreement",
                                     ["method", "bucket"], registry=r)
+
+    def ledger(self, worker: str, report: dict[str, Any]) -> None:
+        """A worker's device KV ledger (kvfuse/fusion/engine/ledger.py, LedgerReport.as_dict) as gauges."""
+        device = str(report.get("device", ""))
+        self.kv_ledger_budget.labels(worker, device).set(report.get("budget_bytes", 0))
+        self.kv_ledger_peak.labels(worker, device).set(report.get("peak_bytes", 0))
+        for holder, nbytes in (report.get("holders") or {}).items():
+            self.kv_ledger_bytes.labels(worker, device, holder).set(nbytes)
 
     def tier_evictions(self, worker: str, tier: str, total: int) -> None:
         """Count a tier's evictions from the running total a worker reports (a total below the last one:

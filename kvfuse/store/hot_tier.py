@@ -59,19 +59,22 @@ class HotTier(ChunkStore):
         size = entry.k.nbytes + entry.v.nbytes
         if size > self.budget_bytes:
             return False
-        if self.device is not None:  # from page-locked memory the copy is asynchronous: ordered on the stream
-            k, v, header = entry
-            entry = ChunkEntry(k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True), header)
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
-            self._items[key] = (entry, size)
-            self._bytes += size
-            while self._bytes > self.budget_bytes:
+            # evicted before the copy, so what the tier holds never passes its budget, even for a moment: a
+            # device tier's budget is carved from the worker's one device KV ledger (engine/ledger.py)
+            while self._bytes + size > self.budget_bytes:
                 _, (_, evicted) = self._items.popitem(last=False)
                 self._bytes -= evicted
                 self.evictions += 1
+            if self.device is not None:  # from page-locked memory the copy is asynchronous: ordered on the stream
+                k, v, header = entry
+                entry = ChunkEntry(k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True),
+                                   header)
+            self._items[key] = (entry, size)
+            self._bytes += size
         return True
 
     def remove(self, key: str) -> bool:

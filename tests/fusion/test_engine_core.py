@@ -270,3 +270,22 @@ def test_an_ingestion_piece_holds_its_forwards_cache_in_the_kv_memory(tiny) -> N
     core.add_ingest(9, lambda budget: "never", need=lambda budget: core.memory.capacity + 1)
     (failed,) = [o for o in _run(core, []) if isinstance(o, E.Failed)]
     assert failed.job_id == 9 and "KV tokens" in str(failed.error) and core.memory.used_tokens == 0
+
+
+def test_a_carve_is_set_aside_from_the_budget_before_the_buffer_is_allocated(tiny) -> None:
+    """The device tier's cap comes out of the one budget: the buffer is the rest, in whole tokens, and a
+    budget the carves leave nothing of is refused at start, naming them."""
+    from kvfuse.fusion.engine.kv_memory import token_bytes_of
+    from kvfuse.fusion.engine.ledger import Carve
+
+    per = token_bytes_of(tiny.tf)
+    held = {"bytes": 0}
+    tier = Carve("device_tier", 100 * per + 1, lambda: held["bytes"])
+    limits = SchedulerLimits(max_running=2, kv_budget_tokens=1000, prefill_tokens_per_step=64, ingest_share=0.25)
+    core = EngineCore(tiny, limits, carves=(tier,))
+    assert core.memory.capacity == 1000 - 101 and core.scheduler.capacity == 899
+    assert core.ledger.budget_bytes == 1000 * per and core.memory.token_bytes == per
+    held["bytes"] = 90 * per
+    assert core.ledger.report().holders["device_tier"] == 90 * per
+    with pytest.raises(ValueError, match="leaves no KV memory beside the 1001 tokens carved for device_tier"):
+        EngineCore(tiny, dataclasses.replace(limits, kv_budget_tokens=1001), carves=(Carve("device_tier", 1001 * per, int),))

@@ -222,3 +222,17 @@ def test_an_ingestion_piece_waits_for_room_for_its_cache_and_preempts_for_it() -
     s.add_ingest(Request(101, need=lambda budget: 5000))  # could never fit: goes ahead, fails in the core
     s.ingest_done(100)
     assert s.schedule().ingest_kv == 5000
+
+
+def test_cached_system_prompts_give_way_to_a_query_that_needs_their_room() -> None:
+    """Holds of the prefix cache count against the budget, so a query waits only for extents: the
+    scheduler admits it by reclaiming the holds, least recently used first, and only as many as it needs."""
+    s = sched(prefill_tokens_per_step=10_000)
+    dropped: list[str] = []
+    for name in ("old", "new"):
+        assert s.memory.hold(name, 200 * s.memory.token_bytes, "prefix", reclaim=lambda n=name: dropped.append(n))
+    s.add(Request(0, kv_tokens=500, prefill_tokens=100))
+    assert ids(s.schedule().admit) == [0] and dropped == [] and s.kv_used == 500  # the holds are not queries'
+    s.add(Request(1, kv_tokens=250, prefill_tokens=100))
+    assert ids(s.schedule().admit) == [1] and dropped == ["old"]  # 100 free: one hold made the room
+    assert s.memory.used_tokens == 950 <= s.memory.capacity and list(s.memory.holds) == ["new"]

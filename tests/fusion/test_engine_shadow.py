@@ -101,6 +101,11 @@ def test_a_check_on_the_core_gives_the_plain_full_prefills_kl_and_greedy_answer(
     if alter is not None:  # the greedy answer itself is the full prefill's
         assert v.agreed is False and seq.generation.text == greedy_text
     assert core.memory.used_tokens == 0  # its extent was released with it
+    # its row is reported apart from the queries' rows, and its extent in the ledger as a shadow check's
+    steps = [o for o in out if isinstance(o, E.Stepped)]
+    assert all(s.running == 0 for s in steps) and steps[0].shadow == 1 and steps[-1].shadow == 0
+    assert core.ledger.peak_holders["shadow"] == seq.kv_tokens * core.memory.token_bytes
+    assert core.ledger.peak_holders["query"] == 0 and core.ledger.peak_bytes <= core.ledger.budget_bytes
 
 
 def test_a_sampled_answer_gets_the_kl_alone(tiny) -> None:

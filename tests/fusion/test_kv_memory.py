@@ -140,3 +140,55 @@ def test_can_allocate_without_some_owners_says_whether_releasing_them_makes_the_
     mem.settle("b")  # movable: compaction gathers the free tokens around it
     assert mem.can_allocate(60, without={"a", "c"}) and not mem.can_allocate(61, without={"a", "c"})
     assert [e.owner for e in mem.extents] == ["a", "b", "c"]  # asking moved and released nothing
+
+
+def test_holds_count_bytes_outside_the_buffer_against_the_budget() -> None:
+    """A hold takes whole tokens of the count (its bytes rounded up), no extent may use them while it is
+    held, and a reclaimable one is dropped, oldest first, when an extent needs its room."""
+    mem = memory(100)
+    dropped: list[str] = []
+    assert mem.hold("p1", 10 * mem.token_bytes + 1, "prefix", reclaim=lambda: dropped.append("p1"))  # 11 tokens
+    assert mem.hold("p2", 9 * mem.token_bytes, "prefix", reclaim=lambda: dropped.append("p2"))
+    assert mem.hold("fixed", 5 * mem.token_bytes, "prefix")  # never reclaimed by the memory
+    assert (mem.held_tokens, mem.used_tokens, mem.free_tokens) == (25, 25, 75)
+    assert not mem.hold("big", 76 * mem.token_bytes, "prefix")  # more than is free: nothing held
+    assert mem.bytes_by_kind() == {"prefix": 25 * mem.token_bytes}
+    mem.allocate("a", 70, kind="query")
+    assert dropped == [] and mem.free_tokens == 5
+    mem.touch("p1")  # used: p2 is now the older one
+    assert mem.can_allocate(25) and not mem.can_allocate(26)  # the fixed hold is never reclaimed
+    mem.allocate("b", 10, kind="shadow")
+    assert dropped == ["p2"] and set(mem.holds) == {"p1", "fixed"}
+    assert mem.used_tokens == 96 <= mem.capacity and mem.peak_tokens == 96
+    with pytest.raises(MemoryFull):
+        mem.allocate("c", 20)
+    assert mem.bytes_by_kind() == {"query": 70 * mem.token_bytes, "shadow": 10 * mem.token_bytes,
+                                   "prefix": 16 * mem.token_bytes}
+    mem.unhold("fixed")
+    assert mem.free_tokens == 9
+
+
+def test_the_ledger_is_the_budget_with_carves_beside_the_buffer() -> None:
+    """Carves (the device tier) are set aside from the budget, the buffer is the rest, and the ledger
+    reports every holder's bytes, the total and its peak."""
+    from kvfuse.fusion.engine.ledger import Carve, Ledger, carved_tokens
+
+    tier = {"bytes": 0}
+    probe = memory(1)
+    carve = Carve("device_tier", 30 * probe.token_bytes - 1, lambda: tier["bytes"])
+    assert carved_tokens([carve], probe.token_bytes) == 30  # rounded up: the buffer never reaches into it
+    mem = memory(100 - 30)
+    ledger = Ledger(mem, 100, [carve], "cpu")
+    assert ledger.budget_bytes == 100 * mem.token_bytes == mem.nbytes + 30 * mem.token_bytes
+    mem.allocate("a", 40, kind="query")
+    mem.allocate(("ingest", 1), 20, kind="ingest")
+    tier["bytes"] = 25 * mem.token_bytes
+    report = ledger.report()
+    assert report.holders == {"query": 40 * mem.token_bytes, "shadow": 0, "ingest": 20 * mem.token_bytes,
+                              "prefix": 0, "device_tier": 25 * mem.token_bytes}
+    assert report.used_bytes == 85 * mem.token_bytes == report.peak_bytes <= report.budget_bytes
+    mem.release(("ingest", 1))
+    again = ledger.report()
+    assert again.used_bytes == 65 * mem.token_bytes and again.peak_bytes == 85 * mem.token_bytes
+    assert again.peak_holders["ingest"] == 20 * mem.token_bytes and again.caps == {"device_tier": carve.cap_bytes}
+    assert again.as_dict()["holders"] == again.holders

@@ -186,3 +186,41 @@ def test_sparse_cache_is_the_sparse_prompt_at_compacted_positions(engine, long_p
                        FusionOptions(method="samkv", recompute_ratio=1.0, samkv_update="overwrite"))
     ref = hf_forward(engine, sparse, logits_to_keep=1).logits[0, -1].float()
     torch.testing.assert_close(full.logits, ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("update", ["overwrite", "fusion"])
+def test_on_the_engine_core_the_probe_lives_in_the_request_extent(engine, long_prompt, update, monkeypatch):
+    """samkv's probe cache is the start of the request's own extent (the sparse cache then overwrites it),
+    so a core whose whole KV memory is that one extent serves it, no cache of the engine's own is made
+    (a stand-in `new_cache` that fails, the only way to see that none is asked for), and its first logits
+    are those of the standalone fuse, whose probe has a cache of its own."""
+    from kvfuse.fusion.engine import core as E
+    from kvfuse.fusion.engine.core import EngineCore
+    from kvfuse.fusion.engine.scheduler import SchedulerLimits
+    from kvfuse.fusion.engine.sequence import Sequence
+
+    opts = FusionOptions(method="samkv", samkv_update=update)
+    p = long_prompt
+    alone = engine.fuse(p.prefix, [MemorySource(c) for c in p.chunks], p.question_ids, opts, max_tokens=2)
+    kv_tokens = len(p.prefix) + sum(len(c) for c in p.chunks) + len(p.question_ids) + 2
+    core = EngineCore(engine, SchedulerLimits(max_running=1, kv_budget_tokens=kv_tokens,
+                                              prefill_tokens_per_step=256, ingest_share=0.25))
+    seq = Sequence(0, p.prefix.token_ids, p.question_ids, opts, GenerationOptions(max_tokens=2, temperature=0.0),
+                   kv_tokens=kv_tokens, prefill_tokens=kv_tokens, prefix=p.prefix,
+                   chunks=[MemorySource(c) for c in p.chunks])
+    rows: list[torch.Tensor] = []
+    seq.on_logits = lambda row: rows.append(row.float().clone())
+    core.add(seq)
+
+    def no_private_cache(capacity: int):
+        raise AssertionError(f"a cache of {capacity} tokens outside the core's KV memory")
+
+    monkeypatch.setattr(engine, "new_cache", no_private_cache)
+    out: list = []
+    while core.has_work:
+        out += core.step()
+        assert core.memory.used_tokens <= core.memory.capacity == kv_tokens
+    monkeypatch.undo()
+    assert not [o for o in out if isinstance(o, E.Failed)]
+    assert core.ledger.peak_bytes <= core.ledger.budget_bytes
+    torch.testing.assert_close(rows[0], alone.logits.float(), atol=ATOL, rtol=0)

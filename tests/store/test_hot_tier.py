@@ -48,3 +48,15 @@ def test_concurrent_use_keeps_the_byte_count_exact() -> None:
     st = hot.stats()
     assert st["hot_bytes"] == 100 * st["hot_items"] <= 1000
     assert st["hot_hits"] + st["hot_misses"] == 1200
+
+
+def test_a_put_evicts_before_it_keeps_so_the_bytes_never_pass_the_budget() -> None:
+    """The device tier's budget is carved from the worker's one device KV ledger, so the tier evicts the
+    room first: no moment holds the new entry beside the ones it pushes out."""
+    hot = HotTier(budget_bytes=300, name="device")
+    for name in "abc":
+        assert hot.put(name, _entry(100))
+    assert hot.put("big", _entry(250))  # needs all three gone
+    st = hot.stats()
+    assert (st["device_bytes"], st["device_items"], st["device_evictions"]) == (250, 1, 3)
+    assert hot.put("big", _entry(300)) and hot.stats()["device_bytes"] == 300  # a key put again is replaced

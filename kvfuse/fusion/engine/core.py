@@ -35,13 +35,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvfuse.fusion.engine import sampling
-from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
+from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory, token_bytes_of
+from kvfuse.fusion.engine.ledger import Carve, Ledger, carved_tokens
 from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
 from kvfuse.fusion.engine.scheduler import Phase, Request, Scheduler, SchedulerLimits
 from kvfuse.fusion.engine.sequence import RequestId, Sequence
@@ -108,11 +109,14 @@ class Stepped:
     batch: int
     admitted: list[RequestId]
     ingest: RequestId | None
-    running: int
+    running: int  # queries' rows (a shadow check's is counted apart, in `shadow`)
     waiting: int
     kv_tokens: int
     kv_bytes: int
     seconds: float = 0.0  # the step's wall time (ingestion's share is one of time: Scheduler.spent)
+    shadow: int = 0  # running preemptible rows (shadow checks)
+    ledger: dict[str, int] = field(default_factory=dict)  # device KV bytes by holder after the step (ledger.py)
+    ledger_peak: int = 0  # the most device KV bytes the ledger read in this step
 
 
 Output = Admitted | Token | Finished | Failed | Preempted | Ingested | Stepped
@@ -122,15 +126,23 @@ Emit = Callable[[Output], None]  # how the step's parts append to its outputs
 class EngineCore:
     """The engine over `engine` (kvfuse.fusion.FusionEngine, as engine/fusing.py names it) within `limits`.
 
-    static / cuda_graphs: the runner's static decode path and its CUDA graphs (runner.py)."""
+    static / cuda_graphs: the runner's static decode path and its CUDA graphs (runner.py). carves: holders
+    of device KV outside the buffer with caps of their own (the device tier): the buffer is the budget
+    less their caps, so the one ledger (ledger.py) holds them all within `limits.kv_budget_tokens`."""
 
     def __init__(self, engine: FusingEngine, limits: SchedulerLimits, *, static: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, carves: tuple[Carve, ...] = ()) -> None:
         self.engine = engine
-        capacity = limits.kv_budget_tokens
+        carved = carved_tokens(carves, token_bytes_of(engine.tf))
+        capacity = limits.kv_budget_tokens - carved
         if static:  # the static path's mask reads whole key blocks: a whole number of them, within the budget
-            capacity = max(BLOCK, capacity // BLOCK * BLOCK)
+            capacity = capacity // BLOCK * BLOCK
+        if capacity < (BLOCK if static else 1):
+            beside = f" beside the {carved} tokens carved for {', '.join(c.kind for c in carves)}" if carves else ""
+            raise ValueError(f"server.kv_budget_tokens ({limits.kv_budget_tokens}) leaves no KV memory{beside}"
+                             + (f" (the static decode path needs whole {BLOCK}-token blocks)" if static else ""))
         self.memory = KVMemory.for_transformer(engine.tf, capacity, zeroed=static, align=BLOCK if static else 1)
+        self.ledger = Ledger(self.memory, limits.kv_budget_tokens, carves, str(engine.device))
         self.runner = ModelRunner(engine.tf, self.memory, max_batch=limits.max_running, static=static,
                                   cuda_graphs=cuda_graphs)
         self.scheduler = Scheduler(limits, self.memory)
@@ -139,11 +151,12 @@ class EngineCore:
         self.ingest_kv_peak = 0  # the most tokens the memory held while an ingestion piece ran (<= its capacity)
 
     @classmethod
-    def from_settings(cls, engine: FusingEngine, settings: Settings) -> EngineCore:
+    def from_settings(cls, engine: FusingEngine, settings: Settings, carves: tuple[Carve, ...] = ()) -> EngineCore:
         """As kvfuse.config Settings say (server.* limits; the static path with CUDA graphs on a CUDA
         device when fusion.decode_cuda_graphs is on)."""
         graphs = settings.fusion.decode_cuda_graphs and engine.device.type == "cuda"
-        return cls(engine, SchedulerLimits.from_settings(settings.server), static=graphs, cuda_graphs=graphs)
+        return cls(engine, SchedulerLimits.from_settings(settings.server), static=graphs, cuda_graphs=graphs,
+                   carves=carves)
 
     def warm_up(self) -> float:
         """Compile and capture what the decode step needs before the first request (seconds taken)."""
@@ -208,21 +221,25 @@ class EngineCore:
             emit(Preempted(req.job_id, seq))
         for req in plan.admit:
             self._start(req, emit)
+        peak, _ = self.ledger.observe()
         self._prefill(sch.limits.prefill_tokens_per_step * self.engine.num_layers, emit,
                       admitted={r.job_id for r in plan.admit}, low=plan.low_prefill)
         ingest_s = 0.0
         if plan.ingest is not None:
             t_ingest = time.perf_counter()
-            self._ingest(plan.ingest, plan.ingest_tokens, plan.ingest_kv, emit)
+            peak = max(peak, self._ingest(plan.ingest, plan.ingest_tokens, plan.ingest_kv, emit))
             ingest_s = time.perf_counter() - t_ingest
         batch = sch.decode_batch()
         if batch:
             self._decode(batch, emit)
         took = time.perf_counter() - t0
         sch.spent(plan, ingest_s, took - ingest_s)  # ingestion's share is of time
+        used, holders = self.ledger.observe()
+        peak = max(peak, used)
+        shadow = sch.num_low_running
         emit(Stepped(self.step_no, len(batch), [r.job_id for r in plan.admit],
-                     plan.ingest.job_id if plan.ingest is not None else None, sch.num_running, sch.num_waiting,
-                     sch.kv_used, self.memory.used_bytes, took))
+                     plan.ingest.job_id if plan.ingest is not None else None, sch.num_running - shadow,
+                     sch.num_waiting, sch.kv_used, self.memory.extent_bytes, took, shadow, holders, peak))
         return out
 
     def _fail(self, job_id: RequestId, err: BaseException, emit: Emit) -> None:
@@ -289,25 +306,29 @@ class EngineCore:
         seq.first_logits = None
         return out
 
-    def _ingest(self, req: Request, budget_tokens: int, kv_tokens: int, emit: Emit) -> None:
+    def _ingest(self, req: Request, budget_tokens: int, kv_tokens: int, emit: Emit) -> int:
         """One piece of an ingestion job, its forward's cache held as `kv_tokens` of the memory meanwhile
-        (MemoryFull fails the job when it could never fit)."""
+        (MemoryFull fails the job when it could never fit); returns the ledger's bytes while it ran."""
         assert req.piece is not None  # an ingestion request
         owner = ("ingest", req.job_id)
+        used = 0
         try:
             if kv_tokens > 0:
-                self.memory.allocate(owner, kv_tokens)
+                self.memory.allocate(owner, kv_tokens, kind="ingest")
                 self.ingest_kv_peak = max(self.ingest_kv_peak, self.memory.used_tokens)
+            used = self.ledger.observe()[0]
             done = req.piece(budget_tokens)
+            used = max(used, self.ledger.observe()[0])  # a piece may fill the device tier or the prefix cache
         except Exception as err:  # noqa: BLE001 - fails this job only
             self.scheduler.ingest_done(req.job_id)
             emit(Failed(req.job_id, err))
-            return
+            return used
         finally:
             self.memory.release(owner)
         if done is not None:
             self.scheduler.ingest_done(req.job_id)
             emit(Ingested(req.job_id, done))
+        return used
 
     def _decode(self, batch: list[Request], emit: Emit) -> None:
         """One step for every decoding sequence: one forward, the tokens chosen on the device for the whole

@@ -1,9 +1,11 @@
 """Where every running sequence's KV lives: one buffer per K and V, allocated once at the budget.
 
 `KVMemory` holds K and V as [layers, kv_heads, capacity, head_dim] each, `capacity` being the configured
-budget in tokens (`server.kv_budget_tokens`), so the bytes it holds never exceed the budget, whatever the
-mix of lengths. A sequence gets one contiguous *extent* of it, [start, start + tokens), sized for its
-prompt plus the tokens it may generate, and keeps it from admission to retirement:
+budget in tokens (`server.kv_budget_tokens`, less what the device ledger carves beside it: ledger.py),
+so the bytes it holds never exceed the budget, whatever the mix of lengths. Bytes kept outside the
+buffer (a cached system prompt's) are counted in it as *holds* (`hold`), which no extent may use while
+held. A sequence gets one contiguous *extent* of it, [start, start + tokens), sized for its prompt plus
+the tokens it may generate, and keeps it from admission to retirement:
 
 - the fused prefill writes into it directly (the chunks' stored KV is placed there by the layer loader,
   recomputed rows overwrite theirs in place), so a request's prefill cache *is* its decode memory and
@@ -26,7 +28,8 @@ exactly their size. docs/DESIGN.md, "Decoding", says who allocates what.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +50,11 @@ class ModelShape(Protocol):
     device: torch.device
 
 
+def token_bytes_of(tf: ModelShape) -> int:
+    """Bytes one token's K and V take across every layer of `tf`, in its dtype."""
+    return 2 * tf.num_layers * tf.num_kv_heads * tf.head_dim * torch.empty((), dtype=tf.dtype).element_size()
+
+
 class MemoryFull(FusionError):
     """No extent of the asked size is free (even after compaction)."""
 
@@ -60,10 +68,22 @@ class Extent:
     start: int
     tokens: int
     movable: bool = False
+    kind: str = "query"  # its holder in the ledger (engine/ledger.py): query, shadow, ingest
 
     @property
     def stop(self) -> int:
         return self.start + self.tokens
+
+
+@dataclass(eq=False)
+class Hold:
+    """`tokens` of a KVMemory's count held by bytes that live outside its buffer (a cached system prompt's
+    decoded KV): no extent may use them while held. `reclaim`: called when the memory drops the hold to
+    make room for an extent (the holder forgets the entry); None: never dropped but by its holder."""
+
+    kind: str
+    tokens: int
+    reclaim: Callable[[], None] | None = None
 
 
 class KVMemory:
@@ -88,7 +108,9 @@ class KVMemory:
         self.capacity = capacity
         self.zeroed, self.align = zeroed, align
         self.extents: list[Extent] = []  # sorted by start
+        self.holds: OrderedDict[Hashable, Hold] = OrderedDict()  # least recently used first
         self.moved_tokens = 0  # tokens copied by compaction since start
+        self.peak_tokens = 0  # the most tokens extents and holds held together since start
 
     @classmethod
     def for_transformer(cls, tf: ModelShape, capacity: int, *, zeroed: bool = False, align: int = 1) -> KVMemory:
@@ -108,13 +130,34 @@ class KVMemory:
         return self.capacity * self.token_bytes
 
     @property
-    def used_tokens(self) -> int:
+    def extent_tokens(self) -> int:
         return sum(e.tokens for e in self.extents)
 
     @property
+    def extent_bytes(self) -> int:
+        """Bytes held by extents now (running sequences, shadow checks, an ingestion piece's reservation)."""
+        return self.extent_tokens * self.token_bytes
+
+    @property
+    def held_tokens(self) -> int:
+        return sum(h.tokens for h in self.holds.values())
+
+    @property
+    def used_tokens(self) -> int:
+        """Tokens held by extents and by holds together: what the budget counts."""
+        return self.extent_tokens + self.held_tokens
+
+    @property
     def used_bytes(self) -> int:
-        """Bytes held by sequences' extents now."""
+        """Bytes held by extents and holds now."""
         return self.used_tokens * self.token_bytes
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Bytes held now by each holder (the extents' and the holds' kinds)."""
+        out: dict[str, int] = {}
+        for kind, tokens in [*((e.kind, e.tokens) for e in self.extents), *((h.kind, h.tokens) for h in self.holds.values())]:
+            out[kind] = out.get(kind, 0) + tokens * self.token_bytes
+        return out
 
     @property
     def free_tokens(self) -> int:
@@ -129,26 +172,68 @@ class KVMemory:
         extents of these owners released first (whether preempting them would make the room)."""
         tokens = self._aligned(tokens)
         kept = [e for e in self.extents if e.owner not in without] if without else self.extents
+        if tokens > self.capacity - sum(e.tokens for e in kept) - self._fixed_hold_tokens():
+            return False
         return self._hole(tokens, kept) is not None or tokens <= self._compactable_room(kept)
 
-    def allocate(self, owner: Hashable, tokens: int) -> Extent:
+    def allocate(self, owner: Hashable, tokens: int, kind: str = "query") -> Extent:
         """An extent of `tokens` (rounded up to `align`) for `owner` (first fit; settled extents slide down
-        when only compaction makes room). Raises MemoryFull when none can be had."""
+        when only compaction makes room; reclaimable holds are dropped, oldest first, when the count of
+        free tokens is short). Raises MemoryFull when none can be had."""
         if tokens < 1:
             raise ValueError(f"an extent needs at least one token, got {tokens}")
         tokens = self._aligned(tokens)
         if self.extent_of(owner) is not None:
             raise ValueError(f"{owner!r} already holds an extent")
+        if tokens > self.capacity - self.extent_tokens - self._fixed_hold_tokens():
+            raise MemoryFull(f"no {tokens} contiguous KV tokens free ({self.free_tokens} of {self.capacity} free)")
+        self._reclaim(tokens)
         start = self._hole(tokens)
         if start is None and tokens <= self._compactable_room():
             self.compact()
             start = self._hole(tokens)
         if start is None:
             raise MemoryFull(f"no {tokens} contiguous KV tokens free ({self.free_tokens} of {self.capacity} free)")
-        extent = Extent(owner, start, tokens)
+        extent = Extent(owner, start, tokens, kind=kind)
         self.extents.append(extent)
         self.extents.sort(key=lambda e: e.start)
+        self.peak_tokens = max(self.peak_tokens, self.used_tokens)
         return extent
+
+    # -- holds: bytes outside the buffer, counted in it ----------------------------------------------------
+    def hold(self, owner: Hashable, nbytes: int, kind: str, reclaim: Callable[[], None] | None = None) -> bool:
+        """Count `nbytes` (rounded up to whole tokens) of `owner`'s, kept outside the buffer, against the
+        budget; False (nothing held) when the free tokens are fewer. A reclaimable hold is dropped when an
+        extent needs its tokens (`allocate`), and `reclaim` is called then."""
+        if owner in self.holds:
+            raise ValueError(f"{owner!r} already holds {self.holds[owner].tokens} tokens")
+        tokens = -(-nbytes // self.token_bytes)
+        if tokens > self.free_tokens:
+            return False
+        self.holds[owner] = Hold(kind, tokens, reclaim)
+        self.peak_tokens = max(self.peak_tokens, self.used_tokens)
+        return True
+
+    def unhold(self, owner: Hashable) -> None:
+        """`owner`'s hold ends (a no-op when it has none)."""
+        self.holds.pop(owner, None)
+
+    def touch(self, owner: Hashable) -> None:
+        """`owner`'s hold was used: it is the last to be reclaimed."""
+        if owner in self.holds:
+            self.holds.move_to_end(owner)
+
+    def _fixed_hold_tokens(self) -> int:
+        return sum(h.tokens for h in self.holds.values() if h.reclaim is None)
+
+    def _reclaim(self, tokens: int) -> None:
+        """Drop reclaimable holds, least recently used first, until `tokens` are free by count."""
+        for owner, h in list(self.holds.items()):
+            if tokens <= self.free_tokens:
+                return
+            if h.reclaim is not None:
+                del self.holds[owner]
+                h.reclaim()
 
     def release(self, owner: Hashable) -> None:
         """Free `owner`'s extent (a no-op when it holds none); zeroed, its tokens are cleared."""

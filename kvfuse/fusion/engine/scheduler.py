@@ -138,12 +138,18 @@ class Scheduler:
 
     @property
     def kv_used(self) -> int:
-        """KV tokens the running requests hold: read off the memory (one ledger), less what it reserves."""
-        return self.memory.used_tokens - (self.memory.capacity - self.capacity)
+        """KV tokens the running requests hold: read off the memory's extents (one ledger), less what it
+        reserves."""
+        return self.memory.extent_tokens - (self.memory.capacity - self.capacity)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_low_running(self) -> int:
+        """Running preemptible requests (shadow checks)."""
+        return sum(r.preemptible for r in self.running.values())
 
     @property
     def rows_held(self) -> int:
@@ -272,7 +278,7 @@ class Scheduler:
         while (self.low and not self.waiting and self.rows_held < lim.max_running
                and self.memory.can_allocate(self.low[0].kv_tokens)):
             low = self.low.popleft()
-            low.extent = self.memory.allocate(low.job_id, low.kv_tokens)
+            low.extent = self.memory.allocate(low.job_id, low.kv_tokens, kind="shadow")
             low.status = Phase.PREFILLING
             self.running[low.job_id] = low
             plan.admit.append(low)

@@ -144,8 +144,11 @@ class SamKV(FusionMethod):
         # 2. the probe over prefix + initial/local blocks + question
         t = time.perf_counter()
         anchor_blocks = [s.seg.anchor for s in sources]
+        # The probe lives at the start of the request's own cache (on the engine core, its extent, sized for
+        # the whole prompt, which the probe never exceeds): the sparse cache overwrites it below, so the
+        # probe holds no KV outside the ledger (docs/DESIGN.md, "One device-memory ledger").
         probe_cache, probe_layout = self._assemble(engine, prefix, sources, anchor_blocks, anchor_kv, qn, 0,
-                                                   engine.new_cache)  # a scratch cache, dropped after the probe
+                                                   new_cache)
         q_ids = torch.tensor(question_ids, dtype=torch.long, device=device)
         q_que, anchor_attn = yield from self._probe(engine, probe_cache, probe_layout, q_ids, stable)
         timings["select_s"] += time.perf_counter() - t

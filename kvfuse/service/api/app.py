@@ -142,4 +142,6 @@ def add_probes(app: FastAPI, settings: Settings, keys: KeyRing) -> None:
             if w.get("kv_budget_bytes") is not None:  # a fleet worker's, from its heartbeat
                 state.metrics.kv_pool_bytes.labels(w["id"]).set(w.get("kv_pool_bytes") or 0)
                 state.metrics.kv_budget_bytes.labels(w["id"]).set(w["kv_budget_bytes"])
+                if w.get("kv_ledger"):
+                    state.metrics.ledger(w["id"], w["kv_ledger"])
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

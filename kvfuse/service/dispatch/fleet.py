@@ -130,7 +130,7 @@ class FleetDispatcher(JobBook):
     # -- jobs ----------------------------------------------------------------------------------------------
     def live_workers(self) -> list[dict[str, Any]]:
         keep = ("host", "pid", "device", "fingerprint", "kv_budget_tokens", "kv_free_tokens", "running", "waiting",
-                "max_running_requests", "kv", "kv_pool_bytes", "kv_budget_bytes")
+                "max_running_requests", "kv", "kv_pool_bytes", "kv_budget_bytes", "kv_ledger", "shadow")
         return [{"id": wid, **{k: b.get(k) for k in keep}, "prompt": (b.get("info") or {}).get("prompt")}
                 for wid, b in sorted(self.workers.items())]
 

@@ -51,6 +51,7 @@ class WorkerSupervisor(JobBook):
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         super().__init__(settings, metrics)
         self.info: dict[str, Any] = {}
+        self.ledger: dict[str, Any] = {}  # the worker's device KV ledger, as its latest step left it (/ready)
         self.last_error: str | None = None
         self._steps: deque[P.Step] = deque(maxlen=4096)  # the latest engine steps (tests, debugging)
         self._steps_lock = threading.Lock()  # appended by the reader thread, read from any other
@@ -153,6 +154,7 @@ class WorkerSupervisor(JobBook):
             return
         if isinstance(msg, P.Ready):
             self.info = msg.info
+            self.ledger = dict(msg.info.get("kv_ledger") or {})
             name = str(msg.info.get("name", ""))
             self.metrics.kv_budget_bytes.labels(name).set(msg.info.get("kv_budget_bytes", 0))
             self.metrics.engine_warmup.labels(name).set(msg.info.get("warmup_s", 0.0))
@@ -185,7 +187,13 @@ class WorkerSupervisor(JobBook):
         if msg.batch_size:
             self.metrics.batch_size.observe(msg.batch_size)
         self.metrics.step_seconds.labels("ingest" if msg.ingest_job is not None else "query").observe(msg.seconds)
-        self.metrics.kv_pool_bytes.labels(str(self.info.get("name", ""))).set(msg.kv_bytes)
+        name = str(self.info.get("name", ""))
+        self.metrics.kv_pool_bytes.labels(name).set(msg.kv_bytes)
+        if msg.ledger and self.ledger:
+            peak = max(int(self.ledger.get("peak_bytes", 0)), msg.ledger_peak)
+            self.ledger = {**self.ledger, "holders": dict(msg.ledger), "used_bytes": sum(msg.ledger.values()),
+                           "peak_bytes": peak}
+            self.metrics.ledger(name, self.ledger)
         if msg.ingest_job is not None and msg.ingest_job in self._jobs:
             self._started(self._jobs[msg.ingest_job])
 
@@ -242,7 +250,7 @@ class WorkerSupervisor(JobBook):
             return []
         return [{"id": self.info.get("name"), "pid": self.pid, "device": self.settings.model.device,
                  "fingerprint": self.info.get("fingerprint"), "prompt": self.info.get("prompt"),
-                 "running": self.running, "waiting": self.waiting}]
+                 "running": self.running, "waiting": self.waiting, "kv_ledger": self.ledger}]
 
     def submit(self, message: P.QueryJob | P.PrecomputeJob) -> Job:
         """Hand a job to the worker; raises QueueFull when `server.queue_size` queries already wait."""

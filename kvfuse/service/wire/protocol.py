@@ -191,6 +191,9 @@ class Step:
     kv_tokens: int = 0
     kv_bytes: int = 0  # KV memory held by the running sequences' extents
     seconds: float = 0.0  # the step's wall time in the worker (kvfuse_engine_step_seconds)
+    shadow: int = 0  # running shadow checks' rows (not in `running`)
+    ledger: dict[str, int] = field(default_factory=dict)  # device KV bytes by holder (engine/ledger.py)
+    ledger_peak: int = 0  # the most device KV bytes the worker's ledger read in this step
 
 
 @dataclass

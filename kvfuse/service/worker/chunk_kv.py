@@ -53,6 +53,7 @@ class ChunkCache:
         self.last_reads: dict[str, int] = {}
         self.last_computed: dict[str, float] = {}  # the last `load_all`: chunks computed and read, seconds
         self._prefixes: OrderedDict[str, Any] = OrderedDict()
+        self._prefix_memory: Any = None  # where the prefix cache's entries are held (`hold_prefixes_in`)
         self.rates = policy.Rates(settings.store.reload_ewma_weight, settings.store.reload_probe_every)
         self.reload_policy = settings.store.reload_policy
         if self.reload_policy:
@@ -285,16 +286,37 @@ class ChunkCache:
         self._keep([(key, token_ids, known, blob)])
         return ckv, True
 
+    def hold_prefixes_in(self, memory: Any) -> None:
+        """Count the cached system prompts' KV in `memory` (the engine core's KVMemory, the worker's one
+        device ledger: kvfuse/fusion/engine/ledger.py) from now on: an entry is kept only while the
+        memory can hold its bytes, and the memory may reclaim it (the entry is dropped) when an extent
+        needs the room."""
+        self._prefix_memory = memory
+
+    def prefix_bytes(self) -> int:
+        """Bytes of K and V the prefix cache holds (what its holds in the ledger count)."""
+        return sum(int(c.k.nbytes + c.v.nbytes) for c in self._prefixes.values())
+
     def prefix_kv(self, prefix_ids: list[int]) -> Any:
-        """The system prompt's KV, cached by content like any chunk (kept decoded in this process)."""
+        """The system prompt's KV, cached by content like any chunk (kept decoded in this process, on the
+        model's device), each entry held in the ledger (`hold_prefixes_in`)."""
         key = self.key_of(prefix_ids)
+        memory = self._prefix_memory
         if key in self._prefixes:
             self._prefixes.move_to_end(key)
+            if memory is not None:
+                memory.touch(("prefix", key))
             return self._prefixes[key]
         ckv = self.engine.precompute([prefix_ids])[0]
+        nbytes = int(ckv.k.nbytes + ckv.v.nbytes)
+        if memory is not None and not memory.hold(("prefix", key), nbytes, "prefix",
+                                                  reclaim=lambda: self._prefixes.pop(key, None)):
+            return ckv  # no room in the budget now: used by this query, not kept
         self._prefixes[key] = ckv
         while len(self._prefixes) > _PREFIX_CACHE_ENTRIES:
-            self._prefixes.popitem(last=False)
+            old, _ = self._prefixes.popitem(last=False)
+            if memory is not None:
+                memory.unhold(("prefix", old))
         return ckv
 
 

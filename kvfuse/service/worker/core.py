@@ -66,7 +66,8 @@ class WorkerCore:
         self.store = store
         self.kv = ChunkCache(self.engine, self.store, settings, share_rebuilt=share_rebuilt)
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
-        self.core = EngineCore.from_settings(self.engine, settings)
+        self.core = EngineCore.from_settings(self.engine, settings, carves=device_carves(self.store))
+        self.kv.hold_prefixes_in(self.core.memory)  # the system prompts' KV in the one ledger too
         self.warmup_s = self.core.warm_up()
         from kvfuse.fusion.engine.grammar import ll_tokenizer
 
@@ -102,7 +103,8 @@ class WorkerCore:
                 "kv_budget_tokens": self.scheduler.capacity, "kv_budget_bytes": memory.nbytes,
                 "max_running_requests": self.scheduler.limits.max_running, "warmup_s": self.warmup_s,
                 "decode_path": "static" if self.core.runner.static else "eager",
-                "prompt": {"style": e.prompt_style.name, "why": e.prompt_style.why}}
+                "prompt": {"style": e.prompt_style.name, "why": e.prompt_style.why},
+                "kv_ledger": self.core.ledger.report().as_dict()}
 
     def error(self, job_id: int, err: BaseException) -> P.Error:
         from kvfuse.fusion.engine.core import Cancelled
@@ -200,7 +202,19 @@ class WorkerCore:
             self.send(out.value)
         elif isinstance(out, E.Stepped):
             self.send(P.Step(out.step, out.batch, out.admitted, out.ingest, out.running, out.waiting, out.kv_tokens,
-                             kv_bytes=out.kv_bytes, seconds=round(out.seconds, 6)))
+                             kv_bytes=out.kv_bytes, seconds=round(out.seconds, 6), shadow=out.shadow,
+                             ledger=out.ledger, ledger_peak=out.ledger_peak))
+
+
+def device_carves(store: Any) -> tuple[Any, ...]:
+    """The store's holders of KV on the model's device beside the engine's buffer, as the ledger's carves:
+    the device tier (store.device_tier_mb), its cap its own budget and its eviction its own."""
+    from kvfuse.fusion.engine.ledger import Carve
+
+    tier = getattr(store, "device_tier", None)
+    if tier is None:
+        return ()
+    return (Carve("device_tier", tier.budget_bytes, lambda: int(tier.stats()[f"{tier.name}_bytes"])),)
 
 
 def serve_pipe(worker: WorkerCore, conn: Connection) -> None:

@@ -106,10 +106,11 @@ class FleetWorker:
         return {"id": self.name, "host": socket.gethostname(), "pid": os.getpid(),
                 "device": self.settings.model.device, "fingerprint": self.worker.engine.fingerprint,
                 "kv_budget_tokens": sch.capacity, "kv_free_tokens": sch.capacity - sch.kv_used,
-                "kv_pool_bytes": self.worker.core.memory.used_bytes, "kv_budget_bytes": self.worker.core.memory.nbytes,
-                "running": sch.num_running, "waiting": sch.num_waiting, "jobs": len(self.routes),
+                "kv_pool_bytes": self.worker.core.memory.extent_bytes, "kv_budget_bytes": self.worker.core.memory.nbytes,
+                "running": sch.num_running - sch.num_low_running, "shadow": sch.num_low_running,
+                "waiting": sch.num_waiting, "jobs": len(self.routes),
                 "max_running_requests": lim.max_running, "started_at": self.started_at, "info": self.worker.info(),
-                "kv": self.kv_stats()}
+                "kv": self.kv_stats(), "kv_ledger": self.worker.core.ledger.report().as_dict()}
 
     # -- registration and heartbeat --------------------------------------------------------------------------
     def register(self) -> None:

@@ -97,7 +97,8 @@ def plan_query(job: P.QueryJob, engine: Any, core: EngineCore, limit: int, step:
     if not core.fits(kv_tokens):
         return P.Error(job.job_id, P.ERR_KV_BUDGET,
                        f"the prompt plus max_tokens ({kv_tokens} tokens) exceed the server's KV budget of "
-                       f"{kv_budget} tokens (server.kv_budget_tokens): lower max_tokens or use fewer documents",
+                       f"{kv_budget} tokens (server.kv_budget_tokens, less store.device_tier_mb's share): lower "
+                       "max_tokens or use fewer documents",
                        kv_tokens - kv_budget, step)
     seq = QuerySequence(job, prefix_ids, question_ids, kept, dropped, total, fusion, gen, full_prefill, kv,
                         kv_tokens=kv_tokens, prefill_tokens=prefill, n=job.n)

@@ -83,6 +83,11 @@ def test_health_and_ready_are_open_without_a_key(holder: Holder) -> None:
         workers = keyed.get("/ready").json()["workers"]
         assert [w["pid"] for w in workers] == [health.json()["worker"]["pid"]]
         assert workers[0]["prompt"]["style"] == "chat"  # the default model has a chat template with a system turn
+        # the worker's one device KV ledger: its budget and what each holder holds (engine/ledger.py)
+        ledger = workers[0]["kv_ledger"]
+        assert ledger["device"] == "cpu" and ledger["budget_bytes"] > 0
+        assert set(ledger["holders"]) >= {"query", "shadow", "ingest", "prefix"}
+        assert sum(ledger["holders"].values()) == ledger["used_bytes"] <= ledger["peak_bytes"] <= ledger["budget_bytes"]
     with make_client(holder.server, key=None) as anon:
         health = anon.get("/health")
         assert health.status_code == 200 and health.json()["status"] == "ok"

@@ -99,6 +99,13 @@ def test_streams_share_steps_and_a_client_that_leaves_changes_no_other_answer(se
         budget = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("kvfuse_kv_budget_bytes{")]
         held = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("kvfuse_kv_pool_bytes{")]
         assert len(budget) == 1 and budget[0] > 0 and held == [0.0], (budget, held)
+        # the one device KV ledger by holder: the streams' extents held, all given back, within its budget
+        ledger = {x.split("{")[1].split("}")[0]: float(x.split()[-1]) for x in text.splitlines()
+                  if x.startswith("kvfuse_kv_ledger_bytes{")}
+        (limit,) = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("kvfuse_kv_ledger_budget_bytes{")]
+        (peak,) = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("kvfuse_kv_ledger_peak_bytes{")]
+        query = [v for k, v in ledger.items() if 'holder="query"' in k]
+        assert query == [0.0] and budget[0] <= limit and 0 < peak <= limit, (ledger, limit, peak)
 
 
 def test_kv_budget_makes_queries_wait_a_full_queue_gets_429_and_none_is_lost(server: ServerProcess) -> None:

@@ -88,6 +88,11 @@ def test_two_workers_both_serve_and_answers_name_their_worker(fleet) -> None:
         assert body["worker"] in ("a", "b") and body["answer"]
         metrics = c.get("/metrics").text
         assert "kvfuse_live_workers 2.0" in metrics
+        # each worker's device KV ledger, from its heartbeat, on /ready and in the metrics
+        for name, w in live_workers(api.url).items():
+            ledger = w["kv_ledger"]
+            assert ledger["used_bytes"] <= ledger["peak_bytes"] <= ledger["budget_bytes"] and "query" in ledger["holders"]
+            assert f'kvfuse_kv_ledger_budget_bytes{{device="cpu",worker="{name}"}}' in metrics
     pending = redis.Redis.from_url(fleet[2]["KVFUSE_REDIS_URL"]).xpending(
         f"{fleet[2]['KVFUSE_FLEET__NAMESPACE']}:jobs", "workers")
     assert pending["pending"] == 0

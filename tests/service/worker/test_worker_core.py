@@ -63,7 +63,9 @@ def test_ingest_then_queries_batched_and_cancelled(worker, essays, default_llm_p
     assert all(s.seconds > 0 for s in steps)  # each step's wall time (kvfuse_engine_step_seconds)
     budget_bytes = worker.info()["kv_budget_bytes"]
     assert all(0 <= s.kv_bytes <= budget_bytes for s in steps) and max(s.kv_bytes for s in steps) > 0
-    assert steps[-1].kv_bytes == 0 and worker.core.memory.used_tokens == 0  # every extent given back
+    assert steps[-1].kv_bytes == 0 and worker.core.memory.extent_tokens == 0  # every extent given back
+    # what stays is the cached system prompt's hold, in whole tokens (the one ledger: engine/ledger.py)
+    assert worker.core.memory.held_tokens == -(-worker.kv.prefix_bytes() // worker.core.memory.token_bytes) > 0
 
     # a cancel while decoding ends it with a result; one of a job the worker no longer has is ignored
     long = query(chunks, [1], max_tokens=64)
@@ -122,7 +124,7 @@ def test_n_choices_come_from_one_prefill_each_a_solo_run_with_its_seed(worker, e
     steps = [m for m in out if isinstance(m, P.Step)]
     budget = worker.info()["kv_budget_bytes"]
     assert all(s.kv_bytes <= budget for s in steps) and max(s.batch_size for s in steps) == 3
-    assert worker.core.memory.used_tokens == 0
+    assert worker.core.memory.extent_tokens == 0
 
 
 def test_n_choices_that_cannot_fit_together_are_refused_naming_n(worker, essays, default_llm_path) -> None:
@@ -135,7 +137,7 @@ def test_n_choices_that_cannot_fit_together_are_refused_naming_n(worker, essays,
     job.job_id, job.n = 51, 5  # more rows than max_running_requests (4)
     out = drive(worker, job)
     assert len(out) == 1 and out[0].kind == P.ERR_CHOICES
-    assert worker.core.memory.used_tokens == 0 and not worker.has_work
+    assert worker.core.memory.extent_tokens == 0 and not worker.has_work
 
 
 def test_an_ingestion_piece_reserves_its_forwards_padded_cache(worker, essays, default_llm_path) -> None:
