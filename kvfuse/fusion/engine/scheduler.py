@@ -56,8 +56,20 @@ if TYPE_CHECKING:
 
     from kvfuse.config import ServerSettings
 
-    IngestPiece = Callable[[int], object | None]  # one piece of ingestion within a token budget: its result when done
+    IngestPiece = Callable[[int], object | None]  # a turn of ingestion within a token budget: its result when done
     IngestNeed = Callable[[int], int]  # the KV tokens the next piece within a budget holds while it runs
+
+
+class InFlight:
+    """What an ingestion piece returns when it paused between decoder layers (its forward cut into
+    slices, kvfuse/fusion/layer_pause.py): the job goes on with the same piece on its next turn, and
+    the piece's memory stays reserved until then."""
+
+    def __repr__(self) -> str:
+        return "IN_FLIGHT"
+
+
+IN_FLIGHT = InFlight()
 
 
 class Phase(StrEnum):
@@ -95,6 +107,8 @@ class Request:
     seq: Sequence | None = None
     piece: IngestPiece | None = None
     need: IngestNeed | None = None  # an ingestion job's: what its next piece's forward holds on the device
+    stop: Callable[[], None] | None = None  # an ingestion job's: abandon its piece in flight (cancelled)
+    held: int = 0  # an ingestion job's: KV tokens its piece in flight holds between its turns (IN_FLIGHT)
     status: Phase = Phase.WAITING
     extent: Extent | None = None  # while running
     rows: int = 1  # choices decoded from its one prefill (OpenAI's n), each holding kv_tokens
@@ -313,6 +327,9 @@ class Scheduler:
         core holds them as an extent meanwhile. One that could never fit goes ahead, and fails in the core."""
         req = plan.ingest
         assert req is not None
+        if req.held:  # a piece in flight holds its memory already
+            plan.ingest_kv = req.held
+            return
         need = req.need(plan.ingest_tokens) if req.need is not None else 0
         if 0 < need <= self.capacity and not self.memory.can_allocate(need):
             if not self.memory.can_allocate(need, without={r.job_id for r in self._low_running()}):
