@@ -25,9 +25,12 @@ Ingestion (chunk KV precompute) shares the worker under one rule: queries first,
 work is pending it is guaranteed `ingest_share` of the worker's time while queries are active (a credit
 in seconds that the queries' measured step time earns and each piece spends: `spent`; a share of steps
 would give it more, its pieces being longer than decode steps), and every step when no query needs the
-worker. So a large ingest neither blocks readers nor starves. A piece's forward holds a cache
+worker. A piece's forward runs a few decoder layers per turn (`server.ingest_layers_per_step`; the
+piece returns IN_FLIGHT until its last), so what it spends, and what a query arriving meanwhile waits
+for, is a slice of layers, not a whole forward. So a large ingest neither blocks readers nor starves. A piece's forward holds a cache
 of its own (the model's, of a padded batch): it is reserved in the KV memory for the piece's run
-(`Request.need`), so a piece waits for a step whose memory has room beside the running requests.
+(`Request.need`, held from its first slice to its last: `Request.held`), so a piece waits for a step
+whose memory has room beside the running requests.
 
 Preemptible requests (the shadow checks' full prefills, kvfuse/service/worker/shadow.py) are the lowest
 class, as vLLM v1's priority scheduling and nano-vllm's preemption treat a request that may be
