@@ -270,3 +270,29 @@ def test_an_ingestion_piece_holds_its_forwards_cache_in_the_kv_memory(tiny) -> N
     core.add_ingest(9, lambda budget: "never", need=lambda budget: core.memory.capacity + 1)
     (failed,) = [o for o in _run(core, []) if isinstance(o, E.Failed)]
     assert failed.job_id == 9 and "KV tokens" in str(failed.error) and core.memory.used_tokens == 0
+
+
+def test_a_piece_in_flight_keeps_its_memory_between_turns_and_cancel_gives_it_back(tiny) -> None:
+    """A piece paused between decoder layers (IN_FLIGHT) is resumed on the job's next turn with the memory
+    of its forward still held (its need asked once per piece); cancelled in flight, its `stop` runs and the
+    memory is free at once."""
+    from kvfuse.fusion.engine.scheduler import IN_FLIGHT
+
+    core = _core(tiny, 400)
+    turns: list[int] = []
+    asked: list[int] = []
+
+    def piece(budget: int) -> object | None:
+        turns.append(core.memory.used_tokens)
+        return "done" if len(turns) == 3 else IN_FLIGHT
+
+    core.add_ingest(5, piece, need=lambda budget: asked.append(budget) or 120)
+    out = _run(core, [])
+    assert turns == [120, 120, 120] and len(asked) == 1 and core.memory.used_tokens == 0
+    assert [o.value for o in out if isinstance(o, E.Ingested)] == ["done"]
+    stopped: list[bool] = []
+    core.add_ingest(6, lambda budget: IN_FLIGHT, need=lambda budget: 80, stop=lambda: stopped.append(True))
+    core.step()
+    core.step()
+    assert core.memory.used_tokens == 80 and core.has_work and not stopped
+    assert core.abort(6) == [] and stopped == [True] and core.memory.used_tokens == 0 and not core.has_work

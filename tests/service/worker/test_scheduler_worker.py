@@ -227,7 +227,7 @@ def test_kvlink_link_slots_count_against_the_kv_budget(harness: Harness, chunks)
 
 
 def test_ingest_shares_the_steps_with_streaming_queries(harness: Harness, chunks) -> None:
-    start = harness.sup.steps[-1].step + 1
+    start = harness.sup.steps[-1].step + 1 if harness.sup.steps else 0
     pre = P.PrecomputeJob(chunks=[c[:-1] + [c[-1] ^ 1] for c in chunks[:24]])  # new chunks: all computed
 
     async def go():
@@ -250,7 +250,8 @@ def test_ingest_shares_the_steps_with_streaming_queries(harness: Harness, chunks
     ingest_busy = [s.step for s in busy if s.ingest_job is not None]
     assert 1 <= len(ingest_busy) < len(busy)
     layers, per_step = harness.sup.info["num_layers"], harness.sup.settings.server.ingest_layers_per_step
-    assert sum(s.ingest_job is not None for s in steps) == 6 * -(-layers // per_step)
+    slices = 6 * -(-layers // per_step)  # the step of the last slice may report after the job's Done is read
+    assert slices - 1 <= sum(s.ingest_job is not None for s in steps) <= slices
     assert all(o.result.text for o in outs)
 
 
