@@ -123,6 +123,9 @@ class ServerSettings(Section):
         "steps while running streams decode"))
     ingest_step_share: float = Field(0.25, gt=0.0, le=1.0, description=(
         "share of the worker's time guaranteed to KV precompute while queries run (measured per step)"))
+    ingest_layers_per_step: int = Field(4, ge=0, description=(
+        "decoder layers of an ingestion piece's forward per engine step, so a query arriving meanwhile "
+        "waits for that many layers, not a whole forward; 0: a whole piece in one step"))
     # An ingestion interrupted by something that passes (kvfuse/service/rag/ingest_retry.py) runs again: a
     # worker crash at most ingest_retry_attempts tries in all, an unreachable document index (Redis) at
     # most ingest_index_attempts; the pause before each retry doubles from backoff_s up to backoff_max_s.

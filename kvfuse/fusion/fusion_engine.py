@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
 import torch
 
@@ -15,12 +16,14 @@ from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.engine.runner import ModelRunner
 from kvfuse.fusion.errors import ContextOverflowError
 from kvfuse.fusion.kv_loading import LayerLoader
+from kvfuse.fusion.layer_pause import LayerPause
 from kvfuse.fusion.methods import FusionMethod, get_method
 from kvfuse.fusion.methods.selection import SelectionContext
 from kvfuse.fusion.model import loading as model_loading
 from kvfuse.fusion.model.transformer import Rows, Transformer
 from kvfuse.fusion.prompt import prompt_texts, stop_token_ids, template_halves
 from kvfuse.fusion.prompt_style import style_of
+from kvfuse.fusion.steps import drain
 from kvfuse.fusion.types import (
     ChunkKV,
     FusedPrefill,
@@ -62,6 +65,7 @@ class FusionEngine:
         # asynchronously and an unsynchronised clock measures the launches. Off by default (each sync
         # stalls the pipeline); `kvfuse bench gpu` turns it on for its split runs.
         self.sync_timings = False
+        self._pause: LayerPause | None = None  # pre-hooks that pause a precompute's forward, once one is paused
 
     @classmethod
     def load(cls, model: str, *, device: str = "cpu", dtype: str = "float32", threads: int = 0,
@@ -133,53 +137,52 @@ class FusionEngine:
         return self.tokenize(before), self.tokenize(question_part)
 
     # -- chunk caches -----------------------------------------------------------------------------------
-    @torch.inference_mode()
+    # Each precompute is also a generator (`*_steps`) that, with `paused`, runs the model's forward a
+    # decoder layer per resumption (layer_pause.py): the engine core cuts an ingestion piece that way.
+    # Paused or not, it is the same forward: the same KV, byte for byte.
     def precompute(self, chunks: list[list[int]]) -> list[ChunkKV]:
         """Each chunk alone at positions 0..n-1; chunks of similar length batched, right-padded (with a
         causal mask, padding after a chunk cannot change it)."""
+        return drain(self.precompute_steps(chunks, paused=False))
+
+    @torch.inference_mode()
+    def precompute_steps(self, chunks: list[list[int]], *, paused: bool = True
+                         ) -> Generator[None, None, list[ChunkKV]]:
+        """`precompute`, yielding after each decoder layer of each batch's forward but the last (`paused`)."""
         out: list[ChunkKV | None] = [None] * len(chunks)
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i]))
         batch: list[int] = []
         for i in order + [-1]:
             full = batch and (i < 0 or (len(batch) + 1) * len(chunks[i]) > self.precompute_batch_tokens)
             if full:
-                for j, kv in zip(batch, self._precompute_batch([chunks[j] for j in batch]), strict=True):
+                got = yield from self._precompute_batch([chunks[j] for j in batch], paused)
+                for j, kv in zip(batch, got, strict=True):
                     out[j] = kv
                 batch = []
             if i >= 0:
                 batch.append(i)
         return [kv for kv in out if kv is not None]
 
-    def _precompute_batch(self, chunks: list[list[int]]) -> list[ChunkKV]:
+    def _precompute_batch(self, chunks: list[list[int]], paused: bool) -> Generator[None, None, list[ChunkKV]]:
         width = max(len(c) for c in chunks)
         if width == 0:
             return [self._empty_chunk() for _ in chunks]
         ids = torch.zeros(len(chunks), width, dtype=torch.long, device=self.device)
         for row, c in enumerate(chunks):
             ids[row, : len(c)] = torch.tensor(c, dtype=torch.long)
-        layers = self._hf_cache(ids).layers
+        layers = (yield from self._hf_cache_steps(ids, paused)).layers
         return [
             ChunkKV(list(c), torch.stack([layer.keys[row, :, : len(c)] for layer in layers]),
                     torch.stack([layer.values[row, :, : len(c)] for layer in layers]))
             for row, c in enumerate(chunks)
         ]
 
-    @torch.inference_mode()
     def precompute_after(self, context: list[int], chunk: list[int]) -> ChunkKV:
         """The chunk's cache computed after `context` (kvfuse/fusion/chunk_context.py): one prefill of
         context + chunk, only the chunk's K/V kept, its keys rotated back to positions 0..n-1, so it is
         stored and fused like a chunk cached alone. An empty context is `precompute([chunk])`."""
-        if not context or not chunk:
-            return self.precompute([chunk])[0]
-        ids = torch.tensor([list(context) + list(chunk)], dtype=torch.long, device=self.device)
-        layers = self._hf_cache(ids).layers
-        c = len(context)
-        k = torch.stack([layer.keys[0, :, c:] for layer in layers]).contiguous()
-        v = torch.stack([layer.values[0, :, c:] for layer in layers]).contiguous()
-        self.tf.shift_keys_(k, -c)
-        return ChunkKV(list(chunk), k, v, after_context=True)
+        return drain(self.precompute_run_steps(context, [chunk], paused=False))[0]
 
-    @torch.inference_mode()
     def precompute_run(self, context: list[int], chunks: list[list[int]]) -> list[ChunkKV]:
         """Consecutive chunks in one prefill of context + chunks[0] + chunks[1] + ...: each chunk's K/V
         after the context and the chunks before it, its keys rotated back to positions 0..n-1. Causal
@@ -187,12 +190,19 @@ class FusionEngine:
         the same tokens at the same positions (equal to rounding in general; docs/DESIGN.md, "KV when it
         pays", says where it is bit for bit). The same pass is a vanilla prefill's KV of each chunk when
         the context is the prompt's prefix."""
+        return drain(self.precompute_run_steps(context, chunks, paused=False))
+
+    @torch.inference_mode()
+    def precompute_run_steps(self, context: list[int], chunks: list[list[int]], *, paused: bool = True
+                             ) -> Generator[None, None, list[ChunkKV]]:
+        """`precompute_run` (one chunk: `precompute_after`), yielding after each decoder layer of its
+        forward but the last (`paused`)."""
         if not chunks:
             return []
-        if len(chunks) == 1:
-            return [self.precompute_after(context, chunks[0])]
+        if len(chunks) == 1 and (not context or not chunks[0]):
+            return (yield from self.precompute_steps([chunks[0]], paused=paused))
         ids = torch.tensor([list(context) + [t for c in chunks for t in c]], dtype=torch.long, device=self.device)
-        layers = self._hf_cache(ids).layers
+        layers = (yield from self._hf_cache_steps(ids, paused)).layers
         out, pos = [], len(context)
         for c in chunks:
             k = torch.stack([layer.keys[0, :, pos : pos + len(c)] for layer in layers]).contiguous()
@@ -210,6 +220,14 @@ class FusionEngine:
         from transformers import DynamicCache
 
         return self.model.model(input_ids=ids, use_cache=True, past_key_values=DynamicCache()).past_key_values
+
+    def _hf_cache_steps(self, ids: torch.Tensor, paused: bool) -> Generator[None, None, Any]:
+        """`_hf_cache`; with `paused`, on a thread of its own, yielding after every decoder layer but the last."""
+        if not paused:
+            return self._hf_cache(ids)
+        if self._pause is None:
+            self._pause = LayerPause(self.model.model.layers)
+        return (yield from self._pause.steps(lambda: self._hf_cache(ids)))
 
     def new_cache(self, capacity: int) -> FusedCache:
         """A cache of its own (outside any engine core's memory) for `capacity` tokens."""
@@ -244,12 +262,7 @@ class FusionEngine:
         `new_cache(capacity)`: where the cache lives (the engine core: the request's extent); by default a
         cache of its own.
         """
-        steps = self.fuse_steps(prefix, chunks, question_ids, options, max_tokens=max_tokens, new_cache=new_cache)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return drain(self.fuse_steps(prefix, chunks, question_ids, options, max_tokens=max_tokens, new_cache=new_cache))
 
     @torch.inference_mode()
     def fuse_steps(self, prefix: ChunkKV | None, chunks: list[ChunkKV], question_ids: list[int],

@@ -289,3 +289,29 @@ def test_a_carve_is_set_aside_from_the_budget_before_the_buffer_is_allocated(tin
     assert core.ledger.report().holders["device_tier"] == 90 * per
     with pytest.raises(ValueError, match="leaves no KV memory beside the 1001 tokens carved for device_tier"):
         EngineCore(tiny, dataclasses.replace(limits, kv_budget_tokens=1001), carves=(Carve("device_tier", 1001 * per, int),))
+
+
+def test_a_piece_in_flight_keeps_its_memory_between_turns_and_cancel_gives_it_back(tiny) -> None:
+    """A piece paused between decoder layers (IN_FLIGHT) is resumed on the job's next turn with the memory
+    of its forward still held (its need asked once per piece); cancelled in flight, its `stop` runs and the
+    memory is free at once."""
+    from kvfuse.fusion.engine.scheduler import IN_FLIGHT
+
+    core = _core(tiny, 400)
+    turns: list[int] = []
+    asked: list[int] = []
+
+    def piece(budget: int) -> object | None:
+        turns.append(core.memory.used_tokens)
+        return "done" if len(turns) == 3 else IN_FLIGHT
+
+    core.add_ingest(5, piece, need=lambda budget: asked.append(budget) or 120)
+    out = _run(core, [])
+    assert turns == [120, 120, 120] and len(asked) == 1 and core.memory.used_tokens == 0
+    assert [o.value for o in out if isinstance(o, E.Ingested)] == ["done"]
+    stopped: list[bool] = []
+    core.add_ingest(6, lambda budget: IN_FLIGHT, need=lambda budget: 80, stop=lambda: stopped.append(True))
+    core.step()
+    core.step()
+    assert core.memory.used_tokens == 80 and core.has_work and not stopped
+    assert core.abort(6) == [] and stopped == [True] and core.memory.used_tokens == 0 and not core.has_work

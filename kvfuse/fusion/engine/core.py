@@ -44,7 +44,7 @@ from kvfuse.fusion.engine import sampling
 from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory, token_bytes_of
 from kvfuse.fusion.engine.ledger import Carve, Ledger, carved_tokens
 from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
-from kvfuse.fusion.engine.scheduler import Phase, Request, Scheduler, SchedulerLimits
+from kvfuse.fusion.engine.scheduler import IN_FLIGHT, Phase, Request, Scheduler, SchedulerLimits
 from kvfuse.fusion.engine.sequence import RequestId, Sequence
 from kvfuse.fusion.errors import FusionError, NonFiniteLogits
 
@@ -184,11 +184,14 @@ class EngineCore:
         """An id for work of the worker's own (a shadow check): negative, so no transport's job has it."""
         return next(self.scheduler.row_ids)
 
-    def add_ingest(self, job_id: RequestId, piece: IngestPiece, need: IngestNeed | None = None) -> None:
-        """Queue ingestion work: `piece(budget_tokens)` runs one piece and returns None until the work is
-        done, then its result (emitted as Ingested); `need(budget_tokens)`: the KV tokens that piece's forward
-        holds on the device, reserved in the memory while it runs (scheduler.py)."""
-        self.scheduler.add_ingest(Request(job_id, piece=piece, need=need))
+    def add_ingest(self, job_id: RequestId, piece: IngestPiece, need: IngestNeed | None = None,
+                   stop: Callable[[], None] | None = None) -> None:
+        """Queue ingestion work: `piece(budget_tokens)` runs one turn of it and returns IN_FLIGHT while a
+        piece is paused between decoder layers (resumed on the next turn), None when a piece ended and the
+        work is not done, then its result (emitted as Ingested); `need(budget_tokens)`: the KV tokens the
+        next piece's forward holds on the device, reserved in the memory from its first turn to its last
+        (scheduler.py); `stop()`: abandon a piece in flight (the job was cancelled)."""
+        self.scheduler.add_ingest(Request(job_id, piece=piece, need=need, stop=stop))
 
     def abort(self, job_id: RequestId) -> list[Output]:
         """Stop a request wherever it is; returns what that finished: a decoding one finishes as
@@ -197,7 +200,10 @@ class EngineCore:
         out: list[Output] = []
         for rid in [job_id, *self.forks.pop(job_id, [])]:  # a request of n > 1: every row
             req = self.scheduler.remove(rid)
-            if req is None or req.status is Phase.INGESTING:
+            if req is not None and req.status is Phase.INGESTING:
+                self._end_ingest(req, abandon=True)  # its piece in flight abandoned, its memory given back
+                continue
+            if req is None:
                 continue
             seq = _seq(req)
             if req.status is not Phase.DECODING:
@@ -307,28 +313,39 @@ class EngineCore:
         return out
 
     def _ingest(self, req: Request, budget_tokens: int, kv_tokens: int, emit: Emit) -> int:
-        """One piece of an ingestion job, its forward's cache held as `kv_tokens` of the memory meanwhile
-        (MemoryFull fails the job when it could never fit); returns the ledger's bytes while it ran."""
+        """One turn of an ingestion job, its piece's forward cache held as `kv_tokens` of the memory from
+        the piece's first turn to its last (MemoryFull fails the job when it could never fit); returns the
+        ledger's bytes while it ran."""
         assert req.piece is not None  # an ingestion request
-        owner = ("ingest", req.job_id)
         used = 0
         try:
-            if kv_tokens > 0:
-                self.memory.allocate(owner, kv_tokens, kind="ingest")
+            if kv_tokens > 0 and not req.held:
+                self.memory.allocate(("ingest", req.job_id), kv_tokens, kind="ingest")
+                req.held = kv_tokens
                 self.ingest_kv_peak = max(self.ingest_kv_peak, self.memory.used_tokens)
             used = self.ledger.observe()[0]
             done = req.piece(budget_tokens)
             used = max(used, self.ledger.observe()[0])  # a piece may fill the device tier or the prefix cache
         except Exception as err:  # noqa: BLE001 - fails this job only
             self.scheduler.ingest_done(req.job_id)
+            self._end_ingest(req, abandon=True)
             emit(Failed(req.job_id, err))
             return used
-        finally:
-            self.memory.release(owner)
+        if done is IN_FLIGHT:
+            return used
+        self._end_ingest(req)
         if done is not None:
             self.scheduler.ingest_done(req.job_id)
             emit(Ingested(req.job_id, done))
         return used
+
+    def _end_ingest(self, req: Request, *, abandon: bool = False) -> None:
+        """An ingestion piece ended: its forward's memory given back; with `abandon` (the job failed or
+        was cancelled) the job's `stop` first, which abandons a piece still in flight."""
+        if abandon and req.stop is not None:
+            req.stop()
+        self.memory.release(("ingest", req.job_id))
+        req.held = 0
 
     def _decode(self, batch: list[Request], emit: Emit) -> None:
         """One step for every decoding sequence: one forward, the tokens chosen on the device for the whole

@@ -25,9 +25,12 @@ Ingestion (chunk KV precompute) shares the worker under one rule: queries first,
 work is pending it is guaranteed `ingest_share` of the worker's time while queries are active (a credit
 in seconds that the queries' measured step time earns and each piece spends: `spent`; a share of steps
 would give it more, its pieces being longer than decode steps), and every step when no query needs the
-worker. So a large ingest neither blocks readers nor starves. A piece's forward holds a cache
+worker. A piece's forward runs a few decoder layers per turn (`server.ingest_layers_per_step`; the
+piece returns IN_FLIGHT until its last), so what it spends, and what a query arriving meanwhile waits
+for, is a slice of layers, not a whole forward. So a large ingest neither blocks readers nor starves. A piece's forward holds a cache
 of its own (the model's, of a padded batch): it is reserved in the KV memory for the piece's run
-(`Request.need`), so a piece waits for a step whose memory has room beside the running requests.
+(`Request.need`, held from its first slice to its last: `Request.held`), so a piece waits for a step
+whose memory has room beside the running requests.
 
 Preemptible requests (the shadow checks' full prefills, kvfuse/service/worker/shadow.py) are the lowest
 class, as vLLM v1's priority scheduling and nano-vllm's preemption treat a request that may be
@@ -56,8 +59,20 @@ if TYPE_CHECKING:
 
     from kvfuse.config import ServerSettings
 
-    IngestPiece = Callable[[int], object | None]  # one piece of ingestion within a token budget: its result when done
+    IngestPiece = Callable[[int], object | None]  # a turn of ingestion within a token budget: its result when done
     IngestNeed = Callable[[int], int]  # the KV tokens the next piece within a budget holds while it runs
+
+
+class InFlight:
+    """What an ingestion piece returns when it paused between decoder layers (its forward cut into
+    slices, kvfuse/fusion/layer_pause.py): the job goes on with the same piece on its next turn, and
+    the piece's memory stays reserved until then."""
+
+    def __repr__(self) -> str:
+        return "IN_FLIGHT"
+
+
+IN_FLIGHT = InFlight()
 
 
 class Phase(StrEnum):
@@ -95,6 +110,8 @@ class Request:
     seq: Sequence | None = None
     piece: IngestPiece | None = None
     need: IngestNeed | None = None  # an ingestion job's: what its next piece's forward holds on the device
+    stop: Callable[[], None] | None = None  # an ingestion job's: abandon its piece in flight (cancelled)
+    held: int = 0  # an ingestion job's: KV tokens its piece in flight holds between its turns (IN_FLIGHT)
     status: Phase = Phase.WAITING
     extent: Extent | None = None  # while running
     rows: int = 1  # choices decoded from its one prefill (OpenAI's n), each holding kv_tokens
@@ -319,6 +336,9 @@ class Scheduler:
         core holds them as an extent meanwhile. One that could never fit goes ahead, and fails in the core."""
         req = plan.ingest
         assert req is not None
+        if req.held:  # a piece in flight holds its memory already
+            plan.ingest_kv = req.held
+            return
         need = req.need(plan.ingest_tokens) if req.need is not None else 0
         if 0 < need <= self.capacity and not self.memory.can_allocate(need):
             if not self.memory.can_allocate(need, without={r.job_id for r in self._low_running()}):

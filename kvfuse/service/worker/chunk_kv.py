@@ -18,9 +18,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.config import Settings
+from kvfuse.fusion.steps import drain
 from kvfuse.service.worker import reload_policy as policy
 
 if TYPE_CHECKING:
@@ -100,13 +102,24 @@ class ChunkCache:
         chunk, consecutive chunks of a document while the budget reaches its start), one prefill of context
         + chunks each (`precompute_run`): fewer tokens, the same KV to rounding only (docs/DESIGN.md, "KV
         when it pays")."""
+        return drain(self.compute_steps(chunks, contexts, paused=False))
+
+    def compute_steps(self, chunks: list[list[int]], contexts: list[list[int]], *, paused: bool = True
+                      ) -> Generator[None, None, list[Any]]:
+        """`compute`, yielding after every decoder layer of its forwards but each one's last (`paused`:
+        an ingestion piece cut by layer, FusionEngine.precompute_steps): the same KV either way."""
+        e = self.engine
         alone = [i for i, c in enumerate(contexts) if not c]
-        computed = dict(zip(alone, self._precompute([chunks[i] for i in alone]), strict=True))
+        t0 = time.perf_counter()
+        got = yield from e.precompute_steps([chunks[i] for i in alone], paused=paused)
+        if alone:
+            self.rates.observe_precompute(sum(len(chunks[i]) for i in alone), time.perf_counter() - t0)
+        computed = dict(zip(alone, got, strict=True))
         runs = (context_runs(chunks, contexts) if self.settings.store.precompute_runs
                 else [[i] for i, c in enumerate(contexts) if c])
         for run in runs:
             t0 = time.perf_counter()
-            got = self.engine.precompute_run(contexts[run[0]], [chunks[i] for i in run])
+            got = yield from e.precompute_run_steps(contexts[run[0]], [chunks[i] for i in run], paused=paused)
             self.rates.observe_precompute(len(contexts[run[0]]) + sum(len(chunks[i]) for i in run),
                                           time.perf_counter() - t0)
             computed.update(zip(run, got, strict=True))
@@ -117,8 +130,14 @@ class ChunkCache:
         """Precompute, encode and store chunks, each after its context if given (chunks alone are
         batched); returns (key, blob bytes) each. `referenced_only`: only those a document refers to are
         written (KVStore.put_kv_referenced; the others are left out of the answer)."""
+        return drain(self.compute_and_store_steps(chunks, contexts, referenced_only=referenced_only, paused=False))
+
+    def compute_and_store_steps(self, chunks: list[list[int]], contexts: list[list[int]] | None = None, *,
+                                referenced_only: bool = False, paused: bool = True
+                                ) -> Generator[None, None, list[tuple[str, int]]]:
+        """`compute_and_store`, its forwards yielding between decoder layers (`compute_steps`)."""
         fp, contexts = self.engine.fingerprint, contexts or [[] for _ in chunks]
-        computed = self.compute(chunks, contexts)
+        computed = yield from self.compute_steps(chunks, contexts, paused=paused)
         if referenced_only:
             rows = [(self.key_of(chunks[i], contexts[i]), self._at_rest(chunks[i], contexts[i], computed[i])[0])
                     for i in range(len(chunks))]
@@ -167,10 +186,15 @@ class ChunkCache:
         `load_all` does for the cold chunks it computes: for a query answered by a full prefill instead
         (reload_policy.full_prefill_first), afterwards at ingestion's share. A chunk a tier holds by now
         (another query kept it) is skipped. Returns the chunks computed."""
+        return drain(self.compute_and_keep_steps(chunks, paused=False))
+
+    def compute_and_keep_steps(self, chunks: list[Wanted], *, paused: bool = True) -> Generator[None, None, int]:
+        """`compute_and_keep`, its forwards yielding between decoder layers (`compute_steps`)."""
         wanted = [w for w in map(_wanted, chunks) if w[2] is not None and self.store.chunks.locate(w[0])[0] is None]
         if not wanted:
             return 0
-        computed = self.compute([ids for _, ids, _ in wanted], [ctx or [] for _, _, ctx in wanted])
+        computed = yield from self.compute_steps([ids for _, ids, _ in wanted], [ctx or [] for _, _, ctx in wanted],
+                                                 paused=paused)
         self._keep([(key, ids, ctx, self._at_rest(ids, ctx or [], ckv)[0])
                     for (key, ids, ctx), ckv in zip(wanted, computed, strict=True)])
         self.rebuilt += len(wanted)

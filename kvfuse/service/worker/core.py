@@ -140,9 +140,9 @@ class WorkerCore:
                     self.shadow.watch(seq)
                     self.defer(seq.deferred)
             elif isinstance(msg, P.PrecomputeJob):
-                task = IngestTask(msg)
+                task = IngestTask(msg, self.settings.server.ingest_layers_per_step)
                 self.core.add_ingest(msg.job_id, lambda budget, task=task: task.run_piece(self.kv, budget),
-                                     lambda budget, task=task: task.need(self.kv, budget))
+                                     lambda budget, task=task: task.need(self.kv, budget), task.slices.stop)
             elif isinstance(msg, P.Cancel):
                 for out in self.core.abort(msg.job_id):
                     self._on_output(out)
@@ -161,8 +161,8 @@ class WorkerCore:
         if todo:
             job_id = self.core.private_id()
             self._deferred_jobs.add(job_id)
-            task = DeferredChunks(todo, self._deferring)
-            self.core.add_ingest(job_id, lambda budget: task.run_piece(self.kv, budget), task.need)
+            task = DeferredChunks(todo, self._deferring, self.settings.server.ingest_layers_per_step)
+            self.core.add_ingest(job_id, lambda budget: task.run_piece(self.kv, budget), task.need, task.stop)
 
     # -- the engine step -------------------------------------------------------------------------------------
     def step(self) -> None:

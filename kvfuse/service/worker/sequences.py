@@ -11,10 +11,12 @@ step's token budget), so a large document shares the worker with running queries
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
+from kvfuse.fusion.engine.scheduler import IN_FLIGHT, InFlight
 from kvfuse.fusion.engine.sequence import Sequence
+from kvfuse.fusion.steps import advance
 from kvfuse.service.wire import protocol as P
 from kvfuse.service.worker import reload_policy as policy
 
@@ -197,15 +199,42 @@ def fitting(costs: Iterable[int], budget_tokens: int) -> int:
     return taken
 
 
-class IngestTask:
-    """A precompute job, run a piece (up to a token budget, at least one chunk) per ingestion step."""
+class _Slices:
+    """The piece in flight of an ingestion job, its forwards run `layers` decoder layers per ingestion
+    turn (0: the whole piece in one turn): a query arriving meanwhile waits for one slice, not the piece
+    (the engine core keeps the piece's memory while it is IN_FLIGHT; docs/DESIGN.md, "Bounded under load")."""
 
-    def __init__(self, job: P.PrecomputeJob) -> None:
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.flight: Generator[None, None, Any] | None = None
+
+    def turn(self, start: Callable[[], Generator[None, None, Any]]) -> tuple[bool, Any]:
+        """One turn: the piece in flight resumed, or `start()`'s begun; (True, its value) once it ended."""
+        if self.flight is None:
+            self.flight = start()
+        done, value = advance(self.flight, self.layers)
+        if done:
+            self.flight = None
+        return done, value
+
+    def stop(self) -> None:
+        """The job was cancelled: its forward in flight abandoned (layer_pause.py)."""
+        if self.flight is not None:
+            self.flight.close()
+            self.flight = None
+
+
+class IngestTask:
+    """A precompute job, run a piece (up to a token budget, at least one chunk) at a time, each piece
+    `layers` decoder layers per ingestion step (`_Slices`)."""
+
+    def __init__(self, job: P.PrecomputeJob, layers: int = 0) -> None:
         self.job = job
         self.keys: list[str] | None = None
         self.nbytes: list[int] = []
         self.todo: list[int] = []  # chunk indices still to compute
         self.computed = 0
+        self.slices = _Slices(layers)
 
     def _plan(self, kv: ChunkCache) -> None:
         """The chunks' keys, and which of them are still to compute (once, before the first piece)."""
@@ -239,36 +268,47 @@ class IngestTask:
         batch = min(len(alone) * max(alone), max(kv.engine.precompute_batch_tokens, max(alone))) if alone else 0
         return max(batch, after)
 
-    def run_piece(self, kv: ChunkCache, budget_tokens: int) -> P.Done | None:
-        """Compute the next piece; the job's Done once every chunk is stored."""
+    def run_piece(self, kv: ChunkCache, budget_tokens: int) -> P.Done | InFlight | None:
+        """Run one slice of the piece in flight, or start the next; IN_FLIGHT while it is paused between
+        layers, then None, or the job's Done once every chunk is stored."""
         self._plan(kv)
+        done, _ = self.slices.turn(lambda: self._store_piece(kv, budget_tokens))
+        if not done:
+            return IN_FLIGHT
+        if self.todo:
+            return None
+        assert self.keys is not None
+        return P.Done(self.job.job_id, list(self.keys), list(self.nbytes), self.computed)
+
+    def _store_piece(self, kv: ChunkCache, budget_tokens: int) -> Generator[None, None, None]:
+        """The next piece computed (its forwards paused between layers) and stored."""
         assert self.keys is not None
         chunks = self.job.chunks
         piece = self._piece(budget_tokens)
         self.todo = self.todo[len(piece):]
         if piece:
-            stored = dict(kv.compute_and_store([chunks[i] for i in piece], [self.job.context(i) for i in piece],
-                                               referenced_only=self.job.referenced_only))
+            stored = dict((yield from kv.compute_and_store_steps(
+                [chunks[i] for i in piece], [self.job.context(i) for i in piece],
+                referenced_only=self.job.referenced_only)))
             for i in piece:
                 self.nbytes[i] = stored.get(self.keys[i], 0)
             self.computed += len(piece)
-        if self.todo:
-            return None
-        return P.Done(self.job.job_id, list(self.keys), list(self.nbytes), self.computed)
 
 
 class DeferredChunks:
     """The cold chunks of a query answered by a full prefill (plan_query), computed after it as an
     ingestion job: a piece of up to the step's token budget (a chunk's tokens and its context's) at a time,
-    each computed after its recorded context and kept (ChunkCache.compute_and_keep). Their keys sit in
-    `holding` (the worker's, shared by every such job) until computed, so a query that meets them meanwhile
-    defers none of them again."""
+    `layers` decoder layers per ingestion step (`_Slices`), each computed after its recorded context and
+    kept (ChunkCache.compute_and_keep). Their keys sit in `holding` (the worker's, shared by every such
+    job) until computed, so a query that meets them meanwhile defers none of them again."""
 
-    def __init__(self, chunks: list[P.ChunkRef], holding: set[str]) -> None:
+    def __init__(self, chunks: list[P.ChunkRef], holding: set[str], layers: int = 0) -> None:
         self.todo = list(chunks)
         self.total = len(chunks)
         self.holding = holding
         holding.update(c.key for c in chunks)
+        self.slices = _Slices(layers)
+        self.piece: list[P.ChunkRef] = []  # the piece in flight
 
     def _piece(self, budget_tokens: int) -> list[P.ChunkRef]:
         return self.todo[:fitting(map(_cost, self.todo), budget_tokens)]
@@ -277,18 +317,30 @@ class DeferredChunks:
         """The KV tokens the next piece's forward passes hold at most: the chunks with their contexts."""
         return sum(map(_cost, self._piece(budget_tokens)))
 
-    def run_piece(self, kv: ChunkCache, budget_tokens: int) -> int | None:
-        """Compute and keep the next piece; the chunk count once every chunk is done."""
-        piece = self._piece(budget_tokens)
-        self.todo = self.todo[len(piece):]
+    def run_piece(self, kv: ChunkCache, budget_tokens: int) -> int | InFlight | None:
+        """Run one slice of the piece in flight, or start the next; IN_FLIGHT while it is paused between
+        layers, then None, or the chunk count once every chunk is done."""
+        def start() -> Generator[None, None, int]:
+            self.piece = self._piece(budget_tokens)
+            self.todo = self.todo[len(self.piece):]
+            return kv.compute_and_keep_steps([(c.key, c.token_ids, c.context) for c in self.piece])
+
         try:
-            kv.compute_and_keep([(c.key, c.token_ids, c.context) for c in piece])
+            done, _ = self.slices.turn(start)
         except BaseException:
-            self.holding.difference_update(c.key for c in self.todo)  # the job ends here: none held
+            self.stop()  # the job ends here: none held
             raise
-        finally:
-            self.holding.difference_update(c.key for c in piece)
+        if not done:
+            return IN_FLIGHT
+        self.holding.difference_update(c.key for c in self.piece)
+        self.piece = []
         return None if self.todo else self.total
+
+    def stop(self) -> None:
+        """The job ends unfinished (failed or cancelled): its forward in flight abandoned, no key held."""
+        self.slices.stop()
+        self.holding.difference_update(c.key for c in [*self.piece, *self.todo])
+        self.piece, self.todo = [], []
 
 
 def _cost(c: P.ChunkRef) -> int:

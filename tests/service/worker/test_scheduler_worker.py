@@ -227,7 +227,7 @@ def test_kvlink_link_slots_count_against_the_kv_budget(harness: Harness, chunks)
 
 
 def test_ingest_shares_the_steps_with_streaming_queries(harness: Harness, chunks) -> None:
-    start = harness.sup.steps[-1].step + 1
+    start = harness.sup.steps[-1].step + 1 if harness.sup.steps else 0
     pre = P.PrecomputeJob(chunks=[c[:-1] + [c[-1] ^ 1] for c in chunks[:24]])  # new chunks: all computed
 
     async def go():
@@ -244,10 +244,14 @@ def test_ingest_shares_the_steps_with_streaming_queries(harness: Harness, chunks
     steps = [s for s in harness.sup.steps if s.step >= start]
     busy = [s for s in steps if s.batch_size > 0]
     assert all(s.batch_size >= s.running for s in busy)  # every running query decoded in every step
-    # Every busy step decoded the running queries; ingestion took one busy step in four, never two in a row.
+    # Every busy step decoded the running queries; ingestion had some of them, not all (its share is one of
+    # time: pinned in tests/fusion/test_engine_scheduler.py). Its six pieces (four 64-token chunks each,
+    # within the step's 256 tokens: one forward each) ran server.ingest_layers_per_step layers per step.
     ingest_busy = [s.step for s in busy if s.ingest_job is not None]
-    assert 1 <= len(ingest_busy) <= len(busy) // 4 + 1
-    assert all(b - a >= 4 for a, b in zip(ingest_busy, ingest_busy[1:], strict=False))
+    assert 1 <= len(ingest_busy) < len(busy)
+    layers, per_step = harness.sup.info["num_layers"], harness.sup.settings.server.ingest_layers_per_step
+    slices = 6 * -(-layers // per_step)  # the step of the last slice may report after the job's Done is read
+    assert slices - 1 <= sum(s.ingest_job is not None for s in steps) <= slices
     assert all(o.result.text for o in outs)
 
 

@@ -6,6 +6,7 @@ ingestion, queries batched together, cancellation, the engine step's report and 
 from __future__ import annotations
 
 import pytest
+from test_first_use import blobs
 from test_scheduler_worker import MODEL_CACHE, essay_chunks, query
 
 from kvfuse.config import load_settings
@@ -156,3 +157,60 @@ def test_an_ingestion_piece_reserves_its_forwards_padded_cache(worker, essays, d
     drive(worker, P.PrecomputeJob(chunks=chunks, job_id=62))
     stored = IngestTask(P.PrecomputeJob(chunks=chunks, job_id=63))
     assert stored.need(worker.kv, 10_000) == 0 and isinstance(stored.run_piece(worker.kv, 10_000), P.Done)
+
+
+def test_a_query_arriving_mid_piece_waits_for_one_slice_of_layers(worker, essays, default_llm_path) -> None:
+    """An ingestion piece runs `server.ingest_layers_per_step` decoder layers per engine step (counted on
+    the model's own layers): a query arriving while a piece of 30 layers is in flight takes its first token
+    after at most one more slice of it, not the rest of the piece; the piece resumes from where it paused
+    with its memory held, and stores the KV an unpaused precompute gives, byte for byte. Cancelled in
+    flight, a job gives its memory back and leaves no forward running."""
+    import threading
+
+    def pause_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "kvfuse-layer-steps"]
+
+    slice_ = worker.settings.server.ingest_layers_per_step
+    layers = worker.engine.num_layers
+    assert 0 < slice_ < layers
+    ran: list[int] = []  # one entry per decoder layer a paused forward completed
+
+    def count(_module, _args, _out) -> None:
+        if threading.current_thread().name == "kvfuse-layer-steps":
+            ran.append(1)
+
+    hooks = [layer.register_forward_hook(count) for layer in worker.engine.model.model.layers]
+    try:
+        ids = [t for c in essay_chunks(essays, default_llm_path, 8) for t in c]
+        warm = essay_chunks(essays, default_llm_path, 1)
+        drive(worker, P.PrecomputeJob(chunks=warm, job_id=70))
+        chunks = [ids[64:160], ids[160:250]]  # one piece (within the step's 256 tokens), one padded forward
+        worker.sent.clear()
+        ran.clear()  # the warm-up job's layers
+        worker.receive(P.PrecomputeJob(chunks=chunks, job_id=71))
+        worker.step()
+        assert len(ran) == slice_ and worker.core.memory.used_tokens == 2 * 96  # in flight, its cache held
+        job = query(warm, [0], max_tokens=3)
+        job.chunks = [P.ChunkRef(worker.kv.key_of(warm[0]), warm[0], 1.0)]
+        job.job_id = 72
+        worker.receive(job)
+        while not any(isinstance(m, P.Delta) and m.job_id == 72 for m in worker.sent):
+            worker.step()
+        assert slice_ <= len(ran) <= 2 * slice_  # at most one more slice before the query's first token
+        while worker.has_work:
+            worker.step()
+        done = next(m for m in worker.sent if isinstance(m, P.Done) and m.job_id == 71)
+        assert len(ran) == layers and worker.core.memory.used_tokens == 0
+        unpaused = [worker.kv._at_rest(c.token_ids, [], c)[0] for c in worker.kv.compute(chunks, [[], []])]
+        assert blobs(worker, done.keys) == unpaused
+
+        worker.sent.clear()
+        worker.receive(P.PrecomputeJob(chunks=[c[:-1] + [c[-1] ^ 1] for c in chunks], job_id=73))
+        worker.step()
+        assert worker.core.memory.used_tokens > 0 and len(pause_threads()) == 1
+        worker.receive(P.Cancel(73))
+        assert worker.core.memory.used_tokens == 0 and pause_threads() == [] and not worker.has_work
+        assert not any(getattr(m, "job_id", None) == 73 for m in worker.sent if not isinstance(m, P.Step))
+    finally:
+        for h in hooks:
+            h.remove()
