@@ -189,7 +189,7 @@ def test_a_query_arriving_mid_piece_waits_for_one_slice_of_layers(worker, essays
         ran.clear()  # the warm-up job's layers
         worker.receive(P.PrecomputeJob(chunks=chunks, job_id=71))
         worker.step()
-        assert len(ran) == slice_ and worker.core.memory.used_tokens == 2 * 96  # in flight, its cache held
+        assert len(ran) == slice_ and worker.core.memory.extent_tokens == 2 * 96  # in flight, its cache held
         job = query(warm, [0], max_tokens=3)
         job.chunks = [P.ChunkRef(worker.kv.key_of(warm[0]), warm[0], 1.0)]
         job.job_id = 72
@@ -200,16 +200,16 @@ def test_a_query_arriving_mid_piece_waits_for_one_slice_of_layers(worker, essays
         while worker.has_work:
             worker.step()
         done = next(m for m in worker.sent if isinstance(m, P.Done) and m.job_id == 71)
-        assert len(ran) == layers and worker.core.memory.used_tokens == 0
+        assert len(ran) == layers and worker.core.memory.extent_tokens == 0
         unpaused = [worker.kv._at_rest(c.token_ids, [], c)[0] for c in worker.kv.compute(chunks, [[], []])]
         assert blobs(worker, done.keys) == unpaused
 
         worker.sent.clear()
         worker.receive(P.PrecomputeJob(chunks=[c[:-1] + [c[-1] ^ 1] for c in chunks], job_id=73))
         worker.step()
-        assert worker.core.memory.used_tokens > 0 and len(pause_threads()) == 1
+        assert worker.core.memory.extent_tokens > 0 and len(pause_threads()) == 1
         worker.receive(P.Cancel(73))
-        assert worker.core.memory.used_tokens == 0 and pause_threads() == [] and not worker.has_work
+        assert worker.core.memory.extent_tokens == 0 and pause_threads() == [] and not worker.has_work
         assert not any(getattr(m, "job_id", None) == 73 for m in worker.sent if not isinstance(m, P.Step))
     finally:
         for h in hooks:
