@@ -33,12 +33,27 @@ def group(task: str) -> str:
 
 def outcomes(spec: str) -> list[Outcome]:
     """A file's outcomes; FILE#ORDER keeps one document order's (retrieval, best-last, haystack);
-    FILE+FILE... pools several runs' (each spec part may have its own #ORDER)."""
+    FILE+FILE... pools several runs' (each spec part may have its own #ORDER), each example's
+    method counted once (`pooled`)."""
     if "+" in spec:
-        return [o for part in spec.split("+") for o in outcomes(part)]
+        return pooled([o for part in spec.split("+") for o in outcomes(part)])
     path, _, order = spec.partition("#")
     outs = [Outcome(**o) for o in json.loads(Path(path).read_text(encoding="utf-8"))["outcomes"]]
     return [o for o in outs if not order or group(o.task) == order]
+
+
+def pooled(outs: list[Outcome]) -> list[Outcome]:
+    """Runs pooled once per example, method and ratio: a run that adds methods to an earlier one's
+    examples repeats its vanilla (`--no-floor --methods ...` beside the run with the floor), and the
+    bench is deterministic, so a repeat must give the same answer; one that does not is an error, not a
+    second sample."""
+    seen: dict[tuple, Outcome] = {}
+    for o in outs:
+        key = (o.task, o.example_id, o.method, o.ratio)
+        if key in seen and seen[key].prediction != o.prediction:
+            raise SystemExit(f"{key}: two pooled runs answer {seen[key].prediction!r} and {o.prediction!r}")
+        seen.setdefault(key, o)
+    return list(seen.values())
 
 
 def rows(path: str) -> list[dict]:
