@@ -44,10 +44,13 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape(tmp_path: Path, default_llm
     assert [s["streams"] for s in payload["streams"]] == [1, 3]
     assert payload["streams"][0]["vs_one_stream"] == 1.0
     # A step of b streams does the work of one at least once: b streams give at most b x one stream's
-    # tokens/s (the baseline timed warm; a cold one made this ratio exceed b).
+    # tokens/s (the baseline timed warm; a cold one made this ratio exceed b several times over). At this
+    # tiny shape a step of b rows costs what one row's does, so the measured ratio sits at b and the
+    # medians' noise alone can carry it a little past: the bound is checked with room for that noise only.
     one = payload["streams"][0]["tokens_per_s"]
+    noise = 1.5
     for s in payload["streams"]:
-        assert s["tokens_per_s"] <= s["streams"] * one and s["vs_one_stream"] <= s["streams"]
+        assert s["tokens_per_s"] <= noise * s["streams"] * one and s["vs_one_stream"] <= noise * s["streams"]
     lines = out.with_suffix(".md").read_text().splitlines()
     assert sum(line.startswith("| 1024 |") for line in lines) == 1 + len(METHODS)
     assert out.with_suffix(".png").stat().st_size > 0
