@@ -200,10 +200,10 @@ class EngineCore:
         out: list[Output] = []
         for rid in [job_id, *self.forks.pop(job_id, [])]:  # a request of n > 1: every row
             req = self.scheduler.remove(rid)
-            if req is not None and req.status is Phase.INGESTING:
-                self._end_ingest(req, abandon=True)  # its piece in flight abandoned, its memory given back
-                continue
             if req is None:
+                continue
+            if req.status is Phase.INGESTING:
+                self._end_ingest(req, abandon=True)  # its piece in flight abandoned, its memory given back
                 continue
             seq = _seq(req)
             if req.status is not Phase.DECODING:
