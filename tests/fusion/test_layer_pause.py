@@ -73,3 +73,35 @@ def test_closing_a_paused_precompute_ends_its_forward(fam) -> None:
     steps.close()
     assert pause_threads() == []
     assert same(drain(fam.precompute_steps([a])), fam.precompute([a]))  # the model is as before
+
+
+def test_timed_counts_the_time_inside_resumptions_not_the_pauses_between_them() -> None:
+    """A precompute's throughput is observed over the time its forward ran (ChunkCache._observed): the
+    caller's work between two resumptions, here a sleep, is not counted, and closing the timer closes
+    the work it times."""
+    import time
+
+    from kvfuse.fusion.steps import timed
+
+    closed: list[bool] = []
+
+    def work(slices: int):
+        try:
+            for _ in range(slices):
+                yield
+            return "value"
+        finally:
+            closed.append(True)
+
+    steps = timed(work(2))
+    next(steps)
+    time.sleep(0.3)  # other engine steps while the forward waits
+    next(steps)
+    with pytest.raises(StopIteration) as done:
+        next(steps)
+    value, seconds = done.value.value
+    assert value == "value" and 0 <= seconds < 0.3 and closed == [True]
+    abandoned = timed(work(3))
+    next(abandoned)
+    abandoned.close()
+    assert closed == [True, True]

@@ -22,7 +22,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.config import Settings
-from kvfuse.fusion.steps import drain
+from kvfuse.fusion.steps import drain, timed
 from kvfuse.service.worker import reload_policy as policy
 
 if TYPE_CHECKING:
@@ -77,10 +77,15 @@ class ChunkCache:
 
     def _precompute(self, chunks: list[list[int]]) -> list[Any]:
         """engine.precompute, its throughput observed (chunk tokens per second)."""
-        t0 = time.perf_counter()
-        out = self.engine.precompute(chunks)
-        self.rates.observe_precompute(sum(map(len, chunks)), time.perf_counter() - t0)
-        return out
+        return drain(self._observed(self.engine.precompute_steps(chunks, paused=False), sum(map(len, chunks))))
+
+    def _observed(self, steps: Generator[None, None, list[Any]], tokens: int) -> Generator[None, None, list[Any]]:
+        """`yield from`: a precompute's chunk caches, its throughput observed over the time it ran, not
+        the engine steps that ran while it was paused between layers."""
+        got, seconds = yield from timed(steps)
+        if tokens:
+            self.rates.observe_precompute(tokens, seconds)
+        return got
 
     def stored_nbytes(self, num_tokens: int) -> int:
         """Payload size at rest of a chunk of `num_tokens` (for a chunk already stored), scales included."""
@@ -110,18 +115,15 @@ class ChunkCache:
         an ingestion piece cut by layer, FusionEngine.precompute_steps): the same KV either way."""
         e = self.engine
         alone = [i for i, c in enumerate(contexts) if not c]
-        t0 = time.perf_counter()
-        got = yield from e.precompute_steps([chunks[i] for i in alone], paused=paused)
-        if alone:
-            self.rates.observe_precompute(sum(len(chunks[i]) for i in alone), time.perf_counter() - t0)
+        got = yield from self._observed(e.precompute_steps([chunks[i] for i in alone], paused=paused),
+                                        sum(len(chunks[i]) for i in alone))
         computed = dict(zip(alone, got, strict=True))
         runs = (context_runs(chunks, contexts) if self.settings.store.precompute_runs
                 else [[i] for i, c in enumerate(contexts) if c])
         for run in runs:
-            t0 = time.perf_counter()
-            got = yield from e.precompute_run_steps(contexts[run[0]], [chunks[i] for i in run], paused=paused)
-            self.rates.observe_precompute(len(contexts[run[0]]) + sum(len(chunks[i]) for i in run),
-                                          time.perf_counter() - t0)
+            got = yield from self._observed(
+                e.precompute_run_steps(contexts[run[0]], [chunks[i] for i in run], paused=paused),
+                len(contexts[run[0]]) + sum(len(chunks[i]) for i in run))
             computed.update(zip(run, got, strict=True))
         return [computed[i] for i in range(len(chunks))]
 
