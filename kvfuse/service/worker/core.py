@@ -142,7 +142,7 @@ class WorkerCore:
             elif isinstance(msg, P.PrecomputeJob):
                 task = IngestTask(msg, self.settings.server.ingest_layers_per_step)
                 self.core.add_ingest(msg.job_id, lambda budget, task=task: task.run_piece(self.kv, budget),
-                                     lambda budget, task=task: task.need(self.kv, budget), task.slices.stop)
+                                     lambda budget, task=task: task.need(self.kv, budget), task.stop)
             elif isinstance(msg, P.Cancel):
                 for out in self.core.abort(msg.job_id):
                     self._on_output(out)

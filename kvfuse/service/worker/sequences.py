@@ -280,6 +280,10 @@ class IngestTask:
         assert self.keys is not None
         return P.Done(self.job.job_id, list(self.keys), list(self.nbytes), self.computed)
 
+    def stop(self) -> None:
+        """The job was cancelled: its piece in flight abandoned (`_Slices.stop`)."""
+        self.slices.stop()
+
     def _store_piece(self, kv: ChunkCache, budget_tokens: int) -> Generator[None, None, None]:
         """The next piece computed (its forwards paused between layers) and stored."""
         assert self.keys is not None
