@@ -16,7 +16,7 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape(tmp_path: Path, default_llm
     out = tmp_path / "gpu.json"
     cmd = [sys.executable, "-m", "kvfuse.cli", "bench", "gpu", "--shape", "tiny", "--tokenizer", default_llm_path,
            "--device", "cpu", "--contexts", "512,1024", "--methods", ",".join(METHODS), "--repeats", "1",
-           "--decode-tokens", "4", "--streams", "1,3", "--stream-steps", "2", "--profile-context", "1024",
+           "--decode-tokens", "4", "--streams", "1,3", "--stream-steps", "8", "--profile-context", "1024",
            "--json", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -45,12 +45,13 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape(tmp_path: Path, default_llm
     assert payload["streams"][0]["vs_one_stream"] == 1.0
     # A step of b streams does the work of one at least once: b streams give at most b x one stream's
     # tokens/s (the baseline timed warm; a cold one made this ratio exceed b several times over). At this
-    # tiny shape a step of b rows costs what one row's does, so the measured ratio sits at b and the
-    # medians' noise alone can carry it a little past: the bound is checked with room for that noise only.
-    one = payload["streams"][0]["tokens_per_s"]
-    noise = 1.5
+    # tiny shape a step of b rows costs what one row's does, so the ratio sits at b: it is read from the
+    # fastest steps (noise only adds time), within the baseline's own spread measured in the same run.
+    noise = payload["streams"][0]["step_noise"]
+    assert noise >= 0
     for s in payload["streams"]:
-        assert s["tokens_per_s"] <= noise * s["streams"] * one and s["vs_one_stream"] <= noise * s["streams"]
+        assert s["best_step_ms"] <= s["step_ms"]
+        assert s["vs_one_stream_best"] <= s["streams"] * (1 + noise), (s, noise)
     lines = out.with_suffix(".md").read_text().splitlines()
     assert sum(line.startswith("| 1024 |") for line in lines) == 1 + len(METHODS)
     assert out.with_suffix(".png").stat().st_size > 0
