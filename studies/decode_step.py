@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvfuse.config import Settings
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.fusion_engine import FusionEngine
 
 

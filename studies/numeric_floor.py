@@ -17,7 +17,7 @@ from kvfuse.bench.engine_backend import EngineBackend
 from kvfuse.bench.fidelity import Outcome
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import get_settings
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 
 KV_TYPES = {"vanilla fp16 KV": torch.float16, "vanilla fp8 KV": torch.float8_e4m3fn}
 STATE: dict = {"dtype": None}

@@ -26,7 +26,7 @@ from kvfuse.bench.fidelity import kl_divergence
 from kvfuse.bench.scoring import score as score_answer
 from kvfuse.bench.tasks import Haystack, TaskConfig, build_examples
 from kvfuse.config import load_settings
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.methods import anchor as A
 from kvfuse.fusion.methods.base import FusionMethod, register
 from kvfuse.fusion.types import Layout

@@ -12,7 +12,7 @@ import torch
 
 from kvfuse.config import FusionSettings
 from kvfuse.fusion import eviction
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.engine.runner import ModelRunner
 from kvfuse.fusion.errors import ContextOverflowError
 from kvfuse.fusion.kv_loading import LayerLoader

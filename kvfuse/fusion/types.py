@@ -154,7 +154,7 @@ class GenerationOptions:
 class FusedPrefill:
     """The result of `FusionEngine.fuse`: a cache ready to decode from and the first-token logits."""
 
-    cache: Any  # kvfuse.fusion.engine.kv_memory.FusedCache
+    cache: Any  # kvfuse.fusion.engine.fused_cache.FusedCache
     logits: torch.Tensor  # [vocab], float32, last prompt position
     selected: torch.Tensor  # LongTensor of recomputed context positions (global, sorted)
     stats: dict[str, int]

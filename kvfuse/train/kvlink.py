@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.errors import UnsupportedModelError
 from kvfuse.fusion.methods.kvlink import link_layout
 from kvfuse.fusion.methods.kvlink_artifact import LinkArtifact, artifact_path

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.model import attention_cpu
 from kvfuse.fusion.model.attention import Attention
 from kvfuse.fusion.model.transformer import Rows, Transformer

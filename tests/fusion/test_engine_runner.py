@@ -15,7 +15,8 @@ import torch
 from fusion_helpers import tiny_llama_engine
 
 from kvfuse.fusion import FusionEngine, FusionError, FusionOptions
-from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
+from kvfuse.fusion.engine.fused_cache import FusedCache
+from kvfuse.fusion.engine.kv_memory import KVMemory
 from kvfuse.fusion.engine.runner import BLOCK, ModelRunner, buckets
 
 STEPS = 6

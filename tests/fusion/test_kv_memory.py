@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory, MemoryFull
+from kvfuse.fusion.engine.fused_cache import FusedCache
+from kvfuse.fusion.engine.kv_memory import KVMemory, MemoryFull
 
 
 def memory(capacity: int = 100) -> KVMemory:
@@ -185,7 +186,7 @@ def test_the_ledger_is_the_budget_with_carves_beside_the_buffer() -> None:
     tier["bytes"] = 25 * mem.token_bytes
     report = ledger.report()
     assert report.holders == {"query": 40 * mem.token_bytes, "shadow": 0, "ingest": 20 * mem.token_bytes,
-                              "prefix": 0, "device_tier": 25 * mem.token_bytes}
+                              "prefix": 0, "load": 0, "device_tier": 25 * mem.token_bytes}
     assert report.used_bytes == 85 * mem.token_bytes == report.peak_bytes <= report.budget_bytes
     mem.release(("ingest", 1))
     again = ledger.report()

@@ -19,7 +19,7 @@ from test_fusion_architectures import build, chunks_of
 
 from kvfuse.fusion import ChunkKV, FusionEngine, FusionOptions, GenerationOptions
 from kvfuse.fusion.engine import solo
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.kv_loading import LayerLoader
 
 CUDA = torch.cuda.is_available()

@@ -10,7 +10,7 @@ import torch
 from fusion_helpers import make_prompt
 
 from kvfuse.fusion import FusionOptions
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.methods import get_method, scoring
 from kvfuse.fusion.methods.anchor import Anchor, layer_window
 from kvfuse.fusion.methods.selection import SelectionContext

@@ -25,7 +25,8 @@ import torch
 
 from kvfuse.fusion import FusionEngine, FusionOptions
 from kvfuse.fusion.engine import static_support
-from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
+from kvfuse.fusion.engine.fused_cache import FusedCache
+from kvfuse.fusion.engine.kv_memory import KVMemory
 from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
 
 CAPACITY = 4 * BLOCK

@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvfuse.fusion.engine import sampling
-from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory, token_bytes_of
-from kvfuse.fusion.engine.ledger import Carve, Ledger, carved_tokens
+from kvfuse.fusion.engine.fused_cache import FusedCache
+from kvfuse.fusion.engine.kv_memory import KVMemory, token_bytes_of
+from kvfuse.fusion.engine.ledger import Carve, Ledger, NeedsRoom, carved_tokens
 from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
 from kvfuse.fusion.engine.scheduler import IN_FLIGHT, Phase, Request, Scheduler, SchedulerLimits
 from kvfuse.fusion.engine.sequence import RequestId, Sequence
@@ -220,6 +221,7 @@ class EngineCore:
         emit = out.append
         sch = self.scheduler
         t0 = time.perf_counter()
+        self.ledger.step_peak = 0
         plan = sch.schedule()
         for req in plan.preempted:
             seq = _seq(req)
@@ -227,25 +229,25 @@ class EngineCore:
             emit(Preempted(req.job_id, seq))
         for req in plan.admit:
             self._start(req, emit)
-        peak, _ = self.ledger.observe()
+        self.ledger.observe()
         self._prefill(sch.limits.prefill_tokens_per_step * self.engine.num_layers, emit,
                       admitted={r.job_id for r in plan.admit}, low=plan.low_prefill)
         ingest_s = 0.0
         if plan.ingest is not None:
             t_ingest = time.perf_counter()
-            peak = max(peak, self._ingest(plan.ingest, plan.ingest_tokens, plan.ingest_kv, emit))
+            self._ingest(plan.ingest, plan.ingest_tokens, plan.ingest_kv, emit)
             ingest_s = time.perf_counter() - t_ingest
         batch = sch.decode_batch()
         if batch:
             self._decode(batch, emit)
         took = time.perf_counter() - t0
         sch.spent(plan, ingest_s, took - ingest_s)  # ingestion's share is of time
-        used, holders = self.ledger.observe()
-        peak = max(peak, used)
+        _, holders = self.ledger.observe()
         shadow = sch.num_low_running
         emit(Stepped(self.step_no, len(batch), [r.job_id for r in plan.admit],
                      plan.ingest.job_id if plan.ingest is not None else None, sch.num_running - shadow,
-                     sch.num_waiting, sch.kv_used, self.memory.extent_bytes, took, shadow, holders, peak))
+                     sch.num_waiting, sch.kv_used, self.memory.extent_bytes, took, shadow, holders,
+                     self.ledger.step_peak))
         return out
 
     def _fail(self, job_id: RequestId, err: BaseException, emit: Emit) -> None:
@@ -260,15 +262,22 @@ class EngineCore:
 
     def _start(self, req: Request, emit: Emit) -> None:
         seq = _seq(req)
-        emit(Admitted(req.job_id, seq))
+        if not req.announced:
+            emit(Admitted(req.job_id, seq))
+            req.announced = True
         extent = req.extent
         assert extent is not None  # an admitted request holds its extent
 
         def new_cache(capacity: int) -> FusedCache:  # the prefill's cache is the request's extent
             return FusedCache.in_memory(self.memory, extent, capacity)
 
+        self.memory.unhold(("load", req.job_id))  # the room admission kept for the load is the load's now
         try:
             seq.start(self.engine, new_cache)
+        except NeedsRoom as err:  # its load's transient KV does not fit now: it waits for the room
+            seq.reset()
+            if not self.scheduler.requeue(req.job_id, err.tokens):
+                self._fail(req.job_id, err, emit)
         except Exception as err:  # noqa: BLE001 - fails this request only
             self._fail(req.job_id, err, emit)
 
@@ -312,32 +321,30 @@ class EngineCore:
         seq.first_logits = None
         return out
 
-    def _ingest(self, req: Request, budget_tokens: int, kv_tokens: int, emit: Emit) -> int:
+    def _ingest(self, req: Request, budget_tokens: int, kv_tokens: int, emit: Emit) -> None:
         """One turn of an ingestion job, its piece's forward cache held as `kv_tokens` of the memory from
-        the piece's first turn to its last (MemoryFull fails the job when it could never fit); returns the
-        ledger's bytes while it ran."""
+        the piece's first turn to its last (MemoryFull fails the job when it could never fit), read into
+        the ledger's peaks while it runs."""
         assert req.piece is not None  # an ingestion request
-        used = 0
         try:
             if kv_tokens > 0 and not req.held:
                 self.memory.allocate(("ingest", req.job_id), kv_tokens, kind="ingest")
                 req.held = kv_tokens
                 self.ingest_kv_peak = max(self.ingest_kv_peak, self.memory.used_tokens)
-            used = self.ledger.observe()[0]
+            self.ledger.observe()
             done = req.piece(budget_tokens)
-            used = max(used, self.ledger.observe()[0])  # a piece may fill the device tier or the prefix cache
+            self.ledger.observe()  # a piece may fill the device tier or the prefix cache
         except Exception as err:  # noqa: BLE001 - fails this job only
             self.scheduler.ingest_done(req.job_id)
             self._end_ingest(req, abandon=True)
             emit(Failed(req.job_id, err))
-            return used
+            return
         if done is IN_FLIGHT:
-            return used
+            return
         self._end_ingest(req)
         if done is not None:
             self.scheduler.ingest_done(req.job_id)
             emit(Ingested(req.job_id, done))
-        return used
 
     def _end_ingest(self, req: Request, *, abandon: bool = False) -> None:
         """An ingestion piece ended: its forward's memory given back; with `abandon` (the job failed or

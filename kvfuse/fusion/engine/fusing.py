@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvfuse.fusion.engine.detokenize import Tokenizer
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.types import ChunkKV, FusedPrefill, FusionOptions
 
 if TYPE_CHECKING:

@@ -7,25 +7,60 @@ device. Its holders (docs/DESIGN.md, "One device-memory ledger"):
   precompute forward (an extent of its size held while the piece runs: the model's own cache lives
   beside the buffer, so this one is counted, not placed);
 - counted in the KV memory by bytes (`KVMemory.hold`): the system prompts' cached KV (the prefix cache),
-  reclaimed when an extent needs the room;
+  reclaimed when an extent needs the room; and a query's load while it runs (`transient`): its cold
+  chunks computed at first use and its system prompt's forward before it is cached, each the model's own
+  cache beside the buffer (counted, not placed). A load that finds no room sends its query back to wait
+  (`NeedsRoom`, Scheduler.requeue) with that room asked for at its next admission;
 - carved off the budget before the buffer is allocated (`Carve`): the device tier's entries (int8 or
   another storage format, which the buffer's dtype cannot hold). The buffer is the budget less the
   carves, so what the tier holds within its own bound (its eviction is its own, kvfuse/store/hot_tier.py)
   and what the buffer holds never add up past the budget, on any device.
 
-So a worker's device KV is never above its budget by this account. What it cannot see: a query's cold
-chunks computed at first use and a system prompt's forward before it is cached (the model's cache of
-that forward, freed when it returns), and any tensor still referenced after its holder let it go.
+So a worker's device KV is never above its budget by this account. What it cannot see: any tensor still
+referenced after its holder let it go (a cached system prompt reclaimed while a query's prefill still
+reads it), a chunk samkv's block reader finds in no tier and computes during its prefill, and the
+forwards' activations, which are not KV.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvfuse.fusion.engine.kv_memory import KVMemory
+from kvfuse.fusion.engine.kv_memory import KVMemory, MemoryFull
 
-KINDS = ("query", "shadow", "ingest", "prefix")  # the KV memory's holders, always reported (0 when idle)
+KINDS = ("query", "shadow", "ingest", "prefix", "load")  # the KV memory's holders, always reported (0 when idle)
+_transients = itertools.count()
+
+
+class NeedsRoom(MemoryFull):
+    """A query's load needs `tokens` of transient KV (`what`) that the memory cannot count now: the engine
+    core sends the query back to wait until they are free beside its extent (Scheduler.requeue)."""
+
+    def __init__(self, tokens: int, what: str, free: int) -> None:
+        super().__init__(f"{what} needs {tokens} KV tokens beside the prompt's extent; {free} are free")
+        self.tokens, self.what = tokens, what
+
+
+@contextmanager
+def transient(ledger: Ledger | None, tokens: int, what: str) -> Iterator[None]:
+    """Count `tokens` of KV that a forward keeps beside the buffer (the model's own cache) in the ledger's
+    memory for the block's duration, reclaiming cached system prompts for the room, and read it into the
+    peaks; NeedsRoom when it cannot be had. Without a ledger (an engine outside any core) nothing is
+    counted."""
+    if ledger is None or tokens <= 0:
+        yield
+        return
+    memory, owner = ledger.memory, ("load", next(_transients))
+    if not memory.hold(owner, tokens * memory.token_bytes, "load", make_room=True):
+        raise NeedsRoom(tokens, what, memory.free_tokens)
+    try:
+        ledger.observe()
+        yield
+    finally:
+        memory.unhold(owner)
 
 
 @dataclass(frozen=True)
@@ -70,6 +105,7 @@ class Ledger:
         self.device = device
         self.budget_bytes = budget_tokens * memory.token_bytes
         self.peak_bytes = 0
+        self.step_peak = 0  # the most bytes read since the engine core's step began (it resets this)
         self.peak_holders: dict[str, int] = {}  # the most bytes each holder held at a reading since start
 
     def holders(self) -> dict[str, int]:
@@ -88,6 +124,7 @@ class Ledger:
         holders = self.holders()
         used = sum(holders.values())
         self.peak_bytes = max(self.peak_bytes, used)
+        self.step_peak = max(self.step_peak, used)
         for kind, nbytes in holders.items():
             self.peak_holders[kind] = max(self.peak_holders.get(kind, 0), nbytes)
         return used, holders

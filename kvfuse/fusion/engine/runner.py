@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from kvfuse.fusion.engine import static_support
-from kvfuse.fusion.engine.kv_memory import FusedCache, KVMemory
+from kvfuse.fusion.engine.fused_cache import FusedCache
+from kvfuse.fusion.engine.kv_memory import KVMemory
 from kvfuse.fusion.errors import FusionError
 
 log = logging.getLogger("kvfuse.fusion")

@@ -9,7 +9,9 @@ Admission is bounded three ways, so neither memory nor a burst of arrivals can h
   for prompt + max_tokens tokens, and it holds that extent until it retires: admission asks the memory
   that holds the bytes, not a count kept beside it, so what is allocated never exceeds the budget. A
   request that does not fit waits. One whose cache is evicted after its first token
-  (`fusion.evict_capacity`) or built sparse gives the rest of its extent back then.
+  (`fusion.evict_capacity`) or built sparse gives the rest of its extent back then. One whose load
+  needs room beside its extent that the memory cannot count (ledger.NeedsRoom: cold chunks computed at
+  first use) goes back to the head of the queue (`requeue`) and is admitted again with that room too.
 - Batch size: at most `max_running` sequences decode together.
 - Prefill work: a request is admitted only while the prefill work of the admitted requests that are
   still prefilling stays within `prefill_tokens_per_step` (or none is), and the worker runs at most
@@ -118,6 +120,8 @@ class Request:
     forks: list[Request] = field(default_factory=list)  # rows 1..n-1, reserved at admission until forked
     preemptible: bool = False  # the lowest class (the module docstring): admitted last, preempted first
     preemptions: int = 0  # times it was preempted and put back
+    load_tokens: int = 0  # transient KV its load needs beside its extent, held from admission (`requeue`)
+    announced: bool = False  # its Admitted output went out (once, however often it is admitted)
 
 
 @dataclass
@@ -207,9 +211,24 @@ class Scheduler:
             for row in req.forks:  # reserved, never forked
                 self.memory.release(row.job_id)
             req.forks = []
+            self.memory.unhold(("load", job_id))  # the room kept for its load, if it had not started
             if req.status is Phase.PREFILLING and not req.preemptible:
                 self.prefill_pending -= req.prefill_tokens
         return req
+
+    def requeue(self, job_id: RequestId, load_tokens: int) -> bool:
+        """A running query whose load needs `load_tokens` of transient KV beside its extent, more than the
+        memory can count now (ledger.NeedsRoom), goes back to the head of the queue; it is admitted again
+        when its extents and that room fit together, the room held for it until its load starts. False,
+        and nothing done, when they never could."""
+        req = self.running.get(job_id)
+        align = self.memory.align
+        if req is None or req.rows * -(-req.kv_tokens // align) * align + load_tokens > self.capacity:
+            return False
+        self.retire(job_id)
+        req.status, req.load_tokens = Phase.WAITING, max(req.load_tokens, load_tokens)
+        self.waiting.appendleft(req)
+        return True
 
     def prefilled(self, job_id: RequestId, kv_tokens: int | None = None) -> None:
         """A running request's prefill is complete: from now on it decodes with the batch. kv_tokens:
@@ -243,6 +262,8 @@ class Scheduler:
     def _reserve(self, head: Request) -> bool:
         """The head's extent and those of its other rows, all or none (False: they do not fit now)."""
         taken: list[Request] = []
+        if head.rows == 1 and not self.memory.can_allocate(head.kv_tokens):
+            return False
         try:
             head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
             for _ in range(head.rows - 1):
@@ -359,15 +380,16 @@ class Scheduler:
         low = self._low_running()
         room = {r.job_id for r in low}
         helps = bool(low) and (self.rows_held - len(low) + head.rows <= self.limits.max_running
-                               and self.memory.can_allocate(head.kv_tokens * head.rows, without=room))
+                               and self.memory.can_allocate(head.kv_tokens * head.rows + head.load_tokens,
+                                                            without=room))
         while True:
-            if self.rows_held + head.rows <= self.limits.max_running:
-                if head.rows > 1:
-                    if self._reserve(head):
-                        return True
-                elif self.memory.can_allocate(head.kv_tokens):
-                    head.extent = self.memory.allocate(head.job_id, head.kv_tokens)
+            if self.rows_held + head.rows <= self.limits.max_running and self._reserve(head):
+                if not head.load_tokens or self.memory.hold(  # the room a requeued query's load asked for
+                        ("load", head.job_id), head.load_tokens * self.memory.token_bytes, "load", make_room=True):
                     return True
+                for r in [head, *head.forks]:
+                    self.memory.release(r.job_id)
+                head.extent, head.forks = None, []
             low = self._low_running()
             if not (helps and low):
                 return False
@@ -378,7 +400,7 @@ class Scheduler:
         redone from the start."""
         self.running.pop(req.job_id)
         self.memory.release(req.job_id)
-        req.extent, req.status = None, Phase.WAITING
+        req.extent, req.status, req.announced = None, Phase.WAITING, False  # redone: admitted anew
         req.preemptions += 1
         self.preemptions += 1
         self.low.appendleft(req)

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.engine.generation import Generation
-from kvfuse.fusion.engine.kv_memory import FusedCache
 from kvfuse.fusion.errors import NonFiniteLogits
 from kvfuse.fusion.types import ChunkKV, FusedPrefill, FusionOptions, GenerationOptions
 

@@ -49,7 +49,7 @@ from typing import ClassVar
 
 import torch
 
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.methods import scoring
 from kvfuse.fusion.methods.base import FusionMethod, register
 from kvfuse.fusion.methods.sparse import artifacts as arts_mod

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.methods import scoring
 from kvfuse.fusion.model import attention
 from kvfuse.fusion.model.transformer import Rows, Transformer

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvfuse.fusion.engine.kv_memory import FusedCache
+from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.errors import UnsupportedModelError
 from kvfuse.fusion.model import attention_cpu, attention_math, families
 from kvfuse.fusion.model.attention import Attention

@@ -22,6 +22,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.config import Settings
+from kvfuse.fusion.engine.ledger import Ledger, NeedsRoom, transient
 from kvfuse.fusion.steps import drain, timed
 from kvfuse.service.worker import reload_policy as policy
 
@@ -55,7 +56,7 @@ class ChunkCache:
         self.last_reads: dict[str, int] = {}
         self.last_computed: dict[str, float] = {}  # the last `load_all`: chunks computed and read, seconds
         self._prefixes: OrderedDict[str, Any] = OrderedDict()
-        self._prefix_memory: Any = None  # where the prefix cache's entries are held (`hold_prefixes_in`)
+        self._ledger: Ledger | None = None  # the engine core's, where the prefix cache and loads are held (`hold_in`)
         self.rates = policy.Rates(settings.store.reload_ewma_weight, settings.store.reload_probe_every)
         self.reload_policy = settings.store.reload_policy
         if self.reload_policy:
@@ -230,11 +231,15 @@ class ChunkCache:
         t0 = time.perf_counter()
         todo = slow + cold
         if todo:
-            computed = self.compute([wanted[i][1] for i in todo], [wanted[i][2] or [] for i in todo])
+            ids, contexts = [wanted[i][1] for i in todo], [wanted[i][2] or [] for i in todo]
+            # held on the device at most: the largest forward's cache beside every chunk computed before
+            # it is at rest (`_at_rest` reads it back from its blob)
+            peak = forward_peak(list(map(len, ids)), list(map(len, contexts)), self.engine.precompute_batch_tokens)
             blobs = {}
-            for i, ckv in zip(todo, computed, strict=True):
-                blobs[i], stored = self._at_rest(wanted[i][1], wanted[i][2] or [], ckv)
-                out[i] = (stored, True)
+            with transient(self._ledger, peak + sum(map(len, ids)), f"computing {len(todo)} chunks"):
+                for i, ckv in zip(todo, self.compute(ids, contexts), strict=True):
+                    blobs[i], stored = self._at_rest(wanted[i][1], wanted[i][2] or [], ckv)
+                    out[i] = (stored, True)
             self.rebuilt += len(todo)
             self._keep([(wanted[i][0], wanted[i][1], wanted[i][2], blobs[i]) for i in cold])
         self.last_computed = {"chunks_computed": len(todo), "chunks_read": len(wanted) - len(todo),
@@ -312,12 +317,12 @@ class ChunkCache:
         self._keep([(key, token_ids, known, blob)])
         return ckv, True
 
-    def hold_prefixes_in(self, memory: Any) -> None:
-        """Count the cached system prompts' KV in `memory` (the engine core's KVMemory, the worker's one
-        device ledger: kvfuse/fusion/engine/ledger.py) from now on: an entry is kept only while the
-        memory can hold its bytes, and the memory may reclaim it (the entry is dropped) when an extent
-        needs the room."""
-        self._prefix_memory = memory
+    def hold_in(self, ledger: Ledger) -> None:
+        """Count in `ledger` (the engine core's, the worker's one device ledger: kvfuse/fusion/engine/
+        ledger.py) from now on the cached system prompts' KV, an entry kept only while its memory can hold
+        its bytes and dropped when an extent needs the room, and a query's load while it runs
+        (`ledger.transient`: its cold chunks' forwards, its system prompt's)."""
+        self._ledger = ledger
 
     def prefix_bytes(self) -> int:
         """Bytes of K and V the prefix cache holds (what its holds in the ledger count)."""
@@ -325,25 +330,39 @@ class ChunkCache:
 
     def prefix_kv(self, prefix_ids: list[int]) -> Any:
         """The system prompt's KV, cached by content like any chunk (kept decoded in this process, on the
-        model's device), each entry held in the ledger (`hold_prefixes_in`)."""
+        model's device), each entry held in the ledger (`hold_in`)."""
         key = self.key_of(prefix_ids)
-        memory = self._prefix_memory
+        ledger = self._ledger
+        memory = ledger.memory if ledger is not None else None
         if key in self._prefixes:
             self._prefixes.move_to_end(key)
             if memory is not None:
                 memory.touch(("prefix", key))
             return self._prefixes[key]
-        ckv = self.engine.precompute([prefix_ids])[0]
+        with transient(ledger, 2 * len(prefix_ids), "the system prompt's forward"):  # its cache and its copy
+            ckv = self.engine.precompute([prefix_ids])[0]
         nbytes = int(ckv.k.nbytes + ckv.v.nbytes)
-        if memory is not None and not memory.hold(("prefix", key), nbytes, "prefix",
+        if memory is not None and not memory.hold(("prefix", key), nbytes, "prefix", make_room=True,
                                                   reclaim=lambda: self._prefixes.pop(key, None)):
-            return ckv  # no room in the budget now: used by this query, not kept
+            # no room to keep it: the query waits for it (it would hold the bytes while its prefill runs)
+            raise NeedsRoom(len(prefix_ids), "the system prompt's KV", memory.free_tokens)
         self._prefixes[key] = ckv
         while len(self._prefixes) > _PREFIX_CACHE_ENTRIES:
             old, _ = self._prefixes.popitem(last=False)
             if memory is not None:
                 memory.unhold(("prefix", old))
         return ckv
+
+
+def forward_peak(chunks: list[int], contexts: list[int], batch_tokens: int) -> int:
+    """The most KV tokens one forward of `ChunkCache.compute` holds (the model's own cache, FusionEngine.
+    precompute / precompute_run) over chunks of these lengths after contexts of these lengths (0: alone):
+    a batch of chunks alone is padded to its longest, at most `batch_tokens` unless one chunk is longer;
+    chunks after a context hold their context too, a run of them at most the sum of their costs."""
+    alone = [n for n, c in zip(chunks, contexts, strict=True) if not c]
+    after = sum(n + c for n, c in zip(chunks, contexts, strict=True) if c)
+    batch = min(len(alone) * max(alone), max(batch_tokens, max(alone))) if alone else 0
+    return max(batch, after)
 
 
 def _wanted(chunk: Wanted) -> tuple[str, list[int], list[int] | None]:

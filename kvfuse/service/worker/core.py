@@ -67,7 +67,7 @@ class WorkerCore:
         self.kv = ChunkCache(self.engine, self.store, settings, share_rebuilt=share_rebuilt)
         self.max_context = self.engine.max_context_tokens  # the model's limit, lowered by the setting
         self.core = EngineCore.from_settings(self.engine, settings, carves=device_carves(self.store))
-        self.kv.hold_prefixes_in(self.core.memory)  # the system prompts' KV in the one ledger too
+        self.kv.hold_in(self.core.ledger)  # the system prompts' KV and the loads in the one ledger too
         self.warmup_s = self.core.warm_up()
         from kvfuse.fusion.engine.grammar import ll_tokenizer
 
@@ -108,10 +108,14 @@ class WorkerCore:
 
     def error(self, job_id: int, err: BaseException) -> P.Error:
         from kvfuse.fusion.engine.core import Cancelled
+        from kvfuse.fusion.engine.ledger import NeedsRoom
         from kvfuse.store.errors import IndexUnavailableError
 
         if isinstance(err, Cancelled):  # no token yet: nothing to report but the end
             return P.Error(job_id, ERR_INVALID, "cancelled", None, self.step_no)
+        if isinstance(err, NeedsRoom):  # its load's transient KV could never fit beside its extent
+            return P.Error(job_id, P.ERR_KV_BUDGET, f"{err}: raise server.kv_budget_tokens or lower max_tokens",
+                           err.tokens, self.step_no)
         if isinstance(err, IndexUnavailableError):
             # What LMDB holds is written; the index (Redis) catches up when it answers: the API retries.
             log.warning("job %d: the document index is unavailable: %s", job_id, err)

@@ -19,6 +19,7 @@ from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.steps import advance
 from kvfuse.service.wire import protocol as P
 from kvfuse.service.worker import reload_policy as policy
+from kvfuse.service.worker.chunk_kv import forward_peak
 
 if TYPE_CHECKING:
     from kvfuse.fusion.engine.core import EngineCore
@@ -263,10 +264,8 @@ class IngestTask:
         their context too, a run of them at most the sum of their costs. The engine core reserves it."""
         self._plan(kv)
         piece = self._piece(budget_tokens)
-        alone = [len(self.job.chunks[i]) for i in piece if not self.job.context(i)]
-        after = sum(len(self.job.chunks[i]) + len(self.job.context(i)) for i in piece if self.job.context(i))
-        batch = min(len(alone) * max(alone), max(kv.engine.precompute_batch_tokens, max(alone))) if alone else 0
-        return max(batch, after)
+        return forward_peak([len(self.job.chunks[i]) for i in piece], [len(self.job.context(i)) for i in piece],
+                            kv.engine.precompute_batch_tokens)
 
     def run_piece(self, kv: ChunkCache, budget_tokens: int) -> P.Done | InFlight | None:
         """Run one slice of the piece in flight, or start the next; IN_FLIGHT while it is paused between
