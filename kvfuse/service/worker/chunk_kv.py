@@ -119,14 +119,26 @@ class ChunkCache:
         got = yield from self._observed(e.precompute_steps([chunks[i] for i in alone], paused=paused),
                                         sum(len(chunks[i]) for i in alone))
         computed = dict(zip(alone, got, strict=True))
-        runs = (context_runs(chunks, contexts) if self.settings.store.precompute_runs
-                else [[i] for i, c in enumerate(contexts) if c])
-        for run in runs:
+        for run in self._runs(chunks, contexts):
             got = yield from self._observed(
                 e.precompute_run_steps(contexts[run[0]], [chunks[i] for i in run], paused=paused),
                 len(contexts[run[0]]) + sum(len(chunks[i]) for i in run))
             computed.update(zip(run, got, strict=True))
         return [computed[i] for i in range(len(chunks))]
+
+    def _runs(self, chunks: list[list[int]], contexts: list[list[int]]) -> list[list[int]]:
+        """The chunks with a context, in the prefills `compute` runs them in (`context_runs`, or one each)."""
+        if self.settings.store.precompute_runs:
+            return context_runs(chunks, contexts)
+        return [[i] for i, c in enumerate(contexts) if c]
+
+    def compute_peak(self, chunks: list[list[int]], contexts: list[list[int]]) -> int:
+        """The most KV tokens `compute` holds on the model's device: its largest forward's cache (the chunks
+        alone in padded batches, or one context run) beside every chunk computed before it is at rest."""
+        alone = [len(c) for c, ctx in zip(chunks, contexts, strict=True) if not ctx]
+        forwards = [forward_peak(alone, [0] * len(alone), self.engine.precompute_batch_tokens)]
+        forwards += [len(contexts[run[0]]) + sum(len(chunks[i]) for i in run) for run in self._runs(chunks, contexts)]
+        return max(forwards) + sum(map(len, chunks))
 
     def compute_and_store(self, chunks: list[list[int]], contexts: list[list[int]] | None = None, *,
                           referenced_only: bool = False) -> list[tuple[str, int]]:
@@ -232,11 +244,8 @@ class ChunkCache:
         todo = slow + cold
         if todo:
             ids, contexts = [wanted[i][1] for i in todo], [wanted[i][2] or [] for i in todo]
-            # held on the device at most: the largest forward's cache beside every chunk computed before
-            # it is at rest (`_at_rest` reads it back from its blob)
-            peak = forward_peak(list(map(len, ids)), list(map(len, contexts)), self.engine.precompute_batch_tokens)
-            blobs = {}
-            with transient(self._ledger, peak + sum(map(len, ids)), f"computing {len(todo)} chunks"):
+            blobs = {}  # each computed chunk at rest (`_at_rest` reads it back from its blob) frees its device copy
+            with transient(self._ledger, self.compute_peak(ids, contexts), f"computing {len(todo)} chunks"):
                 for i, ckv in zip(todo, self.compute(ids, contexts), strict=True):
                     blobs[i], stored = self._at_rest(wanted[i][1], wanted[i][2] or [], ckv)
                     out[i] = (stored, True)

@@ -47,8 +47,9 @@ def sizes(tmp_path_factory, essays, default_llm_path) -> dict[str, int]:
         a, b = _jobs(chunks)
         assert w.receive(a) and w.receive(b)
         waiting = {r.job_id: r.kv_tokens for r in w.core.scheduler.waiting}
-        lengths = [len(chunks[i]) for i in range(2, 6)]
-        load_b = forward_peak(lengths, [0] * 4, w.engine.precompute_batch_tokens) + sum(lengths)
+        load_b = w.kv.compute_peak(chunks[2:6], [[]] * 4)
+        lengths = [len(c) for c in chunks[2:6]]  # four chunks alone: one padded batch beside its four outputs
+        assert load_b == forward_peak(lengths, [0] * 4, w.engine.precompute_batch_tokens) + sum(lengths)
         return {"a": waiting[1], "b": waiting[2], "load_b": load_b}
     finally:
         w.store.close()
