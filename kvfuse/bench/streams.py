@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any
 
-from kvfuse.fusion.engine.core import EngineCore, Failed, Stepped
+from kvfuse.fusion.engine.core import EngineCore
 from kvfuse.fusion.engine.fused_cache import FusedCache
+from kvfuse.fusion.engine.outputs import Failed, Stepped
 from kvfuse.fusion.engine.runner import BLOCK
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvfuse.bench.streams import core_streams, time_steps
 from kvfuse.fusion import FusionEngine, FusionOptions
-from kvfuse.fusion.engine import core as E
+from kvfuse.fusion.engine import outputs as E
 from kvfuse.fusion.engine.runner import ModelRunner
 
 ROOM = 6

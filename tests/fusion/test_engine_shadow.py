@@ -13,7 +13,7 @@ from fusion_helpers import tiny_llama_engine
 from kvfuse.answer_match import same_answer
 from kvfuse.config import FidelitySettings
 from kvfuse.fusion import ChunkKV, FusionEngine, FusionOptions, GenerationOptions
-from kvfuse.fusion.engine import core as E
+from kvfuse.fusion.engine import outputs as E
 from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.core import EngineCore
 from kvfuse.fusion.engine.scheduler import SchedulerLimits

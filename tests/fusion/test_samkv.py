@@ -194,7 +194,7 @@ def test_on_the_engine_core_the_probe_lives_in_the_request_extent(engine, long_p
     so a core whose whole KV memory is that one extent serves it, no cache of the engine's own is made
     (a stand-in `new_cache` that fails, the only way to see that none is asked for), and its first logits
     are those of the standalone fuse, whose probe has a cache of its own."""
-    from kvfuse.fusion.engine import core as E
+    from kvfuse.fusion.engine import outputs as E
     from kvfuse.fusion.engine.core import EngineCore
     from kvfuse.fusion.engine.scheduler import SchedulerLimits
     from kvfuse.fusion.engine.sequence import Sequence

@@ -15,7 +15,7 @@ import torch
 from fusion_helpers import tiny_llama_engine
 
 from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
-from kvfuse.fusion.engine import core as E
+from kvfuse.fusion.engine import outputs as E
 from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.core import EngineCore
 from kvfuse.fusion.engine.grammar import GrammarError, json_grammar

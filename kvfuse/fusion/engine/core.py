@@ -3,10 +3,13 @@
 In nano-vllm's shape (`LLMEngine.add_request / step`) and vLLM v1's (`EngineCore`: no I/O, one
 interface over every transport): the service's local worker (a pipe) and fleet worker (Redis streams)
 are transports that turn their messages into `add` / `add_ingest` / `abort` calls and the outputs into
-their messages; `solo.generate` is a batch of one on a core of its own. Three parts, one file each:
+their messages; `solo.generate` is a batch of one on a core of its own. Its parts, one file each:
 - scheduler.py: which requests run this step (admission against the KV memory, prefill and ingest budgets);
-- kv_memory.py: where every running sequence's KV lives (one buffer at the budget, an extent each);
-- runner.py: how a decode step runs (one forward for the batch, each row over its own extent).
+- kv_memory.py: where every running sequence's KV lives (one buffer at the budget, an extent each), and
+  fused_cache.py a sequence's view of its extent;
+- ledger.py: every KV byte the worker holds on its device, against that one budget;
+- runner.py: how a decode step runs (one forward for the batch, each row over its own extent);
+- outputs.py: what a step returns.
 
 A step returns its outputs, as vLLM v1's `EngineCore.step` does (a list of Preempted / Admitted / Token /
 Finished / Failed / Ingested, then one Stepped): send back the preemptible work a waiting query needs the
@@ -19,7 +22,9 @@ tokens chosen on the device with one host copy. A sequence's prefill starts in t
 admission, so its Admitted output (the service's plan, the SSE `sources` event) reaches the transport
 before the prefill runs, not with its first token (docs/DESIGN.md, "Decoding: the engine core").
 
-Failures stay with their sequence: a prefill or KV load that raises fails that request; a batched decode
+A KV load whose transient KV (cold chunks computed at first use) finds no room sends its request back to
+wait for it (ledger.NeedsRoom, Scheduler.requeue). Failures stay with their sequence: a prefill or KV
+load that raises fails that request; a batched decode
 step that raises is retried sequence by sequence, so only the rows that fail alone fail, and a row whose
 logits are not finite (its prefill's or a decode step's) fails without its neighbours' tokens changing
 (docs/DESIGN.md, "Decoding").
@@ -35,7 +40,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,84 +48,29 @@ from kvfuse.fusion.engine import sampling
 from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.engine.kv_memory import KVMemory, token_bytes_of
 from kvfuse.fusion.engine.ledger import Carve, Ledger, NeedsRoom, carved_tokens
+from kvfuse.fusion.engine.outputs import (
+    Admitted,
+    Cancelled,
+    Emit,
+    Failed,
+    Finished,
+    Ingested,
+    Output,
+    Preempted,
+    Stepped,
+    Token,
+)
 from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
 from kvfuse.fusion.engine.scheduler import IN_FLIGHT, Phase, Request, Scheduler, SchedulerLimits
 from kvfuse.fusion.engine.sequence import RequestId, Sequence
-from kvfuse.fusion.errors import FusionError, NonFiniteLogits
+from kvfuse.fusion.errors import NonFiniteLogits
 
 if TYPE_CHECKING:
     from kvfuse.config import Settings
     from kvfuse.fusion.engine.fusing import FusingEngine
-    from kvfuse.fusion.engine.logprobs import TokenLogprob
     from kvfuse.fusion.engine.scheduler import IngestNeed, IngestPiece
 
 log = logging.getLogger("kvfuse.fusion")
-
-
-class Cancelled(FusionError):
-    """The request was cancelled before it produced a token."""
-
-
-# -- outputs ------------------------------------------------------------------------------------------------
-@dataclass
-class Admitted:
-    job_id: RequestId
-    seq: Sequence
-
-
-@dataclass
-class Token:
-    job_id: RequestId
-    text: str
-    logprobs: list[TokenLogprob] | None = None
-    index: int = 0  # the choice (n > 1) whose text this is
-
-
-@dataclass
-class Finished:
-    job_id: RequestId
-    seq: Sequence
-
-
-@dataclass
-class Failed:
-    job_id: RequestId
-    error: BaseException
-
-
-@dataclass
-class Preempted:
-    """A preemptible request gave its KV memory to a query: it waits again, its Sequence reset, to be
-    redone from the start (scheduler.py)."""
-
-    job_id: RequestId
-    seq: Sequence
-
-
-@dataclass
-class Ingested:
-    job_id: RequestId
-    value: object  # what the ingestion piece returned when it was done
-
-
-@dataclass
-class Stepped:
-    step: int
-    batch: int
-    admitted: list[RequestId]
-    ingest: RequestId | None
-    running: int  # queries' rows (a shadow check's is counted apart, in `shadow`)
-    waiting: int
-    kv_tokens: int
-    kv_bytes: int
-    seconds: float = 0.0  # the step's wall time (ingestion's share is one of time: Scheduler.spent)
-    shadow: int = 0  # running preemptible rows (shadow checks)
-    ledger: dict[str, int] = field(default_factory=dict)  # device KV bytes by holder after the step (ledger.py)
-    ledger_peak: int = 0  # the most device KV bytes the ledger read in this step
-
-
-Output = Admitted | Token | Finished | Failed | Preempted | Ingested | Stepped
-Emit = Callable[[Output], None]  # how the step's parts append to its outputs
 
 
 class EngineCore:

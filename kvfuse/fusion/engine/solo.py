@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvfuse.fusion.engine import core as E
+from kvfuse.fusion.engine import outputs as E
+from kvfuse.fusion.engine.core import EngineCore
 from kvfuse.fusion.engine.scheduler import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.methods import get_method
@@ -121,7 +122,7 @@ def _outputs(engine: FusingEngine, seq: _SoloSequence, cancel: Callable[[], bool
     token) is raised."""
     limits = SchedulerLimits(max_running=1, kv_budget_tokens=seq.kv_tokens,
                              prefill_tokens_per_step=max(1, seq.prefill_tokens), ingest_share=0.0)
-    core = E.EngineCore(engine, limits)
+    core = EngineCore(engine, limits)
     core.add(seq)
     while core.has_work:
         admitted = core.step_no > 0

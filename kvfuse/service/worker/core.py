@@ -107,8 +107,8 @@ class WorkerCore:
                 "kv_ledger": self.core.ledger.report().as_dict()}
 
     def error(self, job_id: int, err: BaseException) -> P.Error:
-        from kvfuse.fusion.engine.core import Cancelled
         from kvfuse.fusion.engine.ledger import NeedsRoom
+        from kvfuse.fusion.engine.outputs import Cancelled
         from kvfuse.store.errors import IndexUnavailableError
 
         if isinstance(err, Cancelled):  # no token yet: nothing to report but the end
@@ -177,7 +177,7 @@ class WorkerCore:
 
     def _on_output(self, out: Any) -> None:
         """An engine output as the wire's message(s)."""
-        from kvfuse.fusion.engine import core as E
+        from kvfuse.fusion.engine import outputs as E
 
         job_id = getattr(out, "job_id", None)
         if job_id is not None and self.shadow.owns(job_id):  # the shadow check's own: only its verdict goes out

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvfuse.answer_match import same_answer
-from kvfuse.fusion.engine import core as E
+from kvfuse.fusion.engine import outputs as E
 from kvfuse.fusion.engine.generation import Generation
 from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.teacher_forcing import answer_kl
