@@ -8,8 +8,8 @@ static_support.py), through torch.compile on the CPU, pinned to the eager path:
   extent is cleared, so the row beside it still decodes as it would alone (FlexAttention reads whole
   128-key blocks and a masked score still multiplies its value: the memory is zeroed and block-aligned
   on this path);
-- inductor's CPU compile of the step does not give the eager logits (a strict xfail: it fails the suite
-  the day it does, so the tests above can move to inductor).
+- compiled by inductor, as serving compiles it, on a family without and one with soft-caps and windows:
+  one row gives the eager step's logits and a batch each row its solo logits.
 
 Compiles are shared through one inductor cache (the `inductor_cache` fixture), so only a first run pays
 for them; two batch buckets per model keep them few.
@@ -122,17 +122,28 @@ def test_the_traced_static_step_gives_eager_logits_and_each_row_its_solo_tokens(
 
 
 @compiled
-@pytest.mark.xfail(strict=True, reason="inductor's CPU lowering of the static step does not give the eager "
-                   "logits (the same graph run as traced does): a defect of the CPU compile, open")
-def test_inductor_on_the_cpu_gives_the_eager_steps_logits(tokenizer, inductor_cache) -> None:
-    """One row, compiled by inductor as CUDA compiles it, against the eager step."""
-    engine = _tiny_llama(tokenizer)
-    out = {}
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_inductor_on_the_cpu_gives_the_eager_steps_logits_and_each_row_its_solo_ones(tokenizer, inductor_cache,
+                                                                                     family: str) -> None:
+    """Compiled by inductor as serving compiles it (its C++ FlexAttention kernel here, Triton on CUDA): one
+    row gives the eager step's logits, and a batch of two gives each row its solo logits. It failed
+    while the layers' K/V were views taken inside the compiled step (every layer read layer 0's keys:
+    runner.py, ModelRunner.layers_k)."""
+    engine = _tiny_llama(tokenizer) if family == "llama" else _engine(family, tokenizer)
+    solos: dict[bool, list[list[torch.Tensor]]] = {}
     for static in (False, True):
-        runner = _runner(engine, static)
-        out[static] = _decode(runner, [_cache(engine, runner, "a", LENGTHS[0], seed=0)])
-    for want, got in zip(out[False], out[True], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        solos[static] = []
+        for i, n in enumerate(LENGTHS):
+            runner = _runner(engine, static)
+            solos[static].append(_decode(runner, [_cache(engine, runner, "solo", n, seed=i)], first=5 + i))
+    for want_steps, got_steps in zip(solos[False], solos[True], strict=True):
+        for want, got in zip(want_steps, got_steps, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    runner = _runner(engine, True)
+    batch = _decode(runner, [_cache(engine, runner, i, n, seed=i) for i, n in enumerate(LENGTHS)])
+    for i in range(len(LENGTHS)):
+        for rows, solo in zip(batch, solos[True][i], strict=True):
+            torch.testing.assert_close(rows[i : i + 1], solo, atol=1e-4, rtol=0)
 
 
 @compiled

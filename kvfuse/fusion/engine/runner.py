@@ -75,10 +75,15 @@ class ModelRunner:
         if self.static:
             static_support.require()  # refuse a torch without what the static step calls, saying so
             self._scratch = memory.allocate(("runner", id(self)), 1)
-            # inductor: FlexAttention's fused kernel (Triton on CUDA). None runs the same function uncompiled,
-            # through FlexAttention's reference implementation (every key's score materialised), and
-            # "aot_eager" traces it as inductor would but runs the traced graph so: both are for tests on
-            # the CPU, whose inductor lowering of FlexAttention is not what serving runs.
+            # Each layer's K and V [Hkv, T, D] go in as inputs of their own, not as views taken inside the
+            # compiled step: inductor's CPU FlexAttention kernel was handed the buffer's base for a view of
+            # it, so every layer read layer 0's keys (pytorch/pytorch#157612, fixed upstream in #184071);
+            # a view that is an input arrives with its own address. The buffer is never reallocated.
+            self.layers_k = tuple(memory.k[layer] for layer in range(tf.num_layers))
+            self.layers_v = tuple(memory.v[layer] for layer in range(tf.num_layers))
+            # inductor: FlexAttention's fused kernel (Triton on CUDA, C++ on the CPU). None runs the same
+            # function uncompiled, through FlexAttention's reference implementation (every key's score
+            # materialised), and "aot_eager" traces it as inductor would but runs the traced graph so.
             self._kernel = (torch.compile(_static_forward, fullgraph=True, dynamic=False, backend=backend)
                             if backend else _static_forward)
             self._graph_memory = None
@@ -254,7 +259,7 @@ class _StaticStep:
 
     def _forward(self) -> torch.Tensor:
         r = self.runner
-        return r._kernel(r.tf, r.memory.k, r.memory.v, self.ids, self.meta, self.spans)
+        return r._kernel(r.tf, r.layers_k, r.layers_v, self.ids, self.meta, self.spans)
 
     def run(self, ids: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """ids [rows]; meta [4, rows]: position, write slot, extent start, keys seen after the write."""
@@ -304,14 +309,14 @@ def _block_tables(lo: torch.Tensor, hi: torch.Tensor, key_len: int) -> tuple[tor
     return (*table(partial), *table(full))
 
 
-def _static_forward(tf, k_mem: torch.Tensor, v_mem: torch.Tensor, ids: torch.Tensor, meta: torch.Tensor,
-                    spans: dict) -> torch.Tensor:
-    """The step as a function of tensors: ids [B], meta [2, B] (position, write slot), the memory's K/V
-    [L, Hkv, T, D] and per window size (0: global) the block-mask tables and each row's key range
+def _static_forward(tf, layers_k: tuple[torch.Tensor, ...], layers_v: tuple[torch.Tensor, ...], ids: torch.Tensor,
+                    meta: torch.Tensor, spans: dict) -> torch.Tensor:
+    """The step as a function of tensors: ids [B], meta [2, B] (position, write slot), the memory's K/V of
+    each layer [Hkv, T, D] and per window size (0: global) the block-mask tables and each row's key range
     [lo, stop) -> logits [B, vocab] (fp32)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    b, key_len = ids.shape[0], k_mem.shape[2]
+    b, key_len = ids.shape[0], layers_k[0].shape[1]
     positions, write = meta[0], meta[1]
     masks = {}
     for w, (tables, lo, stop) in spans.items():
@@ -326,10 +331,11 @@ def _static_forward(tf, k_mem: torch.Tensor, v_mem: torch.Tensor, ids: torch.Ten
     for layer in range(tf.num_layers):
         cos, sin = tables[layer]
         q, k, v = tf.project(layer, h, cos, sin)  # [B, H | Hkv, 1, D]
-        k_mem[layer].index_copy_(1, write, k[:, :, 0].transpose(0, 1).to(k_mem.dtype))
-        v_mem[layer].index_copy_(1, write, v[:, :, 0].transpose(0, 1).to(v_mem.dtype))
-        keys = k_mem[layer].unsqueeze(0).expand(b, -1, -1, -1)
-        values = v_mem[layer].unsqueeze(0).expand(b, -1, -1, -1)
+        k_mem, v_mem = layers_k[layer], layers_v[layer]
+        k_mem.index_copy_(1, write, k[:, :, 0].transpose(0, 1).to(k_mem.dtype))
+        v_mem.index_copy_(1, write, v[:, :, 0].transpose(0, 1).to(v_mem.dtype))
+        keys = k_mem.unsqueeze(0).expand(b, -1, -1, -1)
+        values = v_mem.unsqueeze(0).expand(b, -1, -1, -1)
         out = flex_attention(q.contiguous(), keys, values, score_mod=score_mod,
                              block_mask=masks[_layer_attr(tf, "windows", layer, None) or 0],
                              scale=tf.scale, enable_gqa=True)
