@@ -193,3 +193,22 @@ def test_the_ledger_is_the_budget_with_carves_beside_the_buffer() -> None:
     assert again.used_bytes == 65 * mem.token_bytes and again.peak_bytes == 85 * mem.token_bytes
     assert again.peak_holders["ingest"] == 20 * mem.token_bytes and again.caps == {"device_tier": carve.cap_bytes}
     assert again.as_dict()["holders"] == again.holders
+
+
+def test_a_loads_own_hold_and_the_room_kept_for_a_requeued_query_are_owned_apart() -> None:
+    """A load holds its transient KV (ledger.transient) while rooms kept for requeued queries' loads are
+    held too (Scheduler.requeue): whatever the turn number of the load and the job ids waiting, neither
+    takes the other's owner (a shared owner raised 'already holds' and failed the load), and the room
+    and the load each count as `load` in the ledger."""
+    from kvfuse.fusion.engine import ledger as L
+    from kvfuse.fusion.engine.scheduler import _load_room
+
+    mem = memory(1000)
+    ledger = L.Ledger(mem, 1000)
+    first = next(L._transients)  # the next loads' turn numbers are the job ids below
+    for job in range(first, first + 8):
+        assert mem.hold(_load_room(job), 2 * mem.token_bytes, "load")
+    for _ in range(8):
+        with L.transient(ledger, 10, "a load"):
+            assert ledger.holders()["load"] == (8 * 2 + 10) * mem.token_bytes
+    assert ledger.holders()["load"] == 8 * 2 * mem.token_bytes

@@ -220,7 +220,7 @@ class EngineCore:
         def new_cache(capacity: int) -> FusedCache:  # the prefill's cache is the request's extent
             return FusedCache.in_memory(self.memory, extent, capacity)
 
-        self.memory.unhold(("load", req.job_id))  # the room admission kept for the load is the load's now
+        self.scheduler.load_starts(req.job_id)  # the room admission kept for the load is the load's now
         try:
             seq.start(self.engine, new_cache)
         except NeedsRoom as err:  # its load's transient KV does not fit now: it waits for the room

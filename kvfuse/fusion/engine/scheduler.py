@@ -211,7 +211,7 @@ class Scheduler:
             for row in req.forks:  # reserved, never forked
                 self.memory.release(row.job_id)
             req.forks = []
-            self.memory.unhold(("load", job_id))  # the room kept for its load, if it had not started
+            self.load_starts(job_id)  # the room kept for its load, if it had not started
             if req.status is Phase.PREFILLING and not req.preemptible:
                 self.prefill_pending -= req.prefill_tokens
         return req
@@ -229,6 +229,10 @@ class Scheduler:
         req.status, req.load_tokens = Phase.WAITING, max(req.load_tokens, load_tokens)
         self.waiting.appendleft(req)
         return True
+
+    def load_starts(self, job_id: RequestId) -> None:
+        """The room admission kept for a requeued query's load is given back for the load to take."""
+        self.memory.unhold(_load_room(job_id))
 
     def prefilled(self, job_id: RequestId, kv_tokens: int | None = None) -> None:
         """A running request's prefill is complete: from now on it decodes with the batch. kv_tokens:
@@ -385,7 +389,7 @@ class Scheduler:
         while True:
             if self.rows_held + head.rows <= self.limits.max_running and self._reserve(head):
                 if not head.load_tokens or self.memory.hold(  # the room a requeued query's load asked for
-                        ("load", head.job_id), head.load_tokens * self.memory.token_bytes, "load", make_room=True):
+                        _load_room(head.job_id), head.load_tokens * self.memory.token_bytes, "load", make_room=True):
                     return True
                 for r in [head, *head.forks]:
                     self.memory.release(r.job_id)
@@ -415,3 +419,8 @@ class Scheduler:
     def decode_batch(self) -> list[Request]:
         """Every running request past its prefill, in admission order: one batched decode step covers them."""
         return [r for r in self.running.values() if r.status is Phase.DECODING]
+
+
+def _load_room(job_id: RequestId) -> tuple[str, RequestId]:
+    """The owner of the room kept for a requeued query's load (apart from the loads' own holds, ledger.py)."""
+    return ("load room", job_id)
