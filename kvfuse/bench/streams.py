@@ -17,8 +17,8 @@ from typing import Any
 from kvfuse.fusion.engine.core import EngineCore
 from kvfuse.fusion.engine.fused_cache import FusedCache
 from kvfuse.fusion.engine.outputs import Failed, Stepped
+from kvfuse.fusion.engine.requests import SchedulerLimits
 from kvfuse.fusion.engine.runner import BLOCK
-from kvfuse.fusion.engine.scheduler import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.types import FusedPrefill, GenerationOptions
 

@@ -14,7 +14,7 @@ from kvfuse.bench import multidoc, tasks
 from kvfuse.bench.cli import service_doc_order
 from kvfuse.bench.engine_backend import EngineBackend
 from kvfuse.fusion.engine.core import EngineCore
-from kvfuse.fusion.engine.scheduler import SchedulerLimits
+from kvfuse.fusion.engine.requests import SchedulerLimits
 from kvfuse.fusion.prompt import in_prompt_order
 from kvfuse.retriever import Chunker
 from kvfuse.service.rag.corpus import Corpus

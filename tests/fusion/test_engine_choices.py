@@ -16,7 +16,7 @@ from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
 from kvfuse.fusion.engine import outputs as E
 from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.core import EngineCore
-from kvfuse.fusion.engine.scheduler import SchedulerLimits
+from kvfuse.fusion.engine.requests import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence, choice_seed
 
 MAX_TOKENS = 8

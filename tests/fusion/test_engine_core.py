@@ -15,8 +15,8 @@ from kvfuse.fusion import FusionEngine, FusionOptions, GenerationOptions
 from kvfuse.fusion.engine import outputs as E
 from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.core import EngineCore
+from kvfuse.fusion.engine.requests import SchedulerLimits
 from kvfuse.fusion.engine.runner import ModelRunner
-from kvfuse.fusion.engine.scheduler import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.errors import NonFiniteLogits
 
@@ -295,7 +295,7 @@ def test_a_piece_in_flight_keeps_its_memory_between_turns_and_cancel_gives_it_ba
     """A piece paused between decoder layers (IN_FLIGHT) is resumed on the job's next turn with the memory
     of its forward still held (its need asked once per piece); cancelled in flight, its `stop` runs and the
     memory is free at once."""
-    from kvfuse.fusion.engine.scheduler import IN_FLIGHT
+    from kvfuse.fusion.engine.requests import IN_FLIGHT
 
     core = _core(tiny, 400)
     turns: list[int] = []

@@ -9,7 +9,8 @@ import torch
 
 from kvfuse.config import ServerSettings
 from kvfuse.fusion.engine.kv_memory import KVMemory
-from kvfuse.fusion.engine.scheduler import Phase, Request, Scheduler, SchedulerLimits
+from kvfuse.fusion.engine.requests import Phase, Request, SchedulerLimits
+from kvfuse.fusion.engine.scheduler import Scheduler
 
 
 def sched(**kw) -> Scheduler:

@@ -16,7 +16,7 @@ from kvfuse.fusion import ChunkKV, FusionEngine, FusionOptions, GenerationOption
 from kvfuse.fusion.engine import outputs as E
 from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.core import EngineCore
-from kvfuse.fusion.engine.scheduler import SchedulerLimits
+from kvfuse.fusion.engine.requests import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.teacher_forcing import answer_kl, teacher_forced_logits
 from kvfuse.service.worker.shadow import ShadowCheck, ShadowChecks, ShadowSequence

@@ -196,7 +196,7 @@ def test_on_the_engine_core_the_probe_lives_in_the_request_extent(engine, long_p
     are those of the standalone fuse, whose probe has a cache of its own."""
     from kvfuse.fusion.engine import outputs as E
     from kvfuse.fusion.engine.core import EngineCore
-    from kvfuse.fusion.engine.scheduler import SchedulerLimits
+    from kvfuse.fusion.engine.requests import SchedulerLimits
     from kvfuse.fusion.engine.sequence import Sequence
 
     opts = FusionOptions(method="samkv", samkv_update=update)

@@ -19,7 +19,7 @@ from kvfuse.fusion.engine import outputs as E
 from kvfuse.fusion.engine import solo
 from kvfuse.fusion.engine.core import EngineCore
 from kvfuse.fusion.engine.grammar import GrammarError, json_grammar
-from kvfuse.fusion.engine.scheduler import SchedulerLimits
+from kvfuse.fusion.engine.requests import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence
 
 MAX_TOKENS = 96

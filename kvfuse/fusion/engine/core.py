@@ -4,7 +4,8 @@ In nano-vllm's shape (`LLMEngine.add_request / step`) and vLLM v1's (`EngineCore
 interface over every transport): the service's local worker (a pipe) and fleet worker (Redis streams)
 are transports that turn their messages into `add` / `add_ingest` / `abort` calls and the outputs into
 their messages; `solo.generate` is a batch of one on a core of its own. Its parts, one file each:
-- scheduler.py: which requests run this step (admission against the KV memory, prefill and ingest budgets);
+- scheduler.py: which requests run this step (admission against the KV memory, prefill and ingest budgets),
+  over requests.py's requests, their phases and the step's plan;
 - kv_memory.py: where every running sequence's KV lives (one buffer at the budget, an extent each), and
   fused_cache.py a sequence's view of its extent;
 - ledger.py: every KV byte the worker holds on its device, against that one budget;
@@ -60,15 +61,16 @@ from kvfuse.fusion.engine.outputs import (
     Stepped,
     Token,
 )
+from kvfuse.fusion.engine.requests import IN_FLIGHT, Phase, Request, SchedulerLimits
 from kvfuse.fusion.engine.runner import BLOCK, ModelRunner
-from kvfuse.fusion.engine.scheduler import IN_FLIGHT, Phase, Request, Scheduler, SchedulerLimits
+from kvfuse.fusion.engine.scheduler import Scheduler
 from kvfuse.fusion.engine.sequence import RequestId, Sequence
 from kvfuse.fusion.errors import NonFiniteLogits
 
 if TYPE_CHECKING:
     from kvfuse.config import Settings
     from kvfuse.fusion.engine.fusing import FusingEngine
-    from kvfuse.fusion.engine.scheduler import IngestNeed, IngestPiece
+    from kvfuse.fusion.engine.requests import IngestNeed, IngestPiece
 
 log = logging.getLogger("kvfuse.fusion")
 

@@ -18,7 +18,7 @@ import torch
 
 from kvfuse.fusion.engine import outputs as E
 from kvfuse.fusion.engine.core import EngineCore
-from kvfuse.fusion.engine.scheduler import SchedulerLimits
+from kvfuse.fusion.engine.requests import SchedulerLimits
 from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.methods import get_method
 from kvfuse.fusion.types import (

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
-from kvfuse.fusion.engine.scheduler import IN_FLIGHT, InFlight
+from kvfuse.fusion.engine.requests import IN_FLIGHT, InFlight
 from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.steps import advance
 from kvfuse.service.wire import protocol as P

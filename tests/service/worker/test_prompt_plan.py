@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvfuse.fusion.engine.core import EngineCore
-from kvfuse.fusion.engine.scheduler import SchedulerLimits
+from kvfuse.fusion.engine.requests import SchedulerLimits
 from kvfuse.service.wire import protocol as P
 from kvfuse.service.worker.sequences import plan_query
 
