@@ -158,7 +158,7 @@ class Calibration:
         full = be.greedy(ChunkKV(prefix_ids), [ChunkKV(c.token_ids) for c in chunks], question_ids,
                          be.options("vanilla", None), self.max_tokens)
         stored = [self.kv.load_or_rebuild(c.key, c.token_ids, context=c.context)[0] for c in chunks]
-        prefix = self.kv.prefix_kv(prefix_ids)
+        prefix = self.kv.prefixes.get(prefix_ids)
         out = {}
         for method in methods:
             for r in ratios:

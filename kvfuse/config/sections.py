@@ -116,7 +116,8 @@ class StoreSettings(Section):
     hot_tier_mb: int = Field(512, ge=0, description="RAM LRU of decoded chunk KV in front of LMDB; 0 = off")
     device_tier_mb: int = Field(0, ge=0, description=(
         "LRU of chunk KV kept on model.device (GPU memory on a CUDA worker) above the RAM tier, its budget "
-        "carved from the worker's device KV budget (server.kv_budget_tokens); 0 = off"))
+        "carved from the worker's device KV budget (server.kv_budget_tokens); local workers sharing a device "
+        "split it as they split that budget; 0 = off"))
     read_threads: int = Field(4, ge=1, description=(
         "threads reading a query's chunk KV from LMDB at once (copy and checksum release the GIL)"))
     redis_namespace: str = Field("kvfuse", min_length=1, description="key prefix for every Redis key")

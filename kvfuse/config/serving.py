@@ -115,9 +115,10 @@ class ServerSettings(Section):
         "the most choices (OpenAI's n) one request may ask for; each is a decoding row of its own, holding "
         "prompt + max_tokens of KV"))
     kv_budget_tokens: int = Field(65536, ge=1, description=(
-        "the worker's device KV budget in tokens: running queries (prompt + max_tokens), shadow checks, "
+        "a device's KV budget in tokens: running queries (prompt + max_tokens), shadow checks, "
         "ingestion's forwards, cached system prompts and the device tier (store.device_tier_mb) all within "
-        "it; a query alone over what is left gets 400"))
+        "it; local workers sharing a device (server.workers) split it evenly; a query alone over what is "
+        "left gets 400"))
     prefill_tokens_per_step: int = Field(2048, ge=1, description=(
         "prefill work per engine step, in prompt tokens through every layer: a long prompt is spread over "
         "steps while running streams decode"))

@@ -23,10 +23,9 @@ tokens chosen on the device with one host copy. A sequence's prefill starts in t
 admission, so its Admitted output (the service's plan, the SSE `sources` event) reaches the transport
 before the prefill runs, not with its first token (docs/DESIGN.md, "Decoding: the engine core").
 
-A KV load whose transient KV (cold chunks computed at first use) finds no room sends its request back to
-wait for it (ledger.NeedsRoom, Scheduler.requeue). Failures stay with their sequence: a prefill or KV
-load that raises fails that request; a batched decode
-step that raises is retried sequence by sequence, so only the rows that fail alone fail, and a row whose
+A KV load whose transient KV (cold chunks computed at first use; a chunk samkv's prefill finds gone)
+finds no room sends its request back to wait for it (ledger.NeedsRoom, Scheduler.requeue). Failures stay
+with their sequence: a prefill or KV load that raises fails that request; a batched decode step that raises is retried sequence by sequence, so only the rows that fail alone fail, and a row whose
 logits are not finite (its prefill's or a decode step's) fails without its neighbours' tokens changing
 (docs/DESIGN.md, "Decoding").
 
@@ -225,11 +224,17 @@ class EngineCore:
         self.scheduler.load_starts(req.job_id)  # the room admission kept for the load is the load's now
         try:
             seq.start(self.engine, new_cache)
-        except NeedsRoom as err:  # its load's transient KV does not fit now: it waits for the room
-            seq.reset()
-            if not self.scheduler.requeue(req.job_id, err.tokens):
-                self._fail(req.job_id, err, emit)
+        except NeedsRoom as err:
+            self._wait_for_room(req, err, emit)
         except Exception as err:  # noqa: BLE001 - fails this request only
+            self._fail(req.job_id, err, emit)
+
+    def _wait_for_room(self, req: Request, err: NeedsRoom, emit: Emit) -> None:
+        """A load's transient KV (at its start, or a chunk samkv's prefill finds gone) does not fit now:
+        the request is reset and waits at the head of the queue for that room (Scheduler.requeue); it
+        fails only where the room could never be had."""
+        _seq(req).reset()
+        if not self.scheduler.requeue(req.job_id, err.tokens):
             self._fail(req.job_id, err, emit)
 
     def _prefill(self, budget: int, emit: Emit, admitted: set[RequestId], low: bool) -> None:
@@ -244,6 +249,9 @@ class EngineCore:
             seq = _seq(req)
             try:
                 spent, text = seq.advance(self.engine, budget)
+            except NeedsRoom as err:
+                self._wait_for_room(req, err, emit)
+                continue
             except Exception as err:  # noqa: BLE001 - fails this request only
                 self._fail(req.job_id, err, emit)
                 continue

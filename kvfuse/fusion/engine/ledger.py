@@ -8,9 +8,10 @@ device. Its holders (docs/DESIGN.md, "One device-memory ledger"):
   beside the buffer, so this one is counted, not placed);
 - counted in the KV memory by bytes (`KVMemory.hold`): the system prompts' cached KV (the prefix cache),
   reclaimed when an extent needs the room; and a query's load while it runs (`transient`): its cold
-  chunks computed at first use and its system prompt's forward before it is cached, each the model's own
-  cache beside the buffer (counted, not placed). A load that finds no room sends its query back to wait
-  (`NeedsRoom`, Scheduler.requeue) with that room asked for at its next admission;
+  chunks computed at first use (samkv's too, and a chunk its block reader finds gone during the
+  prefill) and its system prompt's forward before it is cached, each the model's own cache beside the
+  buffer (counted, not placed). A load that finds no room sends its query back to wait (`NeedsRoom`,
+  Scheduler.requeue) with that room asked for at its next admission;
 - carved off the budget before the buffer is allocated (`Carve`): the device tier's entries (int8 or
   another storage format, which the buffer's dtype cannot hold). The buffer is the budget less the
   carves, so what the tier holds within its own bound (its eviction is its own, kvfuse/store/hot_tier.py)
@@ -18,8 +19,7 @@ device. Its holders (docs/DESIGN.md, "One device-memory ledger"):
 
 So a worker's device KV is never above its budget by this account. What it cannot see: any tensor still
 referenced after its holder let it go (a cached system prompt reclaimed while a query's prefill still
-reads it), a chunk samkv's block reader finds in no tier and computes during its prefill, and the
-forwards' activations, which are not KV.
+reads it), and the forwards' activations, which are not KV.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """`server.workers` > 1: several local worker processes behind the one dispatch interface.
 
 On a multi-GPU host each worker gets its own device (`model.devices`, one worker per entry, in turn);
-without that list they all use `model.device`. Each is a `WorkerSupervisor` of its own (its process,
+without that list they all use `model.device`. `server.kv_budget_tokens` (and `store.device_tier_mb`,
+carved from it) is a device's: the workers that share one device share it, each given its share
+(`device_shares`), so the device holds their sum within it. Each is a `WorkerSupervisor` of its own (its process,
 restarts and pipe); a job goes to the ready worker with the fewest jobs (least loaded) and stays with
 it; the queue limit and the running / waiting gauges count the whole pool. All of them open the host's
 one LMDB store, as the API process already does (LMDB is multi-process). See docs/DESIGN.md, "Scale-out".
@@ -35,11 +37,9 @@ class LocalPool:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        devices = settings.model.devices or [settings.model.device]
         self.members: list[_Member] = []
-        for i in range(settings.server.workers):
-            model = settings.model.model_copy(update={"device": devices[i % len(devices)]})
-            member = _Member(settings.model_copy(update={"model": model}), metrics)
+        for own in device_shares(settings):
+            member = _Member(own, metrics)
             member.pool = self
             self.members.append(member)
         self._owner: dict[Job, _Member] = {}
@@ -148,3 +148,24 @@ class LocalPool:
         finally:
             if job.status.ended:
                 self._owner.pop(job, None)
+
+
+def device_shares(settings: Settings) -> list[Settings]:
+    """Each local worker's settings: its device (`model.devices` in turn, else `model.device`) and its share
+    of that device's KV budget (`server.kv_budget_tokens` and the device tier's `store.device_tier_mb`,
+    split evenly among the workers on the device, the first ones taking the remainder)."""
+    devices = settings.model.devices or [settings.model.device]
+    placed = [devices[i % len(devices)] for i in range(settings.server.workers)]
+    out = []
+    for i, device in enumerate(placed):
+        n, k = placed.count(device), placed[:i].count(device)  # workers on this device, and this one's place
+        server = settings.server.model_copy(update={"kv_budget_tokens": _share(settings.server.kv_budget_tokens, n, k)})
+        store = settings.store.model_copy(update={"device_tier_mb": _share(settings.store.device_tier_mb, n, k)})
+        model = settings.model.model_copy(update={"device": device})
+        out.append(settings.model_copy(update={"model": model, "server": server, "store": store}))
+    return out
+
+
+def _share(total: int, n: int, k: int) -> int:
+    """The k-th of n even shares of `total` (the first `total % n` one more)."""
+    return total // n + (1 if k < total % n else 0)

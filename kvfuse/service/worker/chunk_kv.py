@@ -1,7 +1,7 @@
 """The worker's chunk KV, in the role of a block manager: content keys, precompute-and-store at ingestion,
 loads for a query (computed on a miss, a damaged blob or another model's KV, or where reading it would be
-slower than computing it: reload_policy.py), samkv's block-by-block sources, and the system prompt's KV
-kept decoded.
+slower than computing it: reload_policy.py), samkv's block-by-block sources; the system prompts' KV kept
+decoded is prefix_cache.py's.
 
 A chunk a query finds in no tier (never computed, under `store.precompute_at: first_use`, or evicted) is
 computed within the query's load, with the query's other such chunks, after the context its record names
@@ -17,21 +17,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.config import Settings
-from kvfuse.fusion.engine.ledger import Ledger, NeedsRoom, transient
+from kvfuse.fusion.engine.ledger import Ledger, transient
 from kvfuse.fusion.steps import drain, timed
 from kvfuse.service.worker import reload_policy as policy
+from kvfuse.service.worker.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from kvfuse.kvblob import ChunkEntry, CorruptBlobError
 
 log = logging.getLogger("kvfuse.worker")
 
-_PREFIX_CACHE_ENTRIES = 8  # distinct system prompts kept decoded in the worker
 _UNREAD = object()  # load_or_rebuild reads the chunk itself
 Wanted = tuple  # (key, token ids) or (key, token ids, context: list[int] | None) of a chunk a query loads
 _PROBE_TOKENS = 128  # the precompute timed at start (token ids 10..137: any ids the vocabulary has)
@@ -55,8 +54,8 @@ class ChunkCache:
         # counts of the reload-or-recompute plan
         self.last_reads: dict[str, int] = {}
         self.last_computed: dict[str, float] = {}  # the last `load_all`: chunks computed and read, seconds
-        self._prefixes: OrderedDict[str, Any] = OrderedDict()
-        self._ledger: Ledger | None = None  # the engine core's, where the prefix cache and loads are held (`hold_in`)
+        self.prefixes = PrefixCache(engine, self.key_of)  # the system prompts' KV, kept decoded
+        self._ledger: Ledger | None = None  # the engine core's, where loads are held (`hold_in`)
         self.rates = policy.Rates(settings.store.reload_ewma_weight, settings.store.reload_probe_every)
         self.reload_policy = settings.store.reload_policy
         if self.reload_policy:
@@ -136,7 +135,7 @@ class ChunkCache:
         """The most KV tokens `compute` holds on the model's device: its largest forward's cache (the chunks
         alone in padded batches, or one context run) beside every chunk computed before it is at rest."""
         alone = [len(c) for c, ctx in zip(chunks, contexts, strict=True) if not ctx]
-        forwards = [forward_peak(alone, [0] * len(alone), self.engine.precompute_batch_tokens)]
+        forwards = [_forward_peak(alone, [0] * len(alone), self.engine.precompute_batch_tokens)]
         forwards += [len(contexts[run[0]]) + sum(len(chunks[i]) for i in run) for run in self._runs(chunks, contexts)]
         return max(forwards) + sum(map(len, chunks))
 
@@ -171,9 +170,24 @@ class ChunkCache:
 
         return artifacts.build(self.engine.tf, token_ids).to_tensors()
 
+    def block_sources(self, chunks: list[Wanted]) -> list[Any]:
+        """samkv's chunks: each one a tier holds read block by block from the store (`block_source`); those
+        in no tier computed now, within the query's load (`load_all`: counted in the ledger, a load without
+        the room waiting for it, and kept), so samkv's prefill finds them in memory. `last_reads` and
+        `last_computed` say so, as `load_all` does."""
+        wanted = [_wanted(c) for c in chunks]
+        cold = self.cold(wanted)
+        got = self.load_all([wanted[i] for i in cold]) if cold else []
+        if not cold:
+            self.last_reads, self.last_computed = {}, {"computed_tokens": 0, "compute_s": 0.0}
+        self.last_computed |= {"chunks_computed": len(cold), "chunks_read": len(wanted) - len(cold)}  # the rest by block
+        computed = {i: ckv for i, (ckv, _) in zip(cold, got, strict=True)}
+        return [computed[i] if i in computed else self.block_source(*w) for i, w in enumerate(wanted)]
+
     def block_source(self, key: str, token_ids: list[int], context: list[int] | None = None) -> Any:
         """A chunk read block by block from the store (samkv); the whole chunk, computed after its context
-        if need be, on a miss or a damaged blob."""
+        if need be, on a miss or a damaged blob (a chunk evicted or damaged after its load found it:
+        `load_or_rebuild`, its forward counted in the ledger during the prefill that meets it)."""
         from kvfuse.fusion.methods.sparse.source import StoreSource
 
         return StoreSource(self.store, key, token_ids,
@@ -318,7 +332,9 @@ class ChunkCache:
         ckv = self._decoded(key, token_ids, hit)
         if ckv is not None:
             return ckv, False
-        blob, ckv = self._at_rest(token_ids, context or [], self.compute([token_ids], [context or []])[0])
+        peak = self.compute_peak([token_ids], [context or []])
+        with transient(self._ledger, peak, "computing a chunk no tier holds"):
+            blob, ckv = self._at_rest(token_ids, context or [], self.compute([token_ids], [context or []])[0])
         self.rebuilt += 1
         known = context if context is not None else ([] if key == self.key_of(token_ids) else None)
         # a damaged copy is replaced, a missing or evicted one comes back in: put_kv_referenced stores it
@@ -328,42 +344,13 @@ class ChunkCache:
 
     def hold_in(self, ledger: Ledger) -> None:
         """Count in `ledger` (the engine core's, the worker's one device ledger: kvfuse/fusion/engine/
-        ledger.py) from now on the cached system prompts' KV, an entry kept only while its memory can hold
-        its bytes and dropped when an extent needs the room, and a query's load while it runs
-        (`ledger.transient`: its cold chunks' forwards, its system prompt's)."""
+        ledger.py) from now on a query's load while it runs (`ledger.transient`: its cold chunks' forwards)
+        and the prefix cache's entries and forwards (prefix_cache.py)."""
         self._ledger = ledger
-
-    def prefix_bytes(self) -> int:
-        """Bytes of K and V the prefix cache holds (what its holds in the ledger count)."""
-        return sum(int(c.k.nbytes + c.v.nbytes) for c in self._prefixes.values())
-
-    def prefix_kv(self, prefix_ids: list[int]) -> Any:
-        """The system prompt's KV, cached by content like any chunk (kept decoded in this process, on the
-        model's device), each entry held in the ledger (`hold_in`)."""
-        key = self.key_of(prefix_ids)
-        ledger = self._ledger
-        memory = ledger.memory if ledger is not None else None
-        if key in self._prefixes:
-            self._prefixes.move_to_end(key)
-            if memory is not None:
-                memory.touch(("prefix", key))
-            return self._prefixes[key]
-        with transient(ledger, 2 * len(prefix_ids), "the system prompt's forward"):  # its cache and its copy
-            ckv = self.engine.precompute([prefix_ids])[0]
-        nbytes = int(ckv.k.nbytes + ckv.v.nbytes)
-        if memory is not None and not memory.hold(("prefix", key), nbytes, "prefix", make_room=True,
-                                                  reclaim=lambda: self._prefixes.pop(key, None)):
-            # no room to keep it: the query waits for it (it would hold the bytes while its prefill runs)
-            raise NeedsRoom(len(prefix_ids), "the system prompt's KV", memory.free_tokens)
-        self._prefixes[key] = ckv
-        while len(self._prefixes) > _PREFIX_CACHE_ENTRIES:
-            old, _ = self._prefixes.popitem(last=False)
-            if memory is not None:
-                memory.unhold(("prefix", old))
-        return ckv
+        self.prefixes.hold_in(ledger)
 
 
-def forward_peak(chunks: list[int], contexts: list[int], batch_tokens: int) -> int:
+def _forward_peak(chunks: list[int], contexts: list[int], batch_tokens: int) -> int:
     """The most KV tokens one forward of `ChunkCache.compute` holds (the model's own cache, FusionEngine.
     precompute / precompute_run) over chunks of these lengths after contexts of these lengths (0: alone):
     a batch of chunks alone is padded to its longest, at most `batch_tokens` unless one chunk is longer;

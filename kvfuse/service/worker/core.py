@@ -166,7 +166,8 @@ class WorkerCore:
             job_id = self.core.private_id()
             self._deferred_jobs.add(job_id)
             task = DeferredChunks(todo, self._deferring, self.settings.server.ingest_layers_per_step)
-            self.core.add_ingest(job_id, lambda budget: task.run_piece(self.kv, budget), task.need, task.stop)
+            self.core.add_ingest(job_id, lambda budget: task.run_piece(self.kv, budget),
+                                 lambda budget: task.need(self.kv, budget), task.stop)
 
     # -- the engine step -------------------------------------------------------------------------------------
     def step(self) -> None:

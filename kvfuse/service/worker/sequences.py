@@ -19,7 +19,6 @@ from kvfuse.fusion.engine.sequence import Sequence
 from kvfuse.fusion.steps import advance
 from kvfuse.service.wire import protocol as P
 from kvfuse.service.worker import reload_policy as policy
-from kvfuse.service.worker.chunk_kv import forward_peak
 
 if TYPE_CHECKING:
     from kvfuse.fusion.engine.core import EngineCore
@@ -146,15 +145,14 @@ class QuerySequence(Sequence):
         chunks, kv = [self.job.chunks[i] for i in self.kept], self.kv
         if self.full_prefill:  # prefills from the tokens: no stored KV to read
             return ChunkKV(self.prefix_ids), [ChunkKV(c.token_ids) for c in chunks]
+        wanted = [(c.key, c.token_ids, c.context) for c in chunks]
         if get_method(self.fusion.method).own_pipeline:  # samkv reads only the blocks it selects
-            loaded = [kv.block_source(c.key, c.token_ids, c.context) for c in chunks]
+            loaded = kv.block_sources(wanted)
         else:  # every chunk's blob read at once, on the store's read threads; those in no tier computed
-            got = kv.load_all([(c.key, c.token_ids, c.context) for c in chunks])
-            loaded = [ckv for ckv, _ in got]
-            self.rebuilt += sum(was_rebuilt for _, was_rebuilt in got)
-            self.kv_reads = dict(kv.last_reads)
-            self.computed = dict(kv.last_computed)
-        return kv.prefix_kv(self.prefix_ids), loaded
+            loaded = [ckv for ckv, _ in kv.load_all(wanted)]
+        self.kv_reads, self.computed = dict(kv.last_reads), dict(kv.last_computed)
+        self.rebuilt = int(self.computed["chunks_computed"])  # its last load's (a load redone after a wait counts once)
+        return kv.prefixes.get(self.prefix_ids), loaded
 
     def finished_row(self, row: Sequence) -> bool:
         """A row of this query finished (itself or a fork): True once all n have, the Result due."""
@@ -258,14 +256,12 @@ class IngestTask:
         return self.todo[:fitting(costs, budget_tokens)]
 
     def need(self, kv: ChunkCache, budget_tokens: int) -> int:
-        """The KV tokens the next piece's forward passes hold at most (the model's own cache,
-        FusionEngine.precompute / precompute_run): a batch of chunks alone is padded to its longest, at
-        most `fusion.precompute_batch_tokens` unless one chunk is longer; chunks after a context hold
-        their context too, a run of them at most the sum of their costs. The engine core reserves it."""
+        """The KV tokens the next piece holds at most on the model's device while it runs (ChunkCache.
+        compute_peak, as a query's load counts its cold chunks): its largest forward's cache beside the
+        piece's chunks computed. The engine core reserves it."""
         self._plan(kv)
         piece = self._piece(budget_tokens)
-        return forward_peak([len(self.job.chunks[i]) for i in piece], [len(self.job.context(i)) for i in piece],
-                            kv.engine.precompute_batch_tokens)
+        return kv.compute_peak([self.job.chunks[i] for i in piece], [self.job.context(i) for i in piece]) if piece else 0
 
     def run_piece(self, kv: ChunkCache, budget_tokens: int) -> P.Done | InFlight | None:
         """Run one slice of the piece in flight, or start the next; IN_FLIGHT while it is paused between
@@ -316,9 +312,10 @@ class DeferredChunks:
     def _piece(self, budget_tokens: int) -> list[P.ChunkRef]:
         return self.todo[:fitting(map(_cost, self.todo), budget_tokens)]
 
-    def need(self, budget_tokens: int) -> int:
-        """The KV tokens the next piece's forward passes hold at most: the chunks with their contexts."""
-        return sum(map(_cost, self._piece(budget_tokens)))
+    def need(self, kv: ChunkCache, budget_tokens: int) -> int:
+        """The KV tokens the next piece holds at most while it runs (ChunkCache.compute_peak)."""
+        known = [c for c in self._piece(budget_tokens) if c.context is not None]  # the others are not computed
+        return kv.compute_peak([c.token_ids for c in known], [c.context or [] for c in known])
 
     def run_piece(self, kv: ChunkCache, budget_tokens: int) -> int | InFlight | None:
         """Run one slice of the piece in flight, or start the next; IN_FLIGHT while it is paused between

@@ -38,7 +38,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory):
 def physical(w: WorkerCore) -> dict[str, int]:
     """The bytes each holder really holds now, read off the holders themselves, not the ledger."""
     tier = w.store.device_tier
-    return {"extents": w.core.memory.extent_bytes, "prefix": w.kv.prefix_bytes(),
+    return {"extents": w.core.memory.extent_bytes, "prefix": w.kv.prefixes.nbytes(),
             "device_tier": int(tier.stats()["device_bytes"])}
 
 

@@ -66,7 +66,7 @@ def test_ingest_then_queries_batched_and_cancelled(worker, essays, default_llm_p
     assert all(0 <= s.kv_bytes <= budget_bytes for s in steps) and max(s.kv_bytes for s in steps) > 0
     assert steps[-1].kv_bytes == 0 and worker.core.memory.extent_tokens == 0  # every extent given back
     # what stays is the cached system prompt's hold, in whole tokens (the one ledger: engine/ledger.py)
-    assert worker.core.memory.held_tokens == -(-worker.kv.prefix_bytes() // worker.core.memory.token_bytes) > 0
+    assert worker.core.memory.held_tokens == -(-worker.kv.prefixes.nbytes() // worker.core.memory.token_bytes) > 0
 
     # a cancel while decoding ends it with a result; one of a job the worker no longer has is ignored
     long = query(chunks, [1], max_tokens=64)
@@ -141,19 +141,20 @@ def test_n_choices_that_cannot_fit_together_are_refused_naming_n(worker, essays,
     assert worker.core.memory.extent_tokens == 0 and not worker.has_work
 
 
-def test_an_ingestion_piece_reserves_its_forwards_padded_cache(worker, essays, default_llm_path) -> None:
-    """IngestTask.need: chunks alone are batched padded to the longest (at most
-    fusion.precompute_batch_tokens), chunks after a context hold their context too; a piece is what fits
-    the step's budget (at least one chunk), and what is stored already needs nothing."""
+def test_an_ingestion_piece_reserves_its_forwards_padded_cache_and_its_outputs(worker, essays, default_llm_path) -> None:
+    """IngestTask.need is ChunkCache.compute_peak over the piece, as a query's load counts its cold chunks:
+    chunks alone are batched padded to the longest (at most fusion.precompute_batch_tokens), chunks after
+    a context hold their context too, and every chunk computed is held beside the largest forward; a piece
+    is what fits the step's budget (at least one chunk), and what is stored already needs nothing."""
     from kvfuse.service.worker.sequences import IngestTask
 
     ids = [t for c in essay_chunks(essays, default_llm_path, 4) for t in c]
     chunks = [ids[:40], ids[40:110], ids[110:200]]  # 40, 70 and 90 tokens
     alone = IngestTask(P.PrecomputeJob(chunks=chunks, job_id=60))
-    assert alone.need(worker.kv, 10_000) == 3 * 90 and alone.need(worker.kv, 100) == 40  # a piece of one
-    assert alone.need(worker.kv, 115) == 2 * 70  # 40 + 70 fit the budget: padded to the longer
+    assert alone.need(worker.kv, 10_000) == 3 * 90 + 200 and alone.need(worker.kv, 100) == 40 + 40  # a piece of one
+    assert alone.need(worker.kv, 115) == 2 * 70 + 110  # 40 + 70 fit the budget: padded to the longer
     after = IngestTask(P.PrecomputeJob(chunks=chunks[:2], job_id=61, contexts=[[], chunks[0]]))
-    assert after.need(worker.kv, 10_000) == max(40, 40 + 70)
+    assert after.need(worker.kv, 10_000) == max(40, 40 + 70) + 110
     drive(worker, P.PrecomputeJob(chunks=chunks, job_id=62))
     stored = IngestTask(P.PrecomputeJob(chunks=chunks, job_id=63))
     assert stored.need(worker.kv, 10_000) == 0 and isinstance(stored.run_piece(worker.kv, 10_000), P.Done)
@@ -189,7 +190,8 @@ def test_a_query_arriving_mid_piece_waits_for_one_slice_of_layers(worker, essays
         ran.clear()  # the warm-up job's layers
         worker.receive(P.PrecomputeJob(chunks=chunks, job_id=71))
         worker.step()
-        assert len(ran) == slice_ and worker.core.memory.extent_tokens == 2 * 96  # in flight, its cache held
+        # in flight, its cache held: the padded forward beside the two chunks computed (ChunkCache.compute_peak)
+        assert len(ran) == slice_ and worker.core.memory.extent_tokens == 2 * 96 + 96 + 90
         job = query(warm, [0], max_tokens=3)
         job.chunks = [P.ChunkRef(worker.kv.key_of(warm[0]), warm[0], 1.0)]
         job.job_id = 72
