@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from kvfuse.config import Settings
@@ -239,31 +240,36 @@ class ChunkCache:
         this query's)."""
         wanted = [_wanted(c) for c in chunks]
         before = dict(self.store.chunks.hits)
-        with self.store.pinned([w[0] for w in wanted]):  # planned reads are not evicted under the plan
-            choices = self.plan(wanted)
-            slow = [i for i, c in enumerate(choices) if c.reason == policy.SLOWER]
-            read = [i for i in range(len(wanted)) if i not in set(slow)]
-            reads = self.store.load_chunks([wanted[i][0] for i in read])
-        self.last_reads = {tier: n - before.get(tier, 0) for tier, n in self.store.chunks.hits.items()}
-        out: list[Any] = [None] * len(wanted)
-        cold = []
-        for i, got in zip(read, reads, strict=True):
-            ckv = self._decoded(*wanted[i][:2], got)
-            if ckv is None:
-                cold.append(i)
-                choices[i] = policy.Choice(policy.RECOMPUTE, policy.MISS if wanted[i][2] is None else FIRST_USE)
-            else:
-                out[i] = (ckv, False)
-        t0 = time.perf_counter()
-        todo = slow + cold
-        if todo:
-            ids, contexts = [wanted[i][1] for i in todo], [wanted[i][2] or [] for i in todo]
-            blobs = {}  # each computed chunk at rest (`_at_rest` reads it back from its blob) frees its device copy
-            with transient(self._ledger, self.compute_peak(ids, contexts), f"computing {len(todo)} chunks"):
+        with ExitStack() as room:
+            with self.store.pinned([w[0] for w in wanted]):  # planned reads are not evicted under the plan
+                choices = self.plan(wanted)
+                slow = [i for i, c in enumerate(choices) if c.reason == policy.SLOWER]
+                # the room for what is computed whatever the reads find, before any read: a load that must
+                # wait for it (NeedsRoom) has read nothing it would read again
+                known = self._room(room, wanted, slow + [i for i, c in enumerate(choices) if c.reason == policy.MISS])
+                read = [i for i in range(len(wanted)) if i not in set(slow)]
+                reads = self.store.load_chunks([wanted[i][0] for i in read])
+            self.last_reads = {tier: n - before.get(tier, 0) for tier, n in self.store.chunks.hits.items()}
+            out: list[Any] = [None] * len(wanted)
+            cold = []
+            for i, got in zip(read, reads, strict=True):
+                ckv = self._decoded(*wanted[i][:2], got)
+                if ckv is None:
+                    cold.append(i)
+                    choices[i] = policy.Choice(policy.RECOMPUTE, policy.MISS if wanted[i][2] is None else FIRST_USE)
+                else:
+                    out[i] = (ckv, False)
+            t0 = time.perf_counter()
+            todo = slow + cold
+            if todo:
+                self._room(room, wanted, todo, beyond=known)  # what a damaged or foreign blob adds
+                ids, contexts = [wanted[i][1] for i in todo], [wanted[i][2] or [] for i in todo]
+                blobs = {}  # each computed chunk at rest (`_at_rest` reads it back from its blob) frees its device copy
                 for i, ckv in zip(todo, self.compute(ids, contexts), strict=True):
                     blobs[i], stored = self._at_rest(wanted[i][1], wanted[i][2] or [], ckv)
                     out[i] = (stored, True)
-            self.rebuilt += len(todo)
+                self.rebuilt += len(todo)
+        if todo:
             self._keep([(wanted[i][0], wanted[i][1], wanted[i][2], blobs[i]) for i in cold])
         self.last_computed = {"chunks_computed": len(todo), "chunks_read": len(wanted) - len(todo),
                               "computed_tokens": sum(len(wanted[i][1]) for i in todo),
@@ -273,6 +279,15 @@ class ChunkCache:
             self.last_reads["device_bytes"] = self.store.device_tier.stats()["device_bytes"]
         self.last_reads |= self.store.tier_levels()
         return out
+
+    def _room(self, stack: ExitStack, wanted: list[tuple[str, list[int], list[int] | None]], computed: list[int],
+              beyond: int = 0) -> int:
+        """Hold in the ledger, until `stack` closes, the KV tokens computing the chunks `computed` takes
+        (`compute_peak`) beyond the `beyond` already held (`ledger.transient`: NeedsRoom without it);
+        returns their peak."""
+        peak = self.compute_peak([wanted[i][1] for i in computed], [wanted[i][2] or [] for i in computed])
+        stack.enter_context(transient(self._ledger, peak - beyond, f"computing {len(computed)} chunks"))
+        return peak
 
     def _decoded(self, key: str, token_ids: list[int], hit: ChunkEntry | CorruptBlobError | None) -> Any:
         """A read's ChunkKV; None where it must be computed instead: a miss, a damaged blob, another model's

@@ -190,3 +190,38 @@ def test_a_system_prompt_whose_forward_does_not_fit_beside_what_runs_waits_and_s
         assert held == -(-w.kv.prefixes.get(prefix_ids).k.nbytes * 2 // w.core.memory.token_bytes) == n  # kept
     finally:
         w.store.close()
+
+
+def test_a_load_that_waits_for_its_room_reads_nothing_before_it_waits(tmp_path_factory, essays, default_llm_path) -> None:
+    """The room for the chunks a load computes whatever its reads find (those in no tier) is held before
+    any read (ChunkCache.load_all): a query that must wait for it reads its stored chunks once, after."""
+    chunks = essay_chunks(essays, default_llm_path, 6)
+    a, b = _jobs(chunks, "anchor")
+    w = _worker(tmp_path_factory, 3000)
+    try:
+        assert w.receive(P.PrecomputeJob(chunks=chunks[2:4], job_id=7))
+        _run(w)
+        # B: two stored chunks (read) and two in no tier (computed in its load)
+        b.chunks = [P.ChunkRef(w.kv.key_of(c), c, 1.0) for c in chunks[2:4]] + b.chunks[2:]
+        assert w.receive(a) and w.receive(b)
+        ext = {r.job_id: r.kv_tokens for r in w.core.scheduler.waiting}
+    finally:
+        w.store.close()
+    load = 2 * max(map(len, chunks[4:6])) + sum(map(len, chunks[4:6]))  # a padded batch of two, and both computed
+    w = _worker(tmp_path_factory, ext[1] + ext[2] + load - 16)
+    try:
+        assert w.receive(P.PrecomputeJob(chunks=chunks[2:4], job_id=7))
+        _run(w)
+        assert w.receive(a)
+        while not any(isinstance(m, P.Delta) and m.job_id == 1 for m in w.sent):  # A decodes
+            w.step()
+        served = dict(w.store.chunks.hits)  # reads per tier ("miss": found in none)
+        assert w.receive(b)
+        out = _run(w)
+        assert [m.job_id for m in out if isinstance(m, P.Result)][-2:] == [1, 2]  # B waited for A's room
+        got = next(m for m in out if isinstance(m, P.Result) and m.job_id == 2)
+        assert got.usage["chunks_computed"] == 2 and got.usage["chunks_read"] == 2
+        reads = {tier: n - served.get(tier, 0) for tier, n in w.store.chunks.hits.items()}
+        assert reads["lmdb"] + reads["hot"] == 2 and reads["miss"] == 2, reads  # each of B's chunks looked up once
+    finally:
+        w.store.close()
