@@ -25,8 +25,9 @@ before the prefill runs, not with its first token (docs/DESIGN.md, "Decoding: th
 
 A KV load whose transient KV (cold chunks computed at first use; a chunk samkv's prefill finds gone)
 finds no room sends its request back to wait for it (ledger.NeedsRoom, Scheduler.requeue). Failures stay
-with their sequence: a prefill or KV load that raises fails that request; a batched decode step that raises is retried sequence by sequence, so only the rows that fail alone fail, and a row whose
-logits are not finite (its prefill's or a decode step's) fails without its neighbours' tokens changing
+with their sequence: a prefill or KV load that raises fails that request; a batched decode step that
+raises is retried sequence by sequence, so only the rows that fail alone fail, and a row whose logits
+are not finite (its prefill's or a decode step's) fails without its neighbours' tokens changing
 (docs/DESIGN.md, "Decoding").
 
 A request for n choices is fused once: its n - 1 other rows are reserved at admission (scheduler.py) and
