@@ -136,7 +136,7 @@ class ChunkCache:
         """The most KV tokens `compute` holds on the model's device: its largest forward's cache (the chunks
         alone in padded batches, or one context run) beside every chunk computed before it is at rest."""
         alone = [len(c) for c, ctx in zip(chunks, contexts, strict=True) if not ctx]
-        forwards = [_forward_peak(alone, [0] * len(alone), self.engine.precompute_batch_tokens)]
+        forwards = [_batch_peak(alone, self.engine.precompute_batch_tokens)]
         forwards += [len(contexts[run[0]]) + sum(len(chunks[i]) for i in run) for run in self._runs(chunks, contexts)]
         return max(forwards) + sum(map(len, chunks))
 
@@ -365,15 +365,10 @@ class ChunkCache:
         self.prefixes.hold_in(ledger)
 
 
-def _forward_peak(chunks: list[int], contexts: list[int], batch_tokens: int) -> int:
-    """The most KV tokens one forward of `ChunkCache.compute` holds (the model's own cache, FusionEngine.
-    precompute / precompute_run) over chunks of these lengths after contexts of these lengths (0: alone):
-    a batch of chunks alone is padded to its longest, at most `batch_tokens` unless one chunk is longer;
-    chunks after a context hold their context too, a run of them at most the sum of their costs."""
-    alone = [n for n, c in zip(chunks, contexts, strict=True) if not c]
-    after = sum(n + c for n, c in zip(chunks, contexts, strict=True) if c)
-    batch = min(len(alone) * max(alone), max(batch_tokens, max(alone))) if alone else 0
-    return max(batch, after)
+def _batch_peak(lengths: list[int], batch_tokens: int) -> int:
+    """The most KV tokens one batched forward of chunks alone holds (the model's own cache, FusionEngine.
+    precompute): a batch is padded to its longest chunk, at most `batch_tokens` unless one chunk is longer."""
+    return min(len(lengths) * max(lengths), max(batch_tokens, max(lengths))) if lengths else 0
 
 
 def _wanted(chunk: Wanted) -> tuple[str, list[int], list[int] | None]:

@@ -261,7 +261,7 @@ class IngestTask:
         piece's chunks computed. The engine core reserves it."""
         self._plan(kv)
         piece = self._piece(budget_tokens)
-        return kv.compute_peak([self.job.chunks[i] for i in piece], [self.job.context(i) for i in piece]) if piece else 0
+        return kv.compute_peak([self.job.chunks[i] for i in piece], [self.job.context(i) for i in piece])
 
     def run_piece(self, kv: ChunkCache, budget_tokens: int) -> P.Done | InFlight | None:
         """Run one slice of the piece in flight, or start the next; IN_FLIGHT while it is paused between
