@@ -18,15 +18,15 @@ from kvfuse.bench import tasks
 
 pytestmark = pytest.mark.slow
 
-N_DOCS = 10  # two questions each: 20 queries
+N_DOCS = 5  # two questions each: 10 queries
 MAX_TOKENS = 12
 BASE_ENV = {"KVFUSE_SERVER__API_KEYS": API_KEY, "KVFUSE_GENERATION__MAX_TOKENS": str(MAX_TOKENS),
             "KVFUSE_MODEL__THREADS": "1", "KVFUSE_FIDELITY__SHADOW_RATE": "1.0"}
 
 
 def corpus() -> tuple[list[dict], list[tuple[str, list[str]]]]:
-    """N_DOCS short documents of four keyed numbers each (the fidelity benchmark's multikey facts) and 20
-    questions, each over its document and the next one."""
+    """N_DOCS short documents of four keyed numbers each (the fidelity benchmark's multikey facts) and two
+    questions on each, asked over its document and the next one."""
     docs, questions = [], []
     for i in range(N_DOCS):
         f = tasks.FACTS["multikey"](random.Random(f"contract/{i}"))

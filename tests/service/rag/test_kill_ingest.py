@@ -5,7 +5,7 @@ its latest acknowledged version (or a later one whose 202 the kill swallowed), e
 ended `ready`, every ready document answers, and `kvfuse store check` finds no orphan, missing or
 corrupt blob before any repair.
 
-KVFUSE_TEST_KILL_ROUNDS sets the number of kills (default 5), KVFUSE_TEST_KILL_SEED the random seed, and
+KVFUSE_TEST_KILL_ROUNDS sets the number of kills (default 3), KVFUSE_TEST_KILL_SEED the random seed, and
 KVFUSE_TEST_KILL_REPORT a file to write the kill points to (JSON)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from service_helpers import Ledger, ServerProcess, make_client, store_check, ver
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = int(os.environ.get("KVFUSE_TEST_KILL_ROUNDS", "5"))
+ROUNDS = int(os.environ.get("KVFUSE_TEST_KILL_ROUNDS", "3"))
 SEED = int(os.environ.get("KVFUSE_TEST_KILL_SEED", "18"))
 DOCS = 4
 # The kill comes within about the time one batch's ingestion takes: a later one finds nothing in flight
