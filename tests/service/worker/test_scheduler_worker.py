@@ -184,8 +184,8 @@ def test_cancelled_request_is_gone_within_a_step_and_the_others_are_unchanged(ha
 
 def test_small_kv_budget_makes_the_fourth_wait_then_complete_and_a_full_queue_refuses(harness: Harness,
                                                                                        chunks) -> None:
-    # Each holds prompt (~240) + 500 tokens: three fit the budget of 2400, the fourth waits for one to end.
-    jobs = [query(chunks, [i, i + 1, i + 2], max_tokens=500, method="pie") for i in (0, 3, 6, 9)]
+    # Each holds prompt (~240) + 420 tokens: three fit the budget of 2400, the fourth waits for one to end.
+    jobs = [query(chunks, [i, i + 1, i + 2], max_tokens=420, method="pie") for i in (0, 3, 6, 9)]
 
     async def go():
         handles = [harness.sup.submit(j) for j in jobs]
