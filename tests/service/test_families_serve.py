@@ -1,4 +1,4 @@
-"""`kvfuse serve` with a tiny saved model of six of the supported families (tests/tiny_models.py: random weights,
+"""`kvfuse serve` with a tiny saved model of each supported family (tests/tiny_models.py: random weights,
 the default model's tokenizer): the worker's load check passes, a document is ingested, and a query is
 fused with the default method and streamed over REST. Gemma 3's prompt is longer than its sliding
 window. A model whose config asks for what the engine does not compute (Gemma 3 with
@@ -26,13 +26,7 @@ def _env(path) -> dict[str, str]:
             "KVFUSE_MODEL_CACHE_DIR": str(path.parent / "models")}
 
 
-# Served over HTTP: the families whose configs differ in what a saved model must carry (a rope scaling,
-# windows per layer, experts, soft-caps, per-layer ropes, a fused projection). Every family, these too,
-# is checked and fused in process by tests/fusion/test_families.py; each served one costs a server start.
-SERVED = ["llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3"]
-
-
-@pytest.mark.parametrize("family", SERVED)
+@pytest.mark.parametrize("family", list(tiny_models.FAMILIES))
 def test_each_family_is_checked_ingests_fuses_and_streams(family: str, tmp_path, default_llm_path) -> None:
     path = tiny_models.save(family, tmp_path / "model", default_llm_path)
     with serving(tmp_path, _env(path), {"note": NOTE}) as h, make_client(h.server) as client:
